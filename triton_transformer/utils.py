@@ -1,0 +1,85 @@
+"""Small helpers shared by every op: defaults, launch heuristics and input validation."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# dtypes the Triton kernels accept; they compute in float32 whatever the storage type.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def exists(val: Any) -> bool:
+    return val is not None
+
+
+def default(val: T | None, d: T) -> T:
+    return val if val is not None else d
+
+
+def calc_num_warps(block_size: int) -> int:
+    """Warps for a row kernel whose block holds `block_size` elements.
+
+    4 warps below 2048 elements, 8 from 2048, 16 from 4096 (lucidrains' heuristic).
+    """
+    num_warps = 4
+    if block_size >= 2048:
+        num_warps = 8
+    if block_size >= 4096:
+        num_warps = 16
+    return num_warps
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1).
+
+    Triton reads the variable when a kernel is decorated, so it must be set before
+    `triton_transformer` is imported.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
+
+
+@functools.lru_cache(maxsize=None)
+def row_block_size(n_cols: int, max_block: int) -> int:
+    """Power-of-two block for rows of `n_cols` elements, capped at `max_block`.
+
+    Rows longer than the cap are processed in a loop over blocks.
+    """
+    return min(max_block, max(16, 1 << (max(n_cols, 1) - 1).bit_length()))
+
+
+def check_triton_tensor(x: Any, name: str) -> None:
+    """Raise a clear error if `x` cannot be handed to a Triton kernel.
+
+    Checks the type, the dtype (float32/float16/bfloat16) and the device (CUDA, or any
+    device when Triton's CPU interpreter is on).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in TRITON_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; the Triton kernels take float32, float16 or "
+            "bfloat16. Cast it, or pass use_triton=False for the PyTorch reference."
+        )
+    if x.device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(
+            f"{name} is on device '{x.device}', but Triton kernels need a CUDA tensor. "
+            "To run them on the CPU, set TRITON_INTERPRET=1 in the environment before "
+            "importing triton_transformer (slow), or pass use_triton=False."
+        )
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View `x` of shape (..., N) as a 2-D (rows, N) tensor whose last dim is unit-stride.
+
+    Copies only when no such view exists (e.g. a transposed input).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
