@@ -1,11 +1,12 @@
 """triton-transformer: a small GPT-style transformer whose hot ops are Triton kernels.
 
 Every op takes `use_triton`: True runs the hand-written Triton kernel, False the plain
-PyTorch reference that defines its semantics.
+PyTorch reference that defines its semantics. Ops live one per module and are imported
+from there (`from triton_transformer.softmax import softmax`), so module names are never
+shadowed by the functions they hold.
 """
 
-from triton_transformer.layernorm import LayerNorm, layernorm
-from triton_transformer.softmax import softmax
+from triton_transformer.layernorm import LayerNorm
 
-__all__ = ["LayerNorm", "layernorm", "softmax"]
+__all__ = ["LayerNorm"]
 __version__ = "0.1.0"
