@@ -1,0 +1,237 @@
+"""Softmax over the last dimension, optionally causal, with Triton forward and backward kernels.
+
+Semantics (the PyTorch branch defines them, the Triton branch matches):
+
+- `causal=True` treats x as attention scores (..., n_q, n_k): query i sees keys
+  j <= i + (n_k - n_q), bottom-right aligned as in flash-attention, so a KV-cache step
+  (n_q < n_k) works. Masked entries of the output are exactly 0.
+- A row that sees no key (causal with n_q > n_k: the first n_q - n_k rows), or whose
+  entries are all -inf, outputs zeros and gets a zero gradient, in both branches.
+- -inf entries get probability 0; NaN or +inf entries make their row NaN (as torch.softmax).
+
+The kernels mask causally from the row's query index (row % n_q): no mask tensor exists.
+Rows that fit one block are done in a single pass, several rows per program; longer rows use
+an online max/sum over blocks. The backward reads only the saved output:
+dx = y * (dy - sum(dy * y)).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_transformer.utils import as_rows, calc_num_warps, check_triton_tensor, row_block_size
+
+# Longest row held in registers in one pass; longer rows loop over blocks of this size.
+# Module-level so tests can shrink it to exercise the looped path on small inputs.
+MAX_BLOCK_N = 16384
+# Short rows are packed several per program so a tile holds about this many elements:
+# fewer, fatter programs (fewer launches of tiny programs on GPU, far faster in the interpreter).
+ROW_TILE = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_setup(n_rows, N, n_q, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's rows as a (BLOCK_M, 1) int64 column, and how many leading keys each row
+    sees, (BLOCK_M, 1): 0 for rows past the end and for causal rows that see nothing."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # causal: query q = row % n_q sees keys j < q + diag, diag = n_k - n_q + 1 (may be <= 0).
+    n_valid = tl.minimum(rows % n_q + diag, N) if CAUSAL else tl.zeros_like(rows) + N
+    n_valid = tl.where(rows < n_rows, n_valid, 0)
+    # int64: row * stride can exceed int32 on large tensors.
+    return rows.to(tl.int64)[:, None], n_valid[:, None]
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    Y, X, stride_y, stride_x, n_rows, N, n_q, diag,
+    CAUSAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, n_valid = _row_setup(n_rows, N, n_q, diag, CAUSAL, BLOCK_M)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    x_row = X + rows * stride_x
+    y_row = Y + rows * stride_y
+    NEG_INF: tl.constexpr = -float("inf")
+
+    if SINGLE_PASS:
+        # Masked keys and padding load as -inf, so exp() makes them exactly 0.
+        x = tl.load(x_row + cols, mask=cols < n_valid, other=NEG_INF).to(tl.float32)
+        m = tl.max(x, axis=1, keep_dims=True)
+        # An all -inf row shifts by 0, not -inf, so exp gives 0s instead of NaN (-inf - -inf).
+        m = tl.where(m == NEG_INF, 0.0, m)
+        e = tl.exp(x - m)
+        # s >= 1 when the row has a finite max (the max adds exp(0) = 1), so s == 0 only for an
+        # all -inf row, whose 0 / 0 becomes 0. (tl.maximum(s, 1.0) would also swallow NaN.)
+        s = tl.sum(e, axis=1, keep_dims=True)
+        y = e / tl.where(s == 0.0, 1.0, s)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=row_ok & (cols < N))
+    else:
+        # Pass 1: running max m and running sum s of exp(x - m), rescaled whenever m grows.
+        # Blocks past the last visible key are skipped.
+        m = tl.full([BLOCK_M, 1], NEG_INF, tl.float32)
+        s = tl.zeros([BLOCK_M, 1], tl.float32)
+        for start in range(0, tl.max(n_valid), BLOCK_N):
+            c = start + cols
+            x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=1, keep_dims=True))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=1, keep_dims=True)
+            m = m_new
+        m = tl.where(m == NEG_INF, 0.0, m)
+        s = tl.where(s == 0.0, 1.0, s)
+        # Pass 2: write every column, the zeros of masked keys included.
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
+            y = tl.exp(x - m) / s
+            tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=row_ok & (c < N))
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    DX, DY, Y, stride_dx, stride_dy, stride_y, n_rows, N, n_q, diag,
+    CAUSAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # dx = y * (dy - sum(dy * y)); y is 0 at masked keys, so dx is 0 there and they are not read.
+    rows, n_valid = _row_setup(n_rows, N, n_q, diag, CAUSAL, BLOCK_M)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    y_row = Y + rows * stride_y
+    dy_row = DY + rows * stride_dy
+    dx_row = DX + rows * stride_dx
+
+    if SINGLE_PASS:
+        y = tl.load(y_row + cols, mask=cols < n_valid, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=cols < n_valid, other=0.0).to(tl.float32)
+        dx = y * (dy - tl.sum(y * dy, axis=1, keep_dims=True))
+        tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=row_ok & (cols < N))
+    else:
+        dot = tl.zeros([BLOCK_M, 1], tl.float32)
+        for start in range(0, tl.max(n_valid), BLOCK_N):
+            c = start + cols
+            y = tl.load(y_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
+            dot += tl.sum(y * dy, axis=1, keep_dims=True)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            y = tl.load(y_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
+            dx = y * (dy - dot)
+            tl.store(dx_row + c, dx.to(DX.dtype.element_ty), mask=row_ok & (c < N))
+
+
+# --------------------------------------------------------------------------------------------
+# Launch wrappers
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _launch_params(n_q: int, n_cols: int, causal: bool, max_block: int) -> tuple:
+    """Shape-derived kernel arguments: (n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps).
+
+    Causal query q sees keys j < q + diag, with diag = n_k - n_q + 1. Rows that fit one block
+    are packed BLOCK_M to a program; longer rows get a program each and loop over blocks.
+    """
+    block_n = row_block_size(n_cols, max_block)
+    single_pass = n_cols <= block_n
+    block_m = max(1, ROW_TILE // block_n) if single_pass else 1
+    diag = n_cols - n_q + 1 if causal else 0
+    return n_q, diag, block_m, block_n, single_pass, calc_num_warps(block_m * block_n)
+
+
+def _shape_params(shape: torch.Size, causal: bool) -> tuple:
+    return _launch_params(shape[-2] if causal else 1, shape[-1], causal, MAX_BLOCK_N)
+
+
+class _SoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        ctx.causal = causal
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if x.numel() > 0:
+            x_rows = as_rows(x)
+            n_rows, n_cols = x_rows.shape
+            n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(x.shape, causal)
+            _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+                y, x_rows, n_cols, x_rows.stride(0), n_rows, n_cols, n_q, diag,
+                CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps,
+            )  # fmt: skip
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (y,) = ctx.saved_tensors
+        dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        if y.numel() > 0:
+            dy_rows = as_rows(dy)
+            n_rows, n_cols = dy_rows.shape
+            n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(y.shape, ctx.causal)
+            _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
+                dx, dy_rows, y, n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
+                CAUSAL=ctx.causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps,
+            )  # fmt: skip
+        return dx, None
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference and public function
+# --------------------------------------------------------------------------------------------
+
+
+def _softmax_torch(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.clone()  # empty, yet still part of the autograd graph
+    if causal:
+        n_q, n_k = x.shape[-2:]
+        masked = torch.ones(n_q, n_k, dtype=torch.bool, device=x.device).triu(n_k - n_q + 1)
+        x = x.masked_fill(masked, float("-inf"))
+    # fp32 math for fp16/bf16, as the kernels do.
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    # Shifting by the max is exact for softmax, so it needs no gradient. An all -inf row (or
+    # a causal row that sees no key) shifts by 0 so it gives exp() = 0s rather than NaN.
+    m = xf.detach().amax(dim=-1, keepdim=True)
+    m = m.nan_to_num(nan=0.0, posinf=float("inf"), neginf=0.0)
+    e = torch.exp(xf - m)
+    # The sum is >= 1 unless the row is all -inf (its max adds exp(0) = 1), so clamping at 1
+    # only turns that row's 0 / 0 into zeros.
+    y = e / e.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    return y.to(x.dtype)
+
+
+def softmax(x: torch.Tensor, causal: bool = False, use_triton: bool = False) -> torch.Tensor:
+    """Softmax of `x` over its last dimension.
+
+    Args:
+        x: (..., N) tensor, at least 1-D. With `causal=True`, attention scores (..., n_q, n_k).
+        causal: mask keys j > i + (n_k - n_q) for query i (bottom-right aligned). Masked
+            entries are 0; rows that see no key (n_q > n_k) are all 0.
+        use_triton: run the Triton kernels (float32/float16/bfloat16 CUDA tensors, or any
+            device under TRITON_INTERPRET=1) instead of the PyTorch reference.
+
+    Returns:
+        (..., N) tensor of x's dtype; each row sums to 1 (0 for a row with nothing visible).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (softmax runs over the last one)")
+    if causal and x.dim() < 2:
+        raise ValueError(
+            f"causal softmax needs scores of shape (..., n_q, n_k); x has shape {tuple(x.shape)}"
+        )
+    if not use_triton:
+        return _softmax_torch(x, causal)
+    check_triton_tensor(x, "x")
+    return _SoftmaxFn.apply(x, bool(causal))
