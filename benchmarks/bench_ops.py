@@ -73,7 +73,7 @@ def make_case(op: str, M: int, N: int, dtype: torch.dtype):
 
 
 def bench_case(op, M, N, dtype, compile_: bool, copy_gbs: float) -> list[dict]:
-    x, dy, params, ours, ref, n_bytes = make_case(op, M, N, dtype)
+    _, dy, params, ours, ref, n_bytes = make_case(op, M, N, dtype)
     providers = {"triton": ours, "torch": ref}
     if compile_:
         providers["compile"] = torch.compile(ref)
@@ -82,15 +82,12 @@ def bench_case(op, M, N, dtype, compile_: bool, copy_gbs: float) -> list[dict]:
     rows = []
     for name, fwd in providers.items():
         for mode in ("fwd", "fwd+bwd"):
-            if mode == "fwd":
-                fn = lambda fwd=fwd: fwd()
-            else:
-                fn = lambda fwd=fwd: fwd().backward(dy)
+            run = (lambda f=fwd: f()) if mode == "fwd" else (lambda f=fwd: f().backward(dy))
             with torch.no_grad() if mode == "fwd" else torch.enable_grad():
                 ms = triton.testing.do_bench(
-                    fn, warmup=25, rep=100, grad_to_none=params, return_mode="median"
+                    run, warmup=25, rep=100, grad_to_none=params, return_mode="median"
                 )
-                host = wall_us(fn)
+                host = wall_us(run)
             gbs = n_bytes[mode] / (ms * 1e-3) / 1e9
             rows.append(
                 dict(
