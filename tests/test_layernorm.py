@@ -1,0 +1,295 @@
+"""LayerNorm: Triton kernels (forward, dx, dweight, dbias) vs a float64 run of the PyTorch branch.
+
+CPU runs use Triton's interpreter with small shapes. The looped path (rows longer than one
+block) is reached by monkeypatching `layernorm.MAX_BLOCK_N` down to 32, and once with the real
+constant by taking N = MAX_BLOCK_N + 37.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from triton_transformer.layernorm import STABLE_CLAMP, LayerNorm, layernorm
+
+# The package re-exports the function `layernorm`, which shadows the submodule attribute.
+ln_mod = importlib.import_module("triton_transformer.layernorm")
+
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+def _inputs(shape, dtype=torch.float32, device="cpu", bias=True, param_dtype=None):
+    """Non-centred, never-zero x; random weight/bias (not the ones/zeros init)."""
+    N = shape[-1]
+    param_dtype = param_dtype or dtype
+    x = (-2.3 + 0.5 * torch.randn(shape, device=device)).to(dtype)
+    w = (1.0 + 0.5 * torch.randn(N, device=device)).to(param_dtype)
+    b = (0.3 * torch.randn(N, device=device)).to(param_dtype) if bias else None
+    return x, w, b
+
+
+def _fwd_bwd(x, w, b, dy, eps=1e-5, stable=False, use_triton=True, dtype=None):
+    """Output and grads (dx, dw[, db]); `dtype` upcasts the inputs first (the reference)."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (x, w)]
+    if b is not None:
+        leaves.append(b.detach().to(dtype or b.dtype).requires_grad_())
+    y = layernorm(*leaves[:2], leaves[2] if b is not None else None, eps, stable, use_triton)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    return (y, *grads)
+
+
+def _assert_close(actual, expected, tol, name=""):
+    """Row-wise (last dim) relative error <= tol, floored for near-zero rows; NaN/inf fail.
+
+    Row-wise, so rows of very different scale (e.g. below-clamp rows with huge gradients)
+    cannot hide an error in another row.
+    """
+    assert actual.shape == expected.shape, name
+    a = actual.double()
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    if a.numel() == 0:
+        return
+    n = a.shape[-1]
+    err = (a - expected).reshape(-1, n).norm(dim=-1)
+    bound = tol * expected.reshape(-1, n).norm(dim=-1) + 1e-3 * tol * math.sqrt(n)
+    bad = (err > bound).nonzero().flatten().tolist()
+    assert not bad, f"{name}: rows {bad[:5]}: |diff| {err[bad[:5]]} > {bound[bad[:5]]}"
+
+
+def _check(x, w, b, eps=1e-5, stable=False, tol=1e-5, dy=None):
+    """Triton fwd + bwd vs the float64 reference on the same (already rounded) inputs."""
+    # dy in x's dtype, so both runs see the same (rounded) values.
+    dy = (torch.randn(x.shape, device=x.device) if dy is None else dy).to(x.dtype)
+    out = _fwd_bwd(x, w, b, dy, eps, stable)
+    ref = _fwd_bwd(x, w, b, dy.double(), eps, stable, use_triton=False, dtype=torch.float64)
+    names, like = ["y", "dx", "dweight", "dbias"][: len(out)], (x, x, w, b)[: len(out)]
+    for name, o, r, t in zip(names, out, ref, like, strict=True):
+        assert o.dtype == t.dtype, f"{name} dtype {o.dtype}, expected {t.dtype}"
+        _assert_close(o, r, tol, name)
+    return out, ref
+
+
+@pytest.mark.parametrize("N", [1, 37, 100, 256])
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp64(N, stable, bias, device):
+    # 70 rows: several forward programs and backward groups, the last ones partial.
+    x, w, b = _inputs((70, N), device=device, bias=bias)
+    _check(x, w, b, stable=stable)
+
+
+@pytest.mark.parametrize("N", [33, 64, 100])
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_looped_long_rows(N, stable, bias, device, monkeypatch):
+    monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    # 10 rows: 5 backward groups of 2 rows, so the partial sums accumulate across rows.
+    x, w, b = _inputs((10, N), device=device, bias=bias)
+    _check(x, w, b, stable=stable)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_looped_with_real_max_block(stable, device):
+    x, w, b = _inputs((3, ln_mod.MAX_BLOCK_N + 37), device=device)
+    _check(x, w, b, stable=stable)
+
+
+@pytest.mark.parametrize("shape", [(37,), (2, 5, 37), (2, 3, 4, 37)])
+def test_ranks(shape, device):
+    x, w, b = _inputs(shape, device=device)
+    _check(x, w, b)
+    _check(x, w, b, stable=True)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_non_contiguous(looped, device, monkeypatch):
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    # Transposed (last dim strided: copied by as_rows) ...
+    x, w, b = _inputs((9, 100), device=device)
+    x = x.t().contiguous().t()  # same values, strides (1, 9)
+    dy = torch.randn(100, 9, device=device).t()
+    _check(x, w, b, dy=dy)
+    # ... and a column slice (row stride 120 != N: passed to the kernels, no copy).
+    wide, w, b = _inputs((9, 120), device=device)
+    _check(wide[:, 10:110], w[10:110], b[10:110], stable=True)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("looped", [False, True])
+def test_low_precision(dtype, stable, looped, device, monkeypatch):
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    x, w, b = _inputs((24, 100), dtype=dtype, device=device)
+    _check(x, w, b, stable=stable, tol=1e-2)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_fp32_params_with_bf16_input(stable, device):
+    # As under autocast: bf16 activations, fp32 params. Output bf16, grads in param dtypes.
+    x, w, b = _inputs((16, 100), dtype=torch.bfloat16, device=device, param_dtype=torch.float32)
+    _check(x, w, b, stable=stable, tol=1e-2)
+    # Under autocast both branches keep the input dtype (torch's layer_norm would give fp32).
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y_triton = layernorm(x, w, b, stable=stable, use_triton=True)
+        y_torch = layernorm(x, w, b, stable=stable)
+    assert y_triton.dtype == y_torch.dtype == torch.bfloat16
+    _assert_close(y_triton, y_torch.double(), 1e-2, "autocast")
+
+
+def test_stable_all_negative_rows(device):
+    # Dividing by the plain max (negative here) would flip the sign of every row.
+    N = 50
+    x = -(1.0 + torch.rand(8, N, device=device))
+    w = 1.0 + 0.5 * torch.randn(N, device=device)
+    b = 0.3 * torch.randn(N, device=device)
+    out, _ = _check(x, w, b, stable=True)
+    # Scaling only rescales the variance against eps: stable ~ plain, same signs.
+    plain = layernorm(x, w, b, use_triton=True)
+    _assert_close(out[0], plain.double(), 1e-3, "stable vs plain")
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_stable_zero_rows(looped, device, monkeypatch):
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    x, w, b = _inputs((6, 100), device=device)
+    x[1] = 0.0
+    x[4] = 0.0
+    out, _ = _check(x, w, b, stable=True)
+    torch.testing.assert_close(out[0][1], b, rtol=0, atol=1e-6)  # zero row -> y = bias
+
+
+def _tied_rows(device, eps_dtype=torch.float32):
+    """Rows whose max |x| is attained several times, with both signs, and a below-clamp row."""
+    x = torch.rand(5, 40, device=device) * 2 - 1
+    x[0, [3, 17, 30]] = torch.tensor([2.0, -2.0, 2.0])  # three ties, mixed signs
+    x[1, [5, 6]] = -3.0  # two negative ties
+    x[2, 9] = 4.0  # a single maximum
+    x[3] = torch.rand(40, device=device) * STABLE_CLAMP / 2  # amax < clamp: no scale gradient
+    x[3, 7] = STABLE_CLAMP  # amax == clamp: torch's clamp passes the gradient at equality
+    return x
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_stable_scale_gradient_and_ties(looped, device, monkeypatch):
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 16)
+    x = _tied_rows(device)
+    x[4] = x[4] * 1e-6  # entirely below the clamp
+    w = 1.0 + 0.5 * torch.randn(40, device=device)
+    b = 0.3 * torch.randn(40, device=device)
+    dy = torch.randn(x.shape, device=device)
+    # A large eps makes the gradient through the scale (it enters only via eps) sizeable.
+    eps = 0.5
+    _, ref = _check(x, w, b, eps=eps, stable=True, dy=dy)
+
+    # The test can tell: dropping the scale's gradient (detaching it) changes dx noticeably.
+    xd = x.double().requires_grad_()
+    scale = xd.abs().amax(-1, keepdim=True).clamp(min=STABLE_CLAMP).detach()
+    y = torch.nn.functional.layer_norm(xd / scale, (40,), w.double(), b.double(), eps)
+    (dx_detached,) = torch.autograd.grad(y, xd, dy.double())
+    assert (dx_detached - ref[1]).norm() > 1e-3 * ref[1].norm()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the plain bf16 run, on purpose
+@pytest.mark.parametrize(("dtype", "magnitude"), [(torch.float16, 1e4), (torch.bfloat16, 1e25)])
+def test_stable_avoids_overflow(dtype, magnitude, device):
+    # fp16 x * 1e4: x**2 overflows fp16; bf16 x * 1e25: x**2 overflows even fp32 statistics.
+    x, w, b = _inputs((8, 100), device=device)
+    x = (x * magnitude).to(dtype)
+    w, b = w.to(dtype), b.to(dtype)
+    _check(x, w, b, stable=True, tol=2e-2)
+    # The PyTorch branch in the low-precision dtype stays finite and accurate too.
+    ref = _fwd_bwd(x, w, b, torch.ones_like(x), stable=True, use_triton=False, dtype=torch.float64)
+    _assert_close(layernorm(x, w, b, stable=True), ref[0], 2e-2, "torch branch")
+    if dtype == torch.bfloat16:  # motivation: without the rescale the fp32 variance is inf
+        plain = layernorm(x, w, b, use_triton=True).double()
+        assert not torch.allclose(plain, ref[0], rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_module_state_dict_interchange(bias, device):
+    dim = 37
+    theirs = torch.nn.LayerNorm(dim, bias=bias, device=device)
+    with torch.no_grad():
+        theirs.weight.normal_(1.0, 0.5)
+        if bias:
+            theirs.bias.normal_(0.0, 0.3)
+    ours = LayerNorm(dim, bias=bias, use_triton=True).to(device)
+    assert ours.bias is None if not bias else ours.bias.shape == (dim,)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    x = -2.3 + 0.5 * torch.randn(4, 6, dim, device=device)
+    expected = theirs(x)
+    torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours(x, use_triton=False), expected, rtol=1e-5, atol=1e-5)
+    # ... and back.
+    back = torch.nn.LayerNorm(dim, bias=bias, device=device)
+    back.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(back(x), expected)
+
+
+def test_validation_errors(device):
+    x, w, b = _inputs((4, 8), device=device)
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="weight"):
+            layernorm(x, w[:7], b, use_triton=use_triton)
+        with pytest.raises(ValueError, match="bias"):
+            layernorm(x, w, torch.zeros(4, 2, device=device), use_triton=use_triton)
+        with pytest.raises(ValueError, match="x"):
+            layernorm(torch.tensor(1.0), w[:1], use_triton=use_triton)
+    with pytest.raises(TypeError, match="x"):
+        layernorm(x.to(torch.int32), w, b, use_triton=True)
+    with pytest.raises(TypeError, match="weight"):
+        layernorm(x, w.double(), b, use_triton=True)
+    with pytest.raises(TypeError, match="bias"):
+        layernorm(x, w, b.double(), use_triton=True)
+    with pytest.raises(TypeError, match="x"):
+        layernorm([1.0, 2.0], w, use_triton=True)
+    with pytest.raises(TypeError, match="weight"):
+        layernorm(x, None, use_triton=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 37), (2, 0, 37), (5, 0)])
+@pytest.mark.parametrize("stable", [False, True])
+def test_zero_size(shape, stable, device):
+    x, w, b = _inputs(shape, device=device)
+    x.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    y = layernorm(x, w, b, stable=stable, use_triton=True)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+# ----------------------------------------------------------------------------- GPU, realistic
+
+
+GPU_NS = [512, 768, 1000, 4096, 16384, 65536 + 37]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", GPU_NS)
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_realistic(N, dtype, stable, device):
+    M = 4096 if N <= 16384 else 512
+    x, w, b = _inputs((M, N), dtype=dtype, device=device)
+    _check(x, w, b, stable=stable, tol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [768, 65536 + 37])
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_deterministic(N, stable, device):
+    x, w, b = _inputs((4096 if N < 16384 else 512, N), dtype=torch.bfloat16, device=device)
+    dy = torch.randn(x.shape, device=device)
+    first = _fwd_bwd(x, w, b, dy, stable=stable)
+    second = _fwd_bwd(x, w, b, dy, stable=stable)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
