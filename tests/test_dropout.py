@@ -1,0 +1,198 @@
+"""dropout: the seeded Triton kernel (and the F.dropout reference) by their defining properties.
+
+A dropout output is random, so instead of comparing with a fixed reference the tests check
+that every element is 0 or x / (1 - p) (against float64), that the kept fraction matches 1 - p
+within a 6-sigma binomial bound, that backward applies exactly the forward mask, and that the
+mask is reproducible under torch.manual_seed.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+
+from triton_transformer.dropout import BLOCK, _dropout_kernel, dropout
+
+# Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
+RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_x(shape, dtype=torch.float32, device="cpu"):
+    # Never zero (so a kept element is never 0) and not centred at zero.
+    x = (-2.3 + 0.5 * torch.randn(shape, device=device, dtype=torch.float64)).to(dtype)
+    assert (x != 0).all()
+    return x
+
+
+def check_is_dropout_of(out, x, p):
+    """Every element of `out` is 0 or x / (1 - p); returns the keep mask."""
+    assert out.shape == x.shape and out.dtype == x.dtype
+    kept = out != 0
+    expected = torch.where(kept, x.double() / (1 - p), 0.0)
+    torch.testing.assert_close(out.double(), expected, rtol=RTOL[x.dtype], atol=0)
+    return kept
+
+
+def check_backward_uses_mask(x, p, use_triton=True):
+    """Forward then backward with a random upstream gradient: dx = keep * dy / (1 - p)."""
+    x = x.detach().requires_grad_()  # keeps the strides (clone might not)
+    out = dropout(x, p, use_triton=use_triton)
+    kept = check_is_dropout_of(out.detach(), x.detach(), p)
+    dy = make_x(x.shape, x.dtype, x.device)
+    out.backward(dy)
+    expected = torch.where(kept, dy.double() / (1 - p), 0.0)
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+    torch.testing.assert_close(x.grad.double(), expected, rtol=RTOL[x.dtype], atol=0)
+    return kept
+
+
+def check_kept_fraction(kept, p):
+    # Binomial(n, 1 - p): a deviation over 6 sigma has probability ~2e-9.
+    n = kept.numel()
+    sigma = math.sqrt(p * (1 - p) / n)
+    frac = kept.double().mean().item()
+    assert abs(frac - (1 - p)) <= 6 * sigma, (frac, 1 - p, sigma)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_values_fraction_and_backward(p, use_triton, device):
+    # 2**17 elements: a 6-sigma band of about +-0.8% around 1 - p.
+    x = make_x((128, 1024), device=device)
+    kept = check_backward_uses_mask(x, p, use_triton)
+    check_kept_fraction(kept, p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1,), (3000,), (5, 7, 9), (2, 3, 4, 37)], ids=str)
+def test_shapes_and_dtypes(shape, dtype, device):
+    check_backward_uses_mask(make_x(shape, dtype, device), 0.5)
+
+
+def test_masks_differ_across_blocks(device):
+    # Each element has its own random number: no program block, and no quarter of one (each
+    # Philox call serves four elements), repeats another's mask.
+    out = dropout(make_x((4 * BLOCK,), device=device), 0.5, use_triton=True)
+    chunks = (out != 0).view(16, BLOCK // 4)
+    for i in range(16):
+        for j in range(i):
+            assert not torch.equal(chunks[i], chunks[j]), (i, j)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_input(dtype, device):
+    base = make_x((40, 30), dtype, device)
+    for x in (base.t(), base[:, ::3], base.t()[::2]):
+        assert not x.is_contiguous()
+        check_backward_uses_mask(x, 0.3)
+
+
+def test_reproducible_under_manual_seed(device):
+    x = make_x((64, 100), device=device)
+    torch.manual_seed(1234)
+    a = dropout(x, 0.5, use_triton=True)
+    b = dropout(x, 0.5, use_triton=True)  # the generator moved on: a new mask
+    torch.manual_seed(1234)
+    a2 = dropout(x, 0.5, use_triton=True)
+    torch.manual_seed(1235)
+    c = dropout(x, 0.5, use_triton=True)
+    assert torch.equal(a, a2)
+    assert not torch.equal(a != 0, b != 0)
+    assert not torch.equal(a != 0, c != 0)
+
+
+def test_backward_keeps_its_own_mask(device):
+    # The seed is stored per call: interleaved calls do not disturb each other's backward.
+    x1 = make_x((50, 60), device=device).requires_grad_()
+    x2 = make_x((50, 60), device=device).requires_grad_()
+    out1 = dropout(x1, 0.5, use_triton=True)
+    out2 = dropout(x2, 0.5, use_triton=True)
+    (out2.sum() + out1.sum()).backward()
+    for x, out in ((x1, out1), (x2, out2)):
+        torch.testing.assert_close(x.grad, torch.where(out != 0, 2.0, 0.0), rtol=0, atol=0)
+
+
+def test_int64_offsets_path(device):
+    # Tensors of >= 2**31 elements use 64-bit offsets; below 2**32 they give the same mask.
+    x = make_x((3 * BLOCK + 5,), device=device)
+    outs = []
+    for int64 in (False, True):
+        out = torch.empty_like(x)
+        grid = (triton.cdiv(x.numel(), BLOCK),)
+        _dropout_kernel[grid](x, out, x.numel(), 0.5, 2.0, 987, BLOCK=BLOCK, INT64=int64)
+        check_is_dropout_of(out, x, 0.5)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_identity_when_off(use_triton, device):
+    x = make_x((4, 5), device=device)
+    assert dropout(x, 0.0, use_triton=use_triton) is x
+    assert dropout(x, 0, use_triton=use_triton) is x
+    assert dropout(x, 0.5, training=False, use_triton=use_triton) is x
+    assert dropout(x, use_triton=use_triton) is x  # default p = 0
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_p_one_gives_zeros(use_triton, device):
+    x = make_x((4, 5), device=device).requires_grad_()
+    out = dropout(x, 1.0, use_triton=use_triton)
+    assert out.shape == x.shape and (out == 0).all()
+    out.sum().backward()
+    assert (x.grad == 0).all()
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_empty(use_triton, device):
+    x = make_x((0, 5), device=device).requires_grad_()
+    out = dropout(x, 0.5, use_triton=use_triton)
+    assert out.shape == (0, 5)
+    out.sum().backward()
+    assert x.grad.shape == (0, 5)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_bad_arguments(use_triton, device):
+    x = make_x((4, 5), device=device)
+    for p in (-0.1, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="p must be in"):
+            dropout(x, p, use_triton=use_triton)
+    for p in ("0.5", None, True, torch.tensor(0.5)):
+        with pytest.raises(TypeError, match="p must be a real number"):
+            dropout(x, p, use_triton=use_triton)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        dropout(x.tolist(), 0.5, use_triton=use_triton)
+
+
+def test_triton_rejects_bad_dtypes(device):
+    for x in (make_x((4, 5), torch.float64, device), torch.ones(4, 5, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="dtype"):
+            dropout(x.to(device), 0.5, use_triton=True)
+
+
+# ---- large tensors on a GPU ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_gpu_large(p, dtype, device):
+    x = make_x((8, 1024, 2048), dtype, device)  # 2**24 elements: 6 sigma = +-0.15%
+    kept = check_backward_uses_mask(x, p)
+    check_kept_fraction(kept, p)
+
+
+@pytest.mark.gpu
+def test_gpu_over_2_31_elements(device):
+    # 64-bit offsets: the tail past 2**31 gets its own random numbers (no wrap-around).
+    n = 2**31 + 3 * BLOCK + 5
+    x = torch.empty(n, dtype=torch.float16, device=device).uniform_(1.0, 2.0)
+    out = dropout(x, 0.5, use_triton=True)
+    head, tail = slice(0, 2**20), slice(2**31 - 2**19, n)
+    for part in (head, tail):
+        kept = check_is_dropout_of(out[part], x[part], 0.5)
+        check_kept_fraction(kept, 0.5)
+    assert not torch.equal(out[: 3 * BLOCK] != 0, out[2**31 : 2**31 + 3 * BLOCK] != 0)
