@@ -6,7 +6,9 @@ from there (`from triton_transformer.softmax import softmax`), so module names a
 shadowed by the functions they hold.
 """
 
+from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.layernorm import LayerNorm
+from triton_transformer.transformer import KVCache, Transformer
 
-__all__ = ["LayerNorm"]
+__all__ = ["AutoregressiveWrapper", "KVCache", "LayerNorm", "Transformer"]
 __version__ = "0.1.0"

@@ -1,0 +1,369 @@
+"""A small GPT/BERT-style transformer whose every hot op can run as a Triton kernel.
+
+Token embedding + learned absolute positional embedding, `depth` pre-norm residual blocks
+(multi-head attention, then a relu-squared feed-forward), a final stable layernorm and a
+bias-free projection to logits. All projections are bias-free and the norms have no bias.
+
+`use_triton` only picks which implementation of each op runs (Triton kernel or the PyTorch
+reference); the parameters, and so the state dict, are the same either way.
+
+Incremental decoding: pass a `KVCache()` to `forward` of a causal model; each call appends
+the new tokens' keys/values and attends over everything cached so far.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from triton_transformer.attention import attention
+from triton_transformer.bmm import linear
+from triton_transformer.cross_entropy import cross_entropy
+from triton_transformer.dropout import dropout
+from triton_transformer.layernorm import LayerNorm
+from triton_transformer.utils import default, exists
+
+__all__ = ["KVCache", "Transformer"]
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens a causal `Transformer` has seen, for incremental decoding.
+
+    Create it empty (`KVCache()`) and pass it to every `Transformer.forward` call of one
+    generation. The first call allocates, per layer, key and value buffers of shape
+    (batch, heads, max_seq_len, dim_head) in the activations' dtype and device; each call
+    writes its tokens at positions [length, length + n) and advances `length`. Positions at
+    or past `length` hold stale data and are never read.
+
+    Meant for inference (under `torch.no_grad()`): the buffers are written in place.
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.keys[0].shape[0] if self.keys else None
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers are kept for reuse)."""
+        self.length = 0
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer `layer`'s new k, v (b, h, n, d) after the cached tokens.
+
+        Returns that layer's keys and values for all length + n tokens, (b, h, length + n, d).
+        `length` itself is advanced by the model once every layer has appended.
+        """
+        if layer == len(self.keys):  # first use of this layer: allocate its buffers
+            shape = (*k.shape[:2], capacity, k.shape[-1])
+            self.keys.append(k.new_empty(shape))
+            self.values.append(v.new_empty(shape))
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def _is_int_tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and not (
+        t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool
+    )
+
+
+class Attention(nn.Module):
+    """Pre-norm multi-head self-attention: layernorm -> qkv projection -> attention -> out."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int,
+        dim_head: int,
+        causal: bool,
+        dropout: float,
+        max_seq_len: int,
+        use_triton: bool,
+    ) -> None:
+        super().__init__()
+        self.heads = heads
+        self.max_seq_len = max_seq_len
+        self.causal = causal
+        self.dropout = dropout
+        inner_dim = heads * dim_head
+        self.norm = LayerNorm(dim, bias=False, use_triton=use_triton)
+        self.to_qkv = nn.Linear(dim, inner_dim * 3, bias=False)
+        self.to_out = nn.Linear(inner_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        use_triton: bool,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """x (b, n, dim) -> (b, n, dim). With a `kv_cache` the new keys/values are appended
+        to layer `layer`'s cache and the queries attend over all cached tokens."""
+        x = self.norm(x, use_triton=use_triton)
+        qkv = linear(x, self.to_qkv.weight, use_triton=use_triton)
+        q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
+
+        if exists(kv_cache):
+            k, v = kv_cache.append(layer, k, v, self.max_seq_len)
+
+        # causal attention is bottom-right aligned, so n_q < n_k (a cache step) is right.
+        out = attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            key_padding_mask=mask,
+            dropout_p=self.dropout,
+            training=self.training,
+            use_triton=use_triton,
+        )
+        out = rearrange(out, "b h n d -> b n (h d)")
+        return linear(out, self.to_out.weight, use_triton=use_triton)
+
+
+class FeedForward(nn.Module):
+    """Pre-norm feed-forward: layernorm -> linear + relu(.)**2 (fused) -> dropout -> linear."""
+
+    def __init__(self, dim: int, *, mult: int, dropout: float, use_triton: bool) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.norm = LayerNorm(dim, bias=False, use_triton=use_triton)
+        self.proj_in = nn.Linear(dim, dim * mult, bias=False)
+        self.proj_out = nn.Linear(dim * mult, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
+        """x (b, n, dim) -> (b, n, dim)."""
+        x = self.norm(x, use_triton=use_triton)
+        x = linear(x, self.proj_in.weight, activation="relu_squared", use_triton=use_triton)
+        x = dropout(x, p=self.dropout, training=self.training, use_triton=use_triton)
+        return linear(x, self.proj_out.weight, use_triton=use_triton)
+
+
+class Transformer(nn.Module):
+    """Decoder (causal=True, GPT) or encoder (causal=False, BERT) transformer language model.
+
+    Weights are initialised as in nanoGPT: every linear and embedding weight ~ N(0, 0.02),
+    the two residual output projections of each block ~ N(0, 0.02 / sqrt(2 * depth)) so the
+    residual stream's variance does not grow with depth; layernorm weights are 1.
+
+    `check_token_ids` (default True) makes `forward` raise a ValueError for token ids or
+    labels outside [0, num_tokens). The check reads one boolean back from the device, i.e.
+    synchronises with a GPU every call; turn it off (constructor or attribute) in hot loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_tokens: int,
+        dim: int,
+        max_seq_len: int,
+        depth: int,
+        heads: int = 8,
+        dim_head: int = 64,
+        causal: bool = False,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+        ff_mult: int = 4,
+        use_triton: bool = False,
+        check_token_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, val in dict(
+            num_tokens=num_tokens,
+            dim=dim,
+            max_seq_len=max_seq_len,
+            depth=depth,
+            heads=heads,
+            dim_head=dim_head,
+            ff_mult=ff_mult,
+        ).items():
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        for name, p in dict(attn_dropout=attn_dropout, ff_dropout=ff_dropout).items():
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+
+        self.num_tokens = num_tokens
+        self.max_seq_len = max_seq_len
+        self.depth = depth
+        self.heads = heads
+        self.dim_head = dim_head
+        self.causal = causal
+        self.use_triton = use_triton
+        self.check_token_ids = check_token_ids
+
+        self.token_emb = nn.Embedding(num_tokens, dim)
+        self.pos_emb = nn.Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleList(
+            nn.ModuleList(
+                [
+                    Attention(
+                        dim,
+                        heads=heads,
+                        dim_head=dim_head,
+                        causal=causal,
+                        dropout=attn_dropout,
+                        max_seq_len=max_seq_len,
+                        use_triton=use_triton,
+                    ),
+                    FeedForward(dim, mult=ff_mult, dropout=ff_dropout, use_triton=use_triton),
+                ]
+            )
+            for _ in range(depth)
+        )
+        # The stable variant (CogView's PB-relax) divides each row by its max |x| first,
+        # so a large residual stream cannot overflow the variance in fp16.
+        self.norm = LayerNorm(dim, bias=False, stable=True, use_triton=use_triton)
+        self.to_logits = nn.Linear(dim, num_tokens, bias=False)
+
+        self.apply(self._init_weights)
+        for attn, ff in self.layers:
+            for lin in (attn.to_out, ff.proj_out):
+                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * depth))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        ignore_index: int | None = None,
+        use_triton: bool | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits, or the mean cross-entropy loss when `labels` is given.
+
+        x: (b, n) integer token ids in [0, num_tokens).
+        mask: optional (b, n) bool key padding mask, True where the token is real; only for
+            non-causal models. Padded keys are ignored by every query; outputs at padded
+            positions are meaningless (exclude them from a loss with `ignore_index`), as are
+            all outputs of a row with no real token.
+        labels: optional (b, n) integer targets; positions equal to `ignore_index` are left
+            out of the mean (None: nothing is ignored).
+        use_triton: None uses the constructor's flag.
+        kv_cache: optional `KVCache` (causal models only): x holds the n tokens that follow
+            the kv_cache.length cached ones; their positions are offset accordingly.
+        Returns logits (b, n, num_tokens), or a scalar loss when `labels` is given.
+        """
+        use_triton = default(use_triton, self.use_triton)
+        n, start = self._check_inputs(x, mask, labels, ignore_index, kv_cache)
+        if x.dtype not in (torch.int32, torch.int64):
+            x = x.long()  # embedding takes int32/int64 ids
+
+        h = self.token_emb(x) + self.pos_emb.weight[start : start + n]
+        for i, (attn, ff) in enumerate(self.layers):
+            h = h + attn(h, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i)
+            h = h + ff(h, use_triton=use_triton)
+        h = self.norm(h, use_triton=use_triton)
+        logits = linear(h, self.to_logits.weight, use_triton=use_triton)
+
+        if exists(kv_cache):
+            # advanced only after every layer has written its keys/values
+            kv_cache.length = start + n
+
+        if not exists(labels):
+            return logits
+        if labels.dtype != torch.int64:
+            labels = labels.long()
+        return cross_entropy(logits, labels, ignore_index=ignore_index, use_triton=use_triton)
+
+    def _check_inputs(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        ignore_index: int | None,
+        kv_cache: KVCache | None,
+    ) -> tuple[int, int]:
+        """Validate forward's arguments; returns (n, position of x's first token)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor of token ids, got {type(x).__name__}")
+        if not _is_int_tensor(x):
+            raise ValueError(f"x must hold integer token ids, got dtype {x.dtype}")
+        if x.ndim != 2:
+            raise ValueError(f"x must have shape (batch, seq), got {tuple(x.shape)}")
+        b, n = x.shape
+        if b == 0 or n == 0:
+            raise ValueError(f"x must hold at least one token per row, got {tuple(x.shape)}")
+
+        start = 0
+        if exists(kv_cache):
+            if not self.causal:
+                raise ValueError("kv_cache needs a causal model (causal=True)")
+            n_layers = len(kv_cache.keys)  # < depth only if a first call failed midway
+            if (
+                n_layers > self.depth
+                or (kv_cache.length and n_layers != self.depth)
+                or (
+                    n_layers
+                    and kv_cache.keys[0].shape[1:] != (self.heads, self.max_seq_len, self.dim_head)
+                )
+            ):
+                raise ValueError("kv_cache was filled by a model of a different shape")
+            if exists(kv_cache.batch_size) and kv_cache.batch_size != b:
+                raise ValueError(
+                    f"kv_cache holds batch size {kv_cache.batch_size}, but x has batch size {b}"
+                )
+            start = kv_cache.length
+        if start + n > self.max_seq_len:
+            cached = f" after {start} cached tokens" if start else ""
+            raise ValueError(f"sequence length {n}{cached} exceeds max_seq_len {self.max_seq_len}")
+
+        if exists(mask):
+            if self.causal:
+                raise ValueError(
+                    "mask (key padding) is only for non-causal models; a causal model "
+                    "already ignores future tokens, and right-padding needs no mask"
+                )
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise ValueError("mask must be a bool tensor (True = real token)")
+            if mask.shape != x.shape:
+                raise ValueError(
+                    f"mask shape {tuple(mask.shape)} does not match x shape {tuple(x.shape)}"
+                )
+
+        if exists(labels):
+            if not _is_int_tensor(labels):
+                raise ValueError("labels must be an integer tensor of token ids")
+            if labels.shape != x.shape:
+                raise ValueError(
+                    f"labels shape {tuple(labels.shape)} does not match x shape {tuple(x.shape)}"
+                )
+
+        if self.check_token_ids:
+            # one device read for both checks
+            bad = [((x < 0) | (x >= self.num_tokens)).any()]
+            if exists(labels):
+                out = (labels < 0) | (labels >= self.num_tokens)
+                if exists(ignore_index):
+                    out &= labels != ignore_index
+                bad.append(out.any())
+            bad_x, *bad_labels = torch.stack(bad).tolist()
+            if bad_x:
+                raise ValueError(f"x holds token ids outside [0, num_tokens={self.num_tokens})")
+            if any(bad_labels):
+                raise ValueError(
+                    f"labels hold ids outside [0, num_tokens={self.num_tokens}) that are not "
+                    f"ignore_index ({ignore_index})"
+                )
+        return n, start
