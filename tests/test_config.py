@@ -1,0 +1,214 @@
+"""Config loading, validation and command-line overrides (no training here)."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from triton_transformer.config import (
+    Config,
+    ConfigError,
+    add_config_arguments,
+    apply_overrides,
+    config_from_dict,
+    config_to_toml,
+    load_config,
+    parse_override,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENWIK8 = ROOT / "configs" / "enwik8.toml"
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def parse(argv):
+    parser = add_config_arguments(argparse.ArgumentParser())
+    return parser.parse_args(argv).overrides
+
+
+def test_enwik8_config_is_lucidrains_setup():
+    c = load_config(ENWIK8)
+    m, t, e = c.model, c.train, c.eval
+    assert (m.num_tokens, m.dim, m.depth, m.heads, m.dim_head, m.max_seq_len) == (
+        256,
+        512,
+        8,
+        8,
+        64,
+        512,
+    )
+    assert m.causal and m.attn_dropout == m.ff_dropout == 0.1 and not m.use_triton
+    assert (t.seq_len, t.batch_size, t.grad_accum_steps, t.lr, t.grad_clip) == (
+        512,
+        4,
+        4,
+        2e-4,
+        0.5,
+    )
+    assert t.max_steps == 100_000 and 0 < t.warmup_steps < t.max_steps
+    assert (e.eval_every, e.generate_every, e.generate_len) == (100, 500, 512)
+    assert c.data.source == "enwik8"
+
+
+def test_tiny_config_is_small():
+    c = load_config(TINY)
+    assert c.model.dim <= 128 and c.model.depth <= 2 and c.train.seq_len <= 128
+    assert c.train.max_steps <= 1000 and c.data.source == "stdlib"  # no download needed
+
+
+def test_defaults_and_toml_round_trip(tmp_path):
+    c = apply_overrides(
+        load_config(TINY), [("log.wandb_project", 'we"ird\\name'), ("train.lr", 1e-5)]
+    )
+    again = load_config(write(tmp_path, config_to_toml(c)))
+    assert again == c
+    assert isinstance(again.train.lr, float)
+
+
+def test_unknown_key_and_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.dimm"):
+        load_config(write(tmp_path, "[model]\ndimm = 3\n"))
+    with pytest.raises(ConfigError, match="unknown config section 'trian'"):
+        load_config(write(tmp_path, "[trian]\nlr = 3\n"))
+    with pytest.raises(ConfigError, match=r"train\.lrr"):
+        apply_overrides(Config(), [("train.lrr", "1")])
+
+
+def test_wrong_types(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.dim: expected int, got str"):
+        load_config(write(tmp_path, '[model]\ndim = "big"\n'))
+    with pytest.raises(ConfigError, match=r"model\.causal: expected bool"):
+        load_config(write(tmp_path, "[model]\ncausal = 1\n"))
+    with pytest.raises(ConfigError, match=r"train\.batch_size: expected int, got float 2\.5"):
+        load_config(write(tmp_path, "[train]\nbatch_size = 2.5\n"))
+    with pytest.raises(ConfigError, match=r"train\.batch_size: expected int, got 'abc'"):
+        apply_overrides(Config(), [("train.batch_size", "abc")])
+    with pytest.raises(ConfigError, match=r"model\.use_triton: expected bool, got 'maybe'"):
+        apply_overrides(Config(), [("model.use_triton", "maybe")])
+    # an int is fine for a float field, and an integral float for an int field
+    c = load_config(write(tmp_path, "[train]\nlr = 1\nmax_steps = 2e3\n"))
+    assert c.train.lr == 1.0 and c.train.max_steps == 2000
+    with pytest.raises(ConfigError, match=r"invalid TOML"):
+        load_config(write(tmp_path, "[train\n"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([("train.seq_len", 1024)], "train.seq_len=1024 exceeds model.max_seq_len=512"),
+        ([("train.batch_size", 0)], "train.batch_size=0 must be >= 1"),
+        ([("train.max_steps", 10)], "train.warmup_steps=1000 exceeds train.max_steps=10"),
+        ([("model.attn_dropout", 1.0)], r"model.attn_dropout=1.0 must be in \[0, 1\)"),
+        ([("model.ff_dropout", -0.1)], r"model.ff_dropout=-0.1 must be in \[0, 1\)"),
+        ([("train.lr", 0)], "train.lr=0.0 must be a positive number"),
+        ([("model.num_tokens", 100)], "model.num_tokens=100 is smaller than the byte vocab"),
+        ([("train.device", "tpu")], "train.device='tpu' must be"),
+        ([("train.precision", "fp8")], "train.precision='fp8' must be"),
+        ([("train.device", "cpu"), ("train.precision", "bf16")], "needs a CUDA device"),
+        ([("eval.prime_len", 600)], "eval.prime_len=600 exceeds model.max_seq_len=512"),
+        ([("model.causal", False)], "eval.generate_every needs a causal model"),
+        ([("log.log_every", 0)], "log.log_every=0 must be >= 1"),
+        ([("train.grad_accum_steps", -1)], "train.grad_accum_steps=-1 must be >= 1"),
+    ],
+)
+def test_impossible_values_fail_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(load_config(ENWIK8), overrides).validate()
+
+
+def test_all_problems_reported_at_once():
+    bad = apply_overrides(Config(), [("train.batch_size", 0), ("model.dim", 0)])
+    with pytest.raises(ConfigError) as err:
+        bad.validate()
+    assert "train.batch_size" in str(err.value) and "model.dim" in str(err.value)
+
+
+def test_programmatic_wrong_type_is_caught():
+    c = Config()
+    c.train.lr = "fast"
+    with pytest.raises(ConfigError, match=r"train\.lr: expected float"):
+        c.validate()
+
+
+def test_parse_override_syntax():
+    assert parse_override("train.lr=3e-4") == ("train.lr", "3e-4")
+    assert parse_override("data.source=a=b") == ("data.source", "a=b")
+    for bad in ("train.lr", "lr=3", "=3", "train.=3", ".lr=3", "a.b.c=1"):
+        with pytest.raises(ConfigError, match="bad override"):
+            parse_override(bad)
+
+
+def test_command_line_overrides_in_order():
+    overrides = parse(
+        [
+            "--set",
+            "train.lr=3e-4",
+            "--train.lr",
+            "1e-3",
+            "--model.depth=3",
+            "--train.max-steps",
+            "50",
+            "--use-triton",
+            "--max-steps",
+            "70",
+            "--device",
+            "cpu",
+            "--data",
+            "stdlib",
+            "--compile",
+            "--wandb",
+            "--out-dir",
+            "o",
+            "--run-dir",
+            "r",
+            "--set",
+            "model.causal=false",
+            "--set",
+            "eval.generate_every=0",
+        ]
+    )
+    c = apply_overrides(load_config(ENWIK8), overrides).validate()
+    assert c.train.lr == 1e-3  # the later flag wins
+    assert c.model.depth == 3 and c.train.max_steps == 70 and c.model.use_triton
+    assert c.train.device == "cpu" and c.data.source == "stdlib" and c.train.compile
+    assert c.log.wandb and c.log.out_dir == "o" and c.log.run_dir == "r"
+    assert c.model.causal is False
+    # --max-steps shrinks a warmup that no longer fits, keeping its fraction of the run
+    assert c.train.warmup_steps == 70  # 1000 > 50 steps before: capped at the 70 steps
+    c = apply_overrides(load_config(ENWIK8), parse(["--max-steps", "500"]))
+    assert c.train.warmup_steps == 5  # 1% of the run, as in the config
+    c = apply_overrides(load_config(ENWIK8), parse(["--max-steps", "5000"]))
+    assert c.train.warmup_steps == 1000  # fits: unchanged
+    c = apply_overrides(
+        load_config(ENWIK8), parse(["--max-steps", "500", "--train.warmup_steps", "7"])
+    )
+    assert c.train.warmup_steps == 7
+    # the plain field does not: warmup > steps is an error
+    with pytest.raises(ConfigError, match=r"train\.warmup_steps=1000 exceeds train\.max_steps=70"):
+        apply_overrides(load_config(ENWIK8), parse(["--train.max_steps", "70"])).validate()
+    # load_config applies overrides too, and does not mutate its base
+    base = load_config(ENWIK8)
+    assert load_config(ENWIK8, [("train.lr", "5e-4")]).train.lr == 5e-4
+    assert apply_overrides(base, [("model.dim", 8)]).model.dim == 8 and base.model.dim == 512
+
+
+def test_bad_override_on_command_line_exits(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--set", "train.lr"])
+    assert "bad override 'train.lr'" in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_config_from_dict_rejects_non_tables():
+    with pytest.raises(ConfigError, match=r"\[model\] must be a table"):
+        config_from_dict({"model": 3})
