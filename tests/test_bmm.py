@@ -134,6 +134,27 @@ def test_linear_matches_float64(x_shape, dtype, activation, device):
     assert rel_err(weight.grad, w64.grad) < TOL[dtype]
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_linear_and_bmm_follow_autocast(use_triton, device):
+    """Under bf16 autocast, fp32 weights meet bf16 activations: both are cast, like matmul."""
+    x = rand((3, 7, 45), torch.float32, device).requires_grad_()
+    w = rand((29, 45), torch.float32, device, mean=0.1).requires_grad_()
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        y = linear(x.to(torch.bfloat16), w, activation="relu_squared", use_triton=use_triton)
+        z = bmm(y, y.transpose(-1, -2), use_triton=use_triton)
+    assert y.dtype == z.dtype == torch.bfloat16
+    z.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    y64 = torch.relu(x64 @ w64.T).square()
+    (y64 @ y64.transpose(-1, -2)).sum().backward()
+    assert rel_err(z, y64 @ y64.transpose(-1, -2)) < 3e-2
+    assert rel_err(w.grad, w64.grad) < 3e-2
+    assert rel_err(x.grad, x64.grad) < 3e-2
+
+
 def test_linear_transposed_input_and_weight(device):
     x = rand((45, 3, 6), torch.float32, device, mean=0.3).permute(1, 2, 0).requires_grad_()
     weight = rand((45, 29), torch.float32, device, mean=-0.05).t().requires_grad_()

@@ -285,14 +285,27 @@ class _Linear(torch.autograd.Function):
         return dx, dw, None
 
 
-def _check_pair(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
+def _check_pair(
+    a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate two matmul operands; under torch.autocast cast both to its dtype.
+
+    Autocast does not reach inside a custom autograd.Function, so without this the Triton
+    path would run in fp32 under bf16 autocast (and mixed bf16 activations / fp32 weights
+    would be refused). The cast is differentiable: fp32 weights still get fp32 grads.
+    """
     for t, name in ((a, name_a), (b, name_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device_type = a.device.type
+    if a.is_floating_point() and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        a, b = a.to(dtype), b.to(dtype)
     if a.dtype != b.dtype:
         raise TypeError(f"{name_a} ({a.dtype}) and {name_b} ({b.dtype}) must have the same dtype")
     if a.device != b.device:
         raise ValueError(f"{name_a} ({a.device}) and {name_b} ({b.device}) must share a device")
+    return a, b
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
@@ -302,7 +315,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     matrices are fine too. Inputs may be strided views (e.g. k.transpose(-1, -2)): the
     Triton kernel reads them in place. fp32 accumulation; the output has the input dtype.
     """
-    _check_pair(a, b, "a", "b")
+    a, b = _check_pair(a, b, "a", "b")
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"a and b need at least 2 dims, got a {a.shape} and b {b.shape}")
     if a.shape[:-2] != b.shape[:-2]:
@@ -331,7 +344,7 @@ def linear(
     Triton kernel). The weight gradient is reduced over all leading dims of x in one
     deterministic matmul (no atomics).
     """
-    _check_pair(x, weight, "x", "weight")
+    x, weight = _check_pair(x, weight, "x", "weight")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if weight.dim() != 2:
