@@ -2,6 +2,7 @@
 # Everything the lent GPU must run, in one call (see the device tool's METHOD.md).
 # Usage on the GPU machine, from the repo root:  bash benchmarks/gpu_run.sh [STAGE ...]
 # Stages: tests, bench_ops, train (default: all). Results go under $OUT (default gpu_out/).
+# PYTEST_ARGS adds arguments to the tests stage (e.g. a subset of files).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -22,12 +23,12 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests)
         # the whole suite on the GPU: gpu-marked tests plus the small-shape ones on CUDA tensors
-        python3 -m pytest -q -p no:cacheprovider -x 2>&1 |
+        python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
             tail -n 40 | tee "$OUT/pytest.txt"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     bench_ops)
-        python3 benchmarks/bench_ops.py --out "$OUT" 2>&1 | tail -n 80 | tee "$OUT/bench_ops.txt"
+        python3 benchmarks/bench_ops.py --out "$OUT" 2>&1 | tail -n 80
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     train)
