@@ -136,14 +136,18 @@ def main() -> None:
             for N in args.Ns:
                 rows += bench_case(op, args.M, N, DTYPES[dname], not args.no_compile, copy_gbs)
                 torch._dynamo.reset()
+                # rewritten after every case, so a run cut short still leaves its numbers
+                write_csv(rows, args.out / "bench_ops.csv")
+                write_markdown(rows, args.out / "bench_ops.md", device, copy_gbs, stamp)
+    plot(rows, args.out / "bench_ops.png", device)
+    print((args.out / "bench_ops.md").read_text())
 
-    with open(args.out / "bench_ops.csv", "w", newline="") as f:
+
+def write_csv(rows, path: Path) -> None:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    write_markdown(rows, args.out / "bench_ops.md", device, copy_gbs, stamp)
-    plot(rows, args.out / "bench_ops.png", device)
-    print((args.out / "bench_ops.md").read_text())
 
 
 def write_markdown(rows, path: Path, device: str, copy_gbs: float, stamp: str) -> None:
