@@ -136,7 +136,11 @@ def test_fp32_params_with_bf16_input(stable, device):
         y_triton = layernorm(x, w, b, stable=stable, use_triton=True)
         y_torch = layernorm(x, w, b, stable=stable)
     assert y_triton.dtype == y_torch.dtype == torch.bfloat16
-    _assert_close(y_triton, y_torch.double(), 1e-2, "autocast")
+    ref = layernorm(x.double(), w.double(), b.double(), stable=stable)
+    _assert_close(y_triton, ref, 1e-2, "autocast triton")
+    # The PyTorch branch rounds x / scale to bf16 before normalising, which the mean/std
+    # ratio of this data (about 5) amplifies: it is the less accurate of the two.
+    _assert_close(y_torch, ref, 3e-2, "autocast torch")
 
 
 def test_stable_all_negative_rows(device):
@@ -165,7 +169,7 @@ def test_stable_zero_rows(looped, device, monkeypatch):
 def _tied_rows(device, eps_dtype=torch.float32):
     """Rows whose max |x| is attained several times, with both signs, and a below-clamp row."""
     x = torch.rand(5, 40, device=device) * 2 - 1
-    x[0, [3, 17, 30]] = torch.tensor([2.0, -2.0, 2.0])  # three ties, mixed signs
+    x[0, [3, 17, 30]] = torch.tensor([2.0, -2.0, 2.0], device=device)  # three ties, mixed signs
     x[1, [5, 6]] = -3.0  # two negative ties
     x[2, 9] = 4.0  # a single maximum
     x[3] = torch.rand(40, device=device) * STABLE_CLAMP / 2  # amax < clamp: no scale gradient

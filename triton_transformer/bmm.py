@@ -356,7 +356,10 @@ def linear(
         )
     if not use_triton:
         y = F.linear(x, weight)
-        return F.relu(y).square() if activation == "relu_squared" else y
+        if activation == "relu_squared":
+            y = F.relu(y)
+            y = y * y  # not y.square(): CUDA autocast would run pow in fp32
+        return y
     check_triton_tensor(x, "x")
     check_triton_tensor(weight, "weight")
     return _Linear.apply(x, weight, activation == "relu_squared")

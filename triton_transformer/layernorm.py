@@ -63,10 +63,12 @@ _BWD_PROGRAMS_PER_SM = 4
 @triton.jit
 def _ln_fwd_kernel(
     X, W, B, Y, Stats,
-    M, N, stride_x, stride_y, eps, clamp,
+    M, N, inv_n, stride_x, stride_y, eps, clamp,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # inv_n = 1/N comes from the host: fp32 division on the GPU is approximate (div.full),
+    # so `sum / N` would not even reproduce x exactly for N = 1.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = X + rows.to(tl.int64)[:, None] * stride_x
@@ -81,9 +83,9 @@ def _ln_fwd_kernel(
         if STABLE:
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), clamp)
             x = x / scale[:, None]
-        mean = tl.sum(x, axis=1) / N
+        mean = tl.sum(x, axis=1) * inv_n
         xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * inv_n + eps)
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:
@@ -113,7 +115,7 @@ def _ln_fwd_kernel(
             delta = blk_mean - mean
             mean += delta * (n_blk / (n_seen + n_blk))
             m2 += tl.sum(d * d, axis=1) + delta * delta * (n_seen * n_blk / (n_seen + n_blk))
-        rstd = tl.rsqrt(m2 / N + eps)
+        rstd = tl.rsqrt(m2 * inv_n + eps)
         for off in range(0, N, BLOCK_N):
             col_mask = off + cols < N
             mask = row_mask[:, None] & col_mask[None, :]
@@ -158,7 +160,7 @@ def _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE: tl.constexpr
 @triton.jit
 def _ln_bwd_kernel(
     X, W, DY, DX, Partial, Stats,
-    M, N, rows_per_group, stride_x, stride_dy, stride_dx, eps,
+    M, N, inv_n, rows_per_group, stride_x, stride_dy, stride_dx, eps,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -190,8 +192,8 @@ def _ln_bwd_kernel(
             if STABLE:
                 scale = tl.load(Stats + 2 * M + rows, mask=row_mask, other=1.0)
             xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
-            c1 = tl.sum(xhat * g, axis=1) / N
-            c2 = tl.sum(g, axis=1) / N
+            c1 = tl.sum(xhat * g, axis=1) * inv_n
+            c2 = tl.sum(g, axis=1) * inv_n
             tie_grad = c1  # unused unless STABLE
             if STABLE:
                 count = tl.sum(((tl.abs(x) == scale[:, None]) & mask).to(tl.float32), axis=1)
@@ -230,8 +232,8 @@ def _ln_bwd_kernel(
                 if STABLE:
                     tie = (tl.abs(x) == scale[:, None]) & mask
                     count += tl.sum(tie.to(tl.float32), axis=1)
-            c1 = c1 / N
-            c2 = c2 / N
+            c1 = c1 * inv_n
+            c2 = c2 * inv_n
             tie_grad = c1  # unused unless STABLE
             if STABLE:
                 tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
@@ -330,7 +332,7 @@ class _LayerNormFunction(torch.autograd.Function):
         block_m, block_n, num_warps, single = _row_config(N, MAX_BLOCK_N)
         _ln_fwd_kernel[(triton.cdiv(M, block_m),)](
             x2, weight, bias if exists(bias) else weight, y, stats,
-            M, N, x2.stride(0), y.stride(0), eps, STABLE_CLAMP,
+            M, N, 1.0 / N, x2.stride(0), y.stride(0), eps, STABLE_CLAMP,
             HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
@@ -356,7 +358,7 @@ class _LayerNormFunction(torch.autograd.Function):
         )
         _ln_bwd_kernel[(groups,)](
             x2, weight, dy2, dx, partial, stats,
-            M, N, rows_per_group, x2.stride(0), dy2.stride(0), dx.stride(0), ctx.eps,
+            M, N, 1.0 / N, rows_per_group, x2.stride(0), dy2.stride(0), dx.stride(0), ctx.eps,
             HAS_BIAS=has_bias, STABLE=ctx.stable, SINGLE=single,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip

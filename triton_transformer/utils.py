@@ -44,7 +44,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def row_block_size(n_cols: int, max_block: int) -> int:
     """Power-of-two block for rows of `n_cols` elements, capped at `max_block`.
 
