@@ -6,8 +6,12 @@
     python train.py --config configs/tiny.toml        # ~1 minute on a CPU, PyTorch ops
     python train.py --set train.lr=3e-4 --model.depth 4 --max-steps 1000
     python train.py --resume runs/RUN_DIR             # continue an interrupted run
+    torchrun --nproc_per_node=2 train.py --use-triton # data parallel on 2 GPUs (DDP)
     python train.py download [--data-dir data]        # fetch enwik8
     python train.py plot RUN_DIR [RUN_DIR ...] -o loss.png
+
+Under torchrun every process runs this script; rank 0 alone prints results (and the trainer
+makes it the only one that logs and writes files).
 
 Without a CUDA GPU, `--use-triton` runs the Triton kernels in Triton's CPU interpreter (very
 slow, for checking only): TRITON_INTERPRET=1 must be set before triton is imported, so it is
@@ -86,7 +90,7 @@ def train_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Train the transformer (subcommands: download, plot; see --help of each).",
-        epilog="examples:\n" + "\n".join(__doc__.splitlines()[3:9]),
+        epilog="examples:\n" + "\n".join(__doc__.splitlines()[3:10]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -104,15 +108,21 @@ def train_main(argv: list[str]) -> int:
     add_config_arguments(parser)
     args = parser.parse_args(argv)
 
+    from triton_transformer.distributed import DistributedError, env_info
     from triton_transformer.trainer import NonFiniteLossError, find_checkpoint, load_checkpoint
     from triton_transformer.trainer import train as run_training
+
+    try:
+        job = env_info()  # torchrun's RANK / WORLD_SIZE (rank 0 of 1 without torchrun)
+    except ValueError as e:
+        return _error(str(e))
 
     try:
         if args.resume:
             ckpt_path = find_checkpoint(args.resume)
             config = config_from_dict(load_checkpoint(ckpt_path, mmap=True)["config"])
             config.log.run_dir = ""  # stay in the checkpoint's run directory unless told
-            if args.config:
+            if args.config and job.is_main:
                 print(
                     f"note: --resume uses the checkpoint's config; ignoring {args.config}",
                     file=sys.stderr,
@@ -120,25 +130,42 @@ def train_main(argv: list[str]) -> int:
             config = apply_overrides(config, args.overrides).validate()
         else:
             config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        # the same on every rank: rank 0 says it once
+        return _error(str(e)) if job.is_main else 2
+
+    # from here on an error may concern one rank only: each says its own (with its rank)
+    where = f" (rank {job.rank} of {job.world_size})" if job.enabled else ""
+    try:
         result = run_training(config, resume=args.resume)
     except (ConfigError, FileNotFoundError) as e:
-        return _error(str(e))
+        return _error(f"{e}{where}")
     except NonFiniteLossError as e:
+        # every rank sees the same all-reduced loss and gradient norm: rank 0 reports it
+        return _error(str(e), code=1) if job.is_main else 1
+    except DistributedError as e:
         return _error(str(e), code=1)
 
+    if not job.is_main:
+        return EXIT_INTERRUPTED if result.interrupted else 0
     if result.interrupted:
+        launcher = f"torchrun --nproc_per_node={job.world_size}" if job.enabled else "python"
         print(
             f"stopped at step {result.step}. Resume with:\n"
-            f"  python train.py --resume {result.run_dir}",
+            f"  {launcher} train.py --resume {result.run_dir}",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
     summary = [f"done: step {result.step}"]
+    if result.world_size > 1:
+        summary.append(f"{result.world_size} processes")
     if result.final_val_loss is not None:
         bpb = result.final_val_loss / math.log(2)
         summary.append(f"val loss {result.final_val_loss:.4f} ({bpb:.4f} bits/byte)")
     if result.tokens_per_s:
-        summary.append(f"{result.tokens_per_s:,.0f} tokens/s")
+        summary.append(
+            f"{result.tokens_per_s:,.0f} tokens/s" + (" (all ranks)" if job.enabled else "")
+        )
     if result.peak_mem_mb:
         summary.append(f"peak memory {result.peak_mem_mb:,.0f} MiB")
     print(" | ".join(summary) + f"\ncheckpoint: {result.checkpoint}")

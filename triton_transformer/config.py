@@ -83,17 +83,24 @@ class DataConfig:
     """Corpus for `triton_transformer.data.load_corpus`.
 
     source: "enwik8", "stdlib", "hf:NAME[:CONFIG]" or a path to a local file.
+    shard_global_batch: with several processes (torchrun), every rank draws the same global
+        batch of world_size * batch_size windows and trains on its own rows, instead of
+        drawing its own windows: N processes then see exactly the batches of one process
+        with N times the batch size (reproducible across world sizes).
     """
 
     source: str = "enwik8"
     data_dir: str = "data"
     download: bool = True
     fallback: bool = True  # fall back to the built-in stdlib corpus (with a warning)
+    shard_global_batch: bool = False
 
 
 @dataclass
 class TrainConfig:
-    """Optimisation. One step = grad_accum_steps micro-batches of batch_size x seq_len tokens."""
+    """Optimisation. One step = grad_accum_steps micro-batches of batch_size x seq_len tokens
+    on each process: under torchrun the global batch is batch_size x grad_accum_steps x
+    world_size sequences."""
 
     seed: int = 42
     max_steps: int = 100_000
@@ -110,6 +117,9 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16", "fp32"
     compile: bool = False  # torch.compile the model
+    # multi-process runs: how long a collective waits for the other ranks before failing
+    # (a hung rank then stops the job instead of blocking it forever)
+    dist_timeout_s: float = 600.0
 
 
 @dataclass
@@ -382,6 +392,8 @@ def _check(c: Config) -> list[str]:
         p.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
         p.append(f"train.device='{t.device}' must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not (math.isfinite(t.dist_timeout_s) and t.dist_timeout_s > 0):
+        p.append(f"train.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds")
     if t.precision not in ("auto", "bf16", "fp32"):
         p.append(f"train.precision='{t.precision}' must be 'auto', 'bf16' or 'fp32'")
     elif t.precision == "bf16" and t.device == "cpu":

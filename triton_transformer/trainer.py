@@ -13,9 +13,15 @@ numpy and the data sampler's generator). Validation and sampling run under forke
 states, so they never perturb training: a run resumed from a checkpoint reproduces the losses
 of an uninterrupted one exactly (on CPU with PyTorch ops).
 
-Multi-GPU is not implemented yet, but the loop is written for it: only the main process
-writes files or prints (`is_main_process`), and state dicts come from the unwrapped model
-(`unwrap_model`).
+Multi-GPU: under `torchrun --nproc_per_node=N train.py ...` every process trains a replica
+wrapped in PyTorch's `DistributedDataParallel` (process group from `distributed.py`: NCCL on
+GPU, gloo on CPU). Each rank draws its own windows (data seed + rank), or its rows of one
+global batch with `data.shard_global_batch`; gradients are averaged by DDP, synchronised only
+on the last micro-batch of a step (`no_sync` on the others), so N ranks of batch b train like
+one process of batch N*b. The logged loss and the validation loss (each rank scores a
+disjoint share of the fixed validation batches) are reduced over the ranks; tokens/s count
+the whole job. Rank 0 alone prints, logs, samples and writes checkpoints, which hold every
+rank's RNG and data-sampler state so that all ranks resume exactly (`rng_ranks`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,30 @@ from tqdm.auto import tqdm
 
 from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.config import Config, ConfigError, config_from_dict, config_to_toml
-from triton_transformer.data import Corpus, decode_tokens, eval_batches, load_corpus, random_batch
+from triton_transformer.data import (
+    Corpus,
+    FallbackCorpusWarning,
+    decode_tokens,
+    eval_batches,
+    load_corpus,
+    random_batch,
+)
+from triton_transformer.distributed import (
+    DistInfo,
+    DistributedError,
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    destroy_distributed,
+    env_info,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_comm_error,
+    is_main_process,
+    main_process_first,
+)
 from triton_transformer.transformer import Transformer
 from triton_transformer.utils import exists, interpreter_enabled
 
@@ -91,6 +120,7 @@ class TrainResult:
     # autotuning (all of them if only one ran)
     tokens_per_s: float | None = None
     peak_mem_mb: float | None = None  # GPU only
+    world_size: int = 1  # processes that trained (tokens_per_s counts all of them)
 
     @property
     def final_val_loss(self) -> float | None:
@@ -98,24 +128,7 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------- process helpers
-
-
-def get_rank() -> int:
-    """This process's rank (0 without torch.distributed / torchrun)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def get_world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main_process() -> bool:
-    """Only the main process prints, logs and writes checkpoints."""
-    return get_rank() == 0
+# get_rank, get_world_size, is_main_process: from triton_transformer.distributed
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -265,41 +278,63 @@ class Trainer:
     ) -> None:
         self.config = config.validate()
         self.callbacks = list(callbacks)
-        self.is_main = is_main_process()
-        m, t = config.model, config.train
-
+        t = config.train
         self.device = self._resolve_device(t.device)
+        # under torchrun: join the process group (NCCL/gloo); a no-op for a single process
+        self._owns_process_group = init_distributed(self.device, t.dist_timeout_s)
+        self.dist = DistInfo(get_rank(), env_info().local_rank, get_world_size())
+        self.is_main = self.dist.is_main
+        try:
+            self._setup(resume, corpus)
+        except BaseException as exc:
+            self.close()
+            if self.dist.enabled and is_comm_error(exc):
+                raise self._comm_error(exc) from exc
+            raise
+
+    def _setup(self, resume: str | Path | None, corpus: Corpus | None) -> None:
+        config = self.config
+        m, t = config.model, config.train
         self.amp_dtype = self._resolve_precision(t.precision)
         self._check_triton()
 
         ckpt_path = find_checkpoint(resume) if exists(resume) else None
         ckpt = load_checkpoint(ckpt_path) if exists(ckpt_path) else None
-        self.run_dir = self._resolve_run_dir(ckpt_path)
+        # rank 0 names the run (a timestamp, or a suffix for a taken name): all ranks agree
+        self.run_dir = Path(broadcast_object(str(self._resolve_run_dir(ckpt_path))))
 
         self._seed_everything(t.seed)
-        self.corpus = (
-            corpus
-            if exists(corpus)
-            else load_corpus(
-                config.data.source,
-                data_dir=config.data.data_dir,
-                download=config.data.download,
-                fallback=config.data.fallback,
-            )
-        )
+        self.corpus = corpus if exists(corpus) else self._load_corpus()
         self._check_corpus()
 
+        # identical initial weights on every rank (DDP also broadcasts rank 0's at wrap time)
         self.model = Transformer(**asdict(m)).to(self.device)
         self.model.check_token_ids = False  # bytes are always < num_tokens; avoid a GPU sync
         self.wrapper = AutoregressiveWrapper(self.model)
-        self.train_model: nn.Module = torch.compile(self.wrapper) if t.compile else self.wrapper
+        if t.compile:
+            # compile the inner module in place, then wrap it in DDP: the order PyTorch
+            # documents ("Where to apply torch.compile?"); DDP's hooks stay outside the graph
+            # and Dynamo splits the graph at DDP's bucket boundaries (DDPOptimizer)
+            self.wrapper.compile()
+        self.train_model: nn.Module = self.wrapper
+        if self.dist.enabled:
+            self.train_model = nn.parallel.DistributedDataParallel(
+                self.wrapper,
+                device_ids=[self.device] if self.device.type == "cuda" else None,
+            )
         self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_multiplier(s, t.warmup_steps, t.max_steps, t.min_lr_ratio),
         )
-        # the data sampler's own stream: its state is the "position" in the data
-        self.data_gen = torch.Generator().manual_seed(t.seed + 1 + get_rank())
+        if self.dist.rank > 0:
+            # from here on each rank needs its own dropout masks (rank 0 keeps the stream a
+            # single process would have)
+            torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
+        # The data sampler's own stream: its state is the "position" in the data. Each rank
+        # draws its own windows, unless they all share one global batch (shard_global_batch).
+        data_seed = t.seed + 1 + (0 if config.data.shard_global_batch else self.dist.rank)
+        self.data_gen = torch.Generator().manual_seed(data_seed)
 
         self.step = 0
         self.tokens_seen = 0
@@ -311,8 +346,10 @@ class Trainer:
 
         self._phase = "idle"  # "forward" before the update, "update" while params change
         self._step_rng: dict | None = None
-        self._stop_requested = False
-        self.tokens_per_step = t.batch_size * t.grad_accum_steps * t.seq_len * get_world_size()
+        self._stop_requested = False  # Ctrl-C seen by this process
+        self._stop_agreed = False  # ... and, with several ranks, known to all of them
+        self.global_batch = t.batch_size * t.grad_accum_steps * self.dist.world_size
+        self.tokens_per_step = self.global_batch * t.seq_len
 
         self.wandb: _WandbLogger | None = None
         if self.is_main:
@@ -323,15 +360,59 @@ class Trainer:
                 self.wandb = _WandbLogger(config, self.run_dir, self._wandb_id)
                 self._wandb_id = self.wandb.run_id
 
+    def close(self) -> None:
+        """Leave the process group if this trainer created it (`train` calls this)."""
+        if getattr(self, "_owns_process_group", False):
+            self._owns_process_group = False
+            destroy_distributed()
+
+    def _comm_error(self, exc: BaseException) -> DistributedError:
+        return DistributedError(
+            f"rank {get_rank()} of {get_world_size()}: a collective operation failed "
+            f"({type(exc).__name__}: {str(exc).strip()[:500]}). Another rank probably crashed "
+            "(see its log) or stalled for longer than "
+            f"train.dist_timeout_s={self.config.train.dist_timeout_s:g}; stopping this rank too."
+        )
+
     # ------------------------------------------------------------------ setup helpers
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:
+        """The training device; under torchrun each process drives cuda:LOCAL_RANK."""
+        info = env_info()
         if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            name = "cuda" if torch.cuda.is_available() else "cpu"
         if name.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"train.device='{name}' but no CUDA device is available")
-        return torch.device(name)
+        if not info.enabled or name == "cpu":
+            return torch.device(name)
+        if name != "cuda":
+            raise ConfigError(
+                f"train.device='{name}' with {info.world_size} torchrun processes: each one "
+                "uses cuda:LOCAL_RANK; set train.device to 'cuda' or 'auto' (pick the GPUs "
+                "with CUDA_VISIBLE_DEVICES)"
+            )
+        if info.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={info.local_rank} but only {torch.cuda.device_count()} GPU(s) are "
+                "visible: start at most that many processes per machine (--nproc_per_node)"
+            )
+        return torch.device("cuda", info.local_rank)
+
+    def _load_corpus(self) -> Corpus:
+        """Rank 0 of each machine prepares the corpus (download, caches) before the others
+        read it; only it reports a fallback."""
+        d = self.config.data
+        with main_process_first(), warnings.catch_warnings():
+            if self.dist.local_rank != 0:
+                warnings.simplefilter("ignore", FallbackCorpusWarning)
+            return load_corpus(
+                d.source,
+                data_dir=d.data_dir,
+                download=d.download,
+                fallback=d.fallback,
+                progress=self.dist.local_rank == 0,
+            )
 
     def _resolve_precision(self, precision: str) -> torch.dtype | None:
         """The autocast dtype, or None for plain fp32."""
@@ -355,7 +436,7 @@ class Trainer:
                 "TRITON_INTERPRET=1 before importing triton_transformer (train.py does this "
                 "when there is no GPU), or drop --use-triton to train with PyTorch ops"
             )
-        if interpreter_enabled():
+        if interpreter_enabled() and self.is_main:
             warnings.warn(
                 "model.use_triton with TRITON_INTERPRET=1: the Triton kernels run in "
                 "Triton's CPU interpreter, which is very slow; this is for checking, not "
@@ -435,8 +516,10 @@ class Trainer:
             },
             "data": self.data_gen.get_state(),
         }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        if self.device.type == "cuda":
+            # this process's GPU only: touching the others would create a CUDA context on
+            # every GPU in every rank
+            state["cuda_device"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def set_rng_state(self, state: dict) -> None:
@@ -453,7 +536,10 @@ class Trainer:
             )
         )
         self.data_gen.set_state(state["data"])
-        if "cuda" in state and torch.cuda.is_available():
+        if "cuda_device" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_device"], self.device)
+        elif "cuda" in state and torch.cuda.is_available() and not self.dist.enabled:
+            # checkpoints of the first version: every visible GPU's state
             cuda = state["cuda"]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
@@ -485,16 +571,51 @@ class Trainer:
         self.train_time_s = float(ckpt["train_time_s"])
         self._wandb_id = ckpt.get("wandb_id")
         self.last_checkpoint_step = self.step
-        self.set_rng_state(ckpt["rng"])
+        self.set_rng_state(self._rank_rng_state(ckpt))
+
+    def _rank_rng_state(self, ckpt: dict) -> dict:
+        """This rank's RNG states from a checkpoint. Every rank gets its own back when the
+        world size is unchanged; otherwise (a checkpoint of another world size) rank 0 gets
+        the saved rank 0 states and every new rank fresh streams seeded from (seed, rank,
+        step), so no two ranks draw the same windows: a correct but not bitwise continuation.
+        """
+        saved = ckpt.get("rng_ranks") or [ckpt["rng"]]
+        rank, world = self.dist.rank, self.dist.world_size
+        if len(saved) == world:
+            return saved[rank]
+        if self.is_main:
+            warnings.warn(
+                f"the checkpoint was written by {len(saved)} process(es), resuming with "
+                f"{world}: the random streams of the other ranks restart from fresh seeds, so "
+                "the data order differs from an uninterrupted run",
+                stacklevel=3,
+            )
+        if rank < len(saved):
+            state = dict(saved[rank])
+        else:
+            seed = self.config.train.seed + 1_000_003 * rank + 7919 * self.step
+            state = dict(saved[0], torch=torch.Generator().manual_seed(seed).get_state())
+            state["data"] = torch.Generator().manual_seed(seed + 1).get_state()
+            state.pop("cuda_device", None)
+        if self.config.data.shard_global_batch:
+            state["data"] = saved[0]["data"]  # one shared global stream: keep its position
+        return state
 
     @property
     def checkpoint_path(self) -> Path:
         return self.run_dir / CHECKPOINT_NAME
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:
-        """Atomically write the full training state (rng: RNG states to store, default now)."""
+        """Atomically write the full training state (rng: this rank's RNG states to store,
+        default now). With several ranks every rank must call it: rank 0 gathers all ranks'
+        RNG states and writes the file; the others wait until it is on disk."""
+        states = all_gather_object(rng if exists(rng) else self.rng_state())
         if self.is_main:
-            _atomic_save(self.state_dict(rng), self.checkpoint_path)
+            state = self.state_dict(states[0])
+            if self.dist.enabled:
+                state["rng_ranks"] = states  # rank r resumes from states[r]
+            _atomic_save(state, self.checkpoint_path)
+        barrier()  # nobody runs ahead of (or reads) a checkpoint that is still being written
         self.last_checkpoint_step = self.step
         return self.checkpoint_path
 
@@ -534,16 +655,28 @@ class Trainer:
         self._step_rng = self.rng_state()  # to rewind to if interrupted mid-step
         start = time.perf_counter()
         total = torch.zeros((), device=self.device)
-        for _ in range(t.grad_accum_steps):
-            batch = random_batch(self.corpus.train, t.batch_size, t.seq_len, self.data_gen)
-            batch = batch.to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.train_model(batch)
-            (loss / t.grad_accum_steps).backward()
+        for i in range(t.grad_accum_steps):
+            batch = self._next_batch().to(self.device, non_blocking=True)
+            # DDP all-reduces the gradients in the backward of the last micro-batch only
+            last = i == t.grad_accum_steps - 1
+            with self._no_sync(not last):
+                with self._autocast():
+                    loss = self.train_model(batch)
+                (loss / t.grad_accum_steps).backward()
             total += loss.detach().float()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        # the gradients are the mean over all ranks here, so the norm is the same everywhere
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        loss_val, norm_val = torch.stack([total / t.grad_accum_steps, grad_norm.float()]).tolist()
+        stats = [total / t.grad_accum_steps, grad_norm.float()]
+        if self.dist.enabled:
+            # one small all-reduce per step: the mean loss over the ranks, and whether any
+            # of them saw Ctrl-C, so that every rank logs the same loss, takes the same
+            # non-finite decision and stops after the same step
+            flag = torch.full((), float(self._stop_requested), device=self.device)
+            shared = all_reduce_sum(torch.stack([stats[0], flag]))
+            stats = [shared[0] / self.dist.world_size, stats[1], shared[1]]
+        loss_val, norm_val, *stop = torch.stack(stats).tolist()
+        self._stop_agreed = bool(stop[0]) if stop else self._stop_requested
         if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
             self.optimizer.zero_grad(set_to_none=True)
             self._phase = "idle"
@@ -576,29 +709,54 @@ class Trainer:
             "time_s": elapsed,
         }
 
+    def _next_batch(self) -> torch.Tensor:
+        """This rank's micro-batch (batch_size, seq_len + 1): its own random windows, or with
+        data.shard_global_batch its rows of one global batch that every rank draws alike (so
+        N ranks of batch b see exactly the batches of one process of batch N * b)."""
+        t = self.config.train
+        if not (self.config.data.shard_global_batch and self.dist.enabled):
+            return random_batch(self.corpus.train, t.batch_size, t.seq_len, self.data_gen)
+        rows = t.batch_size * self.dist.world_size
+        batch = random_batch(self.corpus.train, rows, t.seq_len, self.data_gen)
+        return batch[self.dist.rank * t.batch_size : (self.dist.rank + 1) * t.batch_size]
+
+    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync (gradients accumulate locally, no all-reduce) when `skip`."""
+        if skip and isinstance(self.train_model, nn.parallel.DistributedDataParallel):
+            return self.train_model.no_sync()
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss (nats/byte) and bits per byte over the fixed validation windows."""
+        """Mean loss (nats/byte) and bits per byte over the fixed validation windows.
+
+        With several ranks, rank r scores batches r, r + N, r + 2N, ... and the summed losses
+        and label counts are all-reduced: the same value as one process (up to the order of
+        the float64 additions). The unwrapped model runs here: DDP would add collectives.
+        """
         t, e = self.config.train, self.config.eval
-        model = self.train_model
+        model = self.wrapper
         was_training = model.training
         model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * n, n
         try:
             with self._fork_rng():
-                for batch in eval_batches(
+                batches = eval_batches(
                     self.corpus.valid, t.batch_size, t.seq_len, max_batches=e.eval_batches
-                ):
+                )
+                for i, batch in enumerate(batches):
+                    if i % self.dist.world_size != self.dist.rank:
+                        continue
                     batch = batch.to(self.device, non_blocking=True)
                     with self._autocast():
                         loss = model(batch)
                     n = batch.shape[0] * (batch.shape[1] - 1)
-                    total += loss.double() * n
-                    count += n
+                    sums[0] += loss.double() * n
+                    sums[1] += n
         finally:
             model.train(was_training)
-        val_loss = (total / max(count, 1)).item()
+        total, count = all_reduce_sum(sums).tolist()
+        val_loss = total / max(count, 1.0)
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}
 
     @torch.no_grad()
@@ -624,7 +782,12 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def _install_sigint(self) -> Any:
-        """First Ctrl-C: finish the current step, save and stop. Second: stop now."""
+        """First Ctrl-C: finish the current step, save and stop. Second: stop now.
+
+        With several ranks (torchrun passes its SIGINT on to every worker) the ranks agree on
+        the step to stop after through the per-step all-reduce, then save together; a second
+        Ctrl-C stops at once without saving (the ranks may be anywhere, a collective could
+        hang), keeping the last checkpoint."""
         if threading.current_thread() is not threading.main_thread():
             return None
 
@@ -634,7 +797,8 @@ class Trainer:
             self._stop_requested = True
             self._print(
                 "\nCtrl-C: stopping after this step and saving a checkpoint "
-                "(press Ctrl-C again to stop sooner)"
+                "(press Ctrl-C again to stop sooner"
+                + (", without saving)" if self.dist.enabled else ")")
             )
 
         previous = signal.getsignal(signal.SIGINT)
@@ -643,6 +807,13 @@ class Trainer:
 
     def _on_interrupt(self) -> Path | None:
         """Save a consistent checkpoint after a KeyboardInterrupt, if the state allows."""
+        if self.dist.enabled and not self._stop_agreed:
+            self._print(
+                f"interrupted at an arbitrary point of step {self.step + 1} with "
+                f"{self.dist.world_size} ranks: not saving; the last checkpoint (step "
+                f"{self.last_checkpoint_step}) is kept"
+            )
+            return None
         if self._phase == "update":
             self._print(
                 f"interrupted during the parameter update of step {self.step + 1}: "
@@ -693,7 +864,9 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train until train.max_steps (or Ctrl-C); returns what happened."""
         t, e, lg = self.config.train, self.config.eval, self.config.log
-        result = TrainResult(run_dir=self.run_dir, checkpoint=None, step=self.step)
+        result = TrainResult(
+            run_dir=self.run_dir, checkpoint=None, step=self.step, world_size=self.dist.world_size
+        )
         if self.step >= t.max_steps:
             self._print(f"already at step {self.step} >= train.max_steps={t.max_steps}")
             if exists(self.wandb):
@@ -711,6 +884,14 @@ class Trainer:
             f"{self.tokens_per_step} tokens/step"
             + (f" | resuming at step {self.step}" if self.step else "")
         )
+        if self.dist.enabled:
+            backend = torch.distributed.get_backend()
+            self._print(
+                f"DDP: {self.dist.world_size} processes ({backend}) | global batch "
+                f"{t.batch_size} x {t.grad_accum_steps} accumulation x {self.dist.world_size} "
+                f"ranks = {self.global_batch} sequences | tokens/s count all ranks"
+                + (" | shared global batch" if self.config.data.shard_global_batch else "")
+            )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -727,7 +908,7 @@ class Trainer:
         self.train_model.train()
         try:
             while self.step < t.max_steps:
-                if self._stop_requested:
+                if self._stop_agreed or (self._stop_requested and not self.dist.enabled):
                     raise KeyboardInterrupt
                 info = self.train_step()
                 step = self.step
@@ -761,7 +942,7 @@ class Trainer:
                 if step % lg.log_every == 0 or do_eval or last:
                     self._log_record(info, window_loss / window_steps, tok_s)
                     window_loss, window_steps, window_time = 0.0, 0, 0.0
-                if e.generate_every > 0 and step % e.generate_every == 0:
+                if e.generate_every > 0 and step % e.generate_every == 0 and self.is_main:
                     self._log_sample(self.sample())
                 if (lg.checkpoint_every and step % lg.checkpoint_every == 0) or last:
                     self.save_checkpoint()
@@ -771,6 +952,10 @@ class Trainer:
         except KeyboardInterrupt:
             result.interrupted = True
             result.checkpoint = self._on_interrupt()
+        except Exception as exc:
+            if self.dist.enabled and is_comm_error(exc):
+                raise self._comm_error(exc) from exc
+            raise
         finally:
             pbar.close()
             if exists(previous_handler):
@@ -796,5 +981,13 @@ def train(
     corpus: Corpus | None = None,
     callbacks: Sequence[Callback] = (),
 ) -> TrainResult:
-    """Train per `config` (continuing from `resume`, a run dir or checkpoint, if given)."""
-    return Trainer(config, resume=resume, corpus=corpus, callbacks=callbacks).fit()
+    """Train per `config` (continuing from `resume`, a run dir or checkpoint, if given).
+
+    Under torchrun this joins the process group, trains data-parallel, and leaves the group
+    again on success, error or Ctrl-C (when it created the group).
+    """
+    trainer = Trainer(config, resume=resume, corpus=corpus, callbacks=callbacks)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
