@@ -82,7 +82,10 @@ def _ln_fwd_kernel(
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if STABLE:
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), clamp)
-            x = x / scale[:, None]
+            # x * (1/scale), never x / scale: the GPU's approximate division may be
+            # compiled differently in the backward kernel, and u must match there bit for bit
+            # (a one-ulp difference times rstd is a visible error in xhat).
+            x = x * (1.0 / scale)[:, None]
         mean = tl.sum(x, axis=1) * inv_n
         xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * inv_n + eps)
@@ -107,7 +110,7 @@ def _ln_fwd_kernel(
             mask = row_mask[:, None] & (off + cols < N)[None, :]
             x = tl.load(x_rows + off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if STABLE:
-                x = x / scale[:, None]
+                x = x * (1.0 / scale)[:, None]
             n_seen = off * 1.0  # as fp32 (`off` may be a Python int in the interpreter)
             n_blk = tl.minimum(N - off, BLOCK_N) * 1.0
             blk_mean = tl.sum(x, axis=1) / n_blk
@@ -121,7 +124,7 @@ def _ln_fwd_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if STABLE:
-                x = x / scale[:, None]
+                x = x * (1.0 / scale)[:, None]
             w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
             if HAS_BIAS:
@@ -140,7 +143,7 @@ def _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE: tl.constexpr):
     """Recompute xhat = (u - mean) * rstd (u = x / scale when stable) and g = w * dy."""
     u = x
     if STABLE:
-        u = x / scale[:, None]
+        u = x * (1.0 / scale)[:, None]  # exactly as in the forward kernel
     xhat = tl.where(mask, (u - mean[:, None]) * rstd[:, None], 0.0)
     return xhat, dy * w[None, :]
 
@@ -153,7 +156,7 @@ def _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE: tl.constexpr
         # u = x / s: dx = du / s, plus dL/ds * sign(x) / count at the tied maxima of |x|.
         tie = (tl.abs(x) == scale[:, None]) & mask
         signed = tl.where(x > 0, tie_grad[:, None], -tie_grad[:, None])
-        du = du / scale[:, None] + tl.where(tie, signed, 0.0)
+        du = du * (1.0 / scale)[:, None] + tl.where(tie, signed, 0.0)
     return du
 
 
