@@ -22,6 +22,41 @@ def default(val: T | None, d: T) -> T:
     return val if val is not None else d
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, in plain Python.
+
+    Host code uses this, not `triton.cdiv`: that is a ConstexprFunction in newer Triton and
+    costs microseconds per call.
+    """
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), in plain Python (see `cdiv`)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def draw_seed(device: torch.device | str) -> torch.Tensor:
+    """A Philox seed for one dropout mask: a 0-dim int64 tensor on `device`, in [0, 2**31 - 1).
+
+    Drawn from torch's generator of that device (CUDA's for CUDA tensors), never read on the
+    host: kernels `tl.load` it. So a captured CUDA graph draws a fresh seed on every replay,
+    `torch.manual_seed` makes runs reproducible, and torch.compile sees no `.item()`. Ops save
+    the tensor for backward, which regenerates the same mask from it.
+    """
+    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+
+
+def check_not_capturing(what: str) -> None:
+    """Raise if a CUDA graph is being captured: `what` needs a host value that a replay
+    would silently reuse (a stale seed, a checked flag)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} reads a value on the host, which a CUDA graph would replay stale; "
+            "it cannot run during stream capture"
+        )
+
+
 def calc_num_warps(block_size: int) -> int:
     """Warps for a row kernel whose block holds `block_size` elements.
 
@@ -39,7 +74,8 @@ def interpreter_enabled() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1).
 
     Triton reads the variable when a kernel is decorated, so it must be set before
-    `triton_transformer` is imported.
+    `triton_transformer` is imported. Ops read it only off their hot path (e.g. for a tensor
+    that is not on CUDA), or once per cached launch configuration.
     """
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
 
@@ -50,7 +86,7 @@ def row_block_size(n_cols: int, max_block: int) -> int:
 
     Rows longer than the cap are processed in a loop over blocks.
     """
-    return min(max_block, max(16, 1 << (max(n_cols, 1) - 1).bit_length()))
+    return min(max_block, max(16, next_power_of_2(n_cols)))
 
 
 def check_triton_tensor(x: Any, name: str) -> None:
