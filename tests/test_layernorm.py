@@ -318,3 +318,118 @@ def test_gpu_deterministic(N, stable, device):
     second = _fwd_bwd(x, w, b, dy, stable=stable)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- op contract
+
+
+def test_strided_4d_input(device):
+    # A permuted 4-D input whose rows are not one reshape-able view: copied once into rows,
+    # y and dx still come back in x's logical shape.
+    base, _, _ = _inputs((3, 37, 2, 5), device=device)
+    x = base.permute(0, 2, 3, 1)  # (3, 2, 5, 37), last dim strided
+    _, w, b = _inputs((37,), device=device)
+    _check(x, w, b)
+    # ... and one whose last dim is unit-stride but whose rows are strided (no copy needed).
+    wide, w, b = _inputs((2, 3, 4, 50), device=device)
+    _check(wide[:, :, 1:, 5:42], w[5:42], b[5:42], stable=True)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_output_is_fresh_and_in_place_works(use_triton, device):
+    # The Triton op returns a new tensor, not a view of an internal buffer: in-place ops
+    # on it (as after the PyTorch branch) work, also under autograd.
+    x, w, b = _inputs((2, 3, 40), device=device)
+    x.requires_grad_()
+    y = layernorm(x, w, b, use_triton=use_triton)
+    assert y._base is None and y.is_contiguous()
+    expected = layernorm(x.detach().double(), w.double(), b.double())
+    y.mul_(2.0)
+    y.add_(1.0)
+    _assert_close(y.detach(), 2 * expected + 1, 1e-5, "in-place")
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_registered_custom_op(stable, bias, device):
+    # Schema and autograd registration of the torch.library ops; on a GPU also their
+    # fake-tensor behaviour and AOT tracing (the interpreter cannot run fake tensors).
+    x, w, b = _inputs((6, 33), device=device, bias=bias)
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_() if bias else None)
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(ln_mod.layernorm_fwd, (*args, 1e-5, stable), test_utils=tests)
+    _, stats = ln_mod.layernorm_fwd(*args, 1e-5, stable)
+    bwd_args = (torch.randn_like(x), x.detach(), w.detach(), b, stats, 1e-5, stable)
+    torch.library.opcheck(ln_mod.layernorm_bwd, bwd_args, test_utils=tests)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_double_backward_raises(stable, device):
+    x, w, b = _inputs((4, 16), device=device)
+    x.requires_grad_()
+    y = layernorm(x, w, b, stable=stable, use_triton=True)
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_backward_is_deterministic(device):
+    # The dweight/dbias partials are summed in a fixed order: bitwise equal runs.
+    x, w, b = _inputs((70, 100), device=device)
+    dy = torch.randn(x.shape, device=device)
+    first = _fwd_bwd(x, w, b, dy)
+    second = _fwd_bwd(x, w, b, dy)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_cuda_graph_capture(stable, device):
+    # Forward + backward captured in one CUDA graph; replays on new data match eager.
+    x, w, b = _inputs((512, 768), dtype=torch.bfloat16, device=device)
+    x.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    dy = torch.randn(x.shape, device=device, dtype=x.dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels) outside the graph
+        for _ in range(2):
+            layernorm(x, w, b, stable=stable, use_triton=True).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = w.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layernorm(x, w, b, stable=stable, use_triton=True)
+        y.backward(dy)
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(-2.3 + 0.5 * torch.randn(x.shape, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _fwd_bwd(x.detach(), w.detach(), b.detach(), dy, stable=stable)
+        assert torch.equal(y, eager[0])
+        for got, want in zip((x.grad, w.grad, b.grad), eager[1:], strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_compiles_without_graph_breaks(stable, device):
+    def f(x, w, b):
+        return layernorm(x.sin(), w, b, stable=stable, use_triton=True).float().cos().sum()
+
+    x, w, b = _inputs((64, 1000), dtype=torch.bfloat16, device=device)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    explanation = torch._dynamo.explain(f)(*leaves)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(f)(*leaves)
+    grads = torch.autograd.grad(compiled, leaves)
+    ref = f(*[t.detach().double().requires_grad_() for t in leaves])
+    torch.testing.assert_close(compiled.double(), ref, rtol=2e-2, atol=2e-2)
+    assert all(torch.isfinite(g).all() for g in grads)
