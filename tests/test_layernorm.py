@@ -433,3 +433,39 @@ def test_gpu_compiles_without_graph_breaks(stable, device):
     ref = f(*[t.detach().double().requires_grad_() for t in leaves])
     torch.testing.assert_close(compiled.double(), ref, rtol=2e-2, atol=2e-2)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_backward_variants_agree(looped, block_m, device, monkeypatch):
+    # The measured alternatives of the backward kernel: prefetching the next row tile (same
+    # arithmetic: bitwise-equal results) and the single-launch "last program reduces"
+    # reduction (the same partials summed in another fixed order), which must also reset its
+    # counter for the next call.
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    x, w, b = _inputs((50, 100), device=device)
+    dy = torch.randn(x.shape, device=device)
+    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, False)
+    base = ln_mod._bwd_config(50, 100, ln_mod.MAX_BLOCK_N, x.device)
+    bm = block_m if base[3] else 1
+    rows_per_prog = 4 * bm  # several tiles per program
+    cfg = (bm, *base[1:4], ln_mod.cdiv(50, rows_per_prog), rows_per_prog)
+    outs = []
+    for prefetch, fused in ((False, False), (True, False), (False, True)):
+        counter = torch.zeros(1, dtype=torch.int32, device=device) if fused else None
+        # NaN-poisoned: every element must be written.
+        dx, dw, db = (torch.full_like(t, float("nan")) for t in (x, w, b))
+        ln_mod.launch_bwd(
+            dy, x, w, stats, dx, dw, db, 1e-5, False, cfg=(*cfg, prefetch), counter=counter
+        )
+        outs.append((dx, dw, db))
+        if fused:
+            assert counter.item() == 0
+    ref = _fwd_bwd(x, w, b, dy.double(), use_triton=False, dtype=torch.float64)
+    for out in outs:
+        for got, want, name in zip(out, ref[1:], ("dx", "dw", "db"), strict=True):
+            _assert_close(got, want, 1e-5, name)
+    for other in outs[1:]:
+        assert torch.equal(outs[0][0], other[0])
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][2], outs[1][2])

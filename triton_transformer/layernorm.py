@@ -74,7 +74,8 @@ MAX_BLOCK_N = 16384
 
 # Measured launch configurations (H200, bf16, M = 4096; benchmarks/bench_layernorm.py --tune),
 # keyed by the power-of-two column block. Forward: (rows per program, warps). Backward: (rows
-# per tile, warps, programs per SM). Blocks not listed fall back to the nearest entry.
+# per tile, warps, programs per SM, prefetch the next tile). Blocks not listed fall back to the
+# nearest entry.
 _FWD_TABLE: dict[int, tuple[int, int]] = {
     16: (64, 4),
     32: (64, 4),
@@ -88,18 +89,18 @@ _FWD_TABLE: dict[int, tuple[int, int]] = {
     8192: (1, 16),
     16384: (1, 16),
 }
-_BWD_TABLE: dict[int, tuple[int, int, int]] = {
-    16: (64, 4, 1),
-    32: (64, 4, 1),
-    64: (32, 4, 1),
-    128: (16, 4, 1),
-    256: (8, 4, 1),
-    512: (4, 4, 1),
-    1024: (2, 4, 2),
-    2048: (1, 4, 2),
-    4096: (1, 8, 2),
-    8192: (1, 16, 1),
-    16384: (1, 16, 1),
+_BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
+    16: (64, 4, 1, False),
+    32: (64, 4, 1, False),
+    64: (32, 4, 1, False),
+    128: (16, 4, 1, False),
+    256: (8, 4, 1, False),
+    512: (4, 4, 1, False),
+    1024: (2, 4, 2, False),
+    2048: (1, 4, 2, False),
+    4096: (1, 8, 2, False),
+    8192: (1, 16, 1, False),
+    16384: (1, 16, 1, False),
 }
 # Column-sum kernel: columns per program and partial rows per step.
 _COLSUM_BLOCK_C = 32
@@ -282,13 +283,25 @@ def _store_dx(
 
 
 @triton.jit
+def _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy):
+    """x and dy tiles of `rows` (masked past row_end), in their storage dtype."""
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _ln_bwd_kernel(
-    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED,
+    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED, DW, DB, Counter,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     eps, p, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
     INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr, FUSED_REDUCE: tl.constexpr, RED_G: tl.constexpr,
+    RED_C: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     row_start = pid * rows_per_prog
@@ -303,14 +316,23 @@ def _ln_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            x_next, dy_next = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
         for r0 in range(row_start, row_end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows.to(tl.int64)[:, None]
-            x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            if PREFETCH:
+                # Issue the next tile's loads before this tile's reductions, so their memory
+                # latency overlaps this tile's work.
+                x, dy = x_next, dy_next
+                x_next, dy_next = _load_x_dy(
+                    X, DY, rows + BLOCK_M, row_end, cols, col_mask, stride_x, stride_dy
+                )
+            else:
+                x, dy = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
             x = x.to(tl.float32)
-            dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
             dy = dy.to(tl.float32)
             mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
             rstd = tl.load(Stats + M + rows, mask=row_mask, other=0.0)
@@ -390,6 +412,34 @@ def _ln_bwd_kernel(
                     db = tl.load(db_out + off + cols, mask=pmask, other=0.0)
                     tl.store(db_out + off + cols, db + tl.sum(dy, axis=0), mask=col_mask)
 
+    if FUSED_REDUCE:
+        # Measured alternative to the column-sum launch (off by default, see _bwd_config):
+        # the last program to take a ticket sums every program's partials, in a fixed order.
+        # Wait-free (no program waits for another) and deterministic; Counter must be 0 on
+        # entry and is reset to 0 by that last program.
+        tl.debug_barrier()  # all of this program's partial stores precede its ticket
+        ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            G = tl.num_programs(0)
+            for c0 in range(0, N, RED_C):
+                rc = c0 + tl.arange(0, RED_C)
+                cm = rc < N
+                dw = tl.zeros([RED_G, RED_C], dtype=tl.float32)
+                db = tl.zeros([RED_G, RED_C], dtype=tl.float32)
+                for g0 in range(0, G, RED_G):
+                    gs = g0 + tl.arange(0, RED_G)
+                    m = (gs < G)[:, None] & cm[None, :]
+                    offs = gs.to(tl.int64)[:, None] * N + rc[None, :]
+                    dw += tl.load(Partial + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        db += tl.load(
+                            Partial + G * N + offs, mask=m, other=0.0, cache_modifier=".cg"
+                        )
+                tl.store(DW + rc, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cm)
+                if HAS_BIAS:
+                    tl.store(DB + rc, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cm)
+            tl.atomic_xchg(Counter, 0)
+
 
 @triton.jit
 def _colsum_kernel(
@@ -441,7 +491,7 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.cache
 def _bwd_config(n_rows: int, n_cols: int, max_block: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog) of the backward kernel.
+    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog, prefetch): backward config.
 
     The rows are split into `programs` contiguous ranges of `rows_per_prog` rows, a fixed
     function of the shape and the device, so dweight/dbias sum in the same order every run.
@@ -456,14 +506,14 @@ def _bwd_config(n_rows: int, n_cols: int, max_block: int, device: torch.device):
     block_n = row_block_size(n_cols, max_block)
     single = n_cols <= block_n
     if single:
-        block_m, num_warps, per_sm = _nearest(_BWD_TABLE, block_n)
+        block_m, num_warps, per_sm, prefetch = _nearest(_BWD_TABLE, block_n)
     else:
-        block_m, num_warps, per_sm = 1, calc_num_warps(block_n), 1
+        block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 1, False
     tiles = cdiv(n_rows, block_m)
     programs = max(1, min(tiles, per_sm * _num_sms(device)))
     rows_per_prog = cdiv(tiles, programs) * block_m
     programs = cdiv(n_rows, rows_per_prog)
-    return block_m, block_n, num_warps, single, programs, rows_per_prog
+    return block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch
 
 
 @functools.cache
@@ -501,10 +551,13 @@ def launch_fwd(
 
 def launch_bwd(
     dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
-    dhn2=None, dbr2=None, p=0.0, seed=None, cfg=None,
+    dhn2=None, dbr2=None, p=0.0, seed=None, cfg=None, counter=None,
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
-    when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2."""
+    when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2.
+
+    `counter` (a zeroed int32 tensor) selects the single-launch "last program reduces"
+    variant, kept for measurements (benchmarks/bench_layernorm.py --tune)."""
     M, N = x2.shape
     if N == 0:
         return
@@ -513,7 +566,7 @@ def launch_bwd(
         if exists(dbias):
             dbias.zero_()
         return
-    block_m, block_n, num_warps, single, programs, rows_per_prog = cfg or _bwd_config(
+    block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch = cfg or _bwd_config(
         M, N, MAX_BLOCK_N, x2.device
     )
     has_bias = exists(dbias)
@@ -523,14 +576,18 @@ def launch_bwd(
     wrap_triton(_ln_bwd_kernel)[(programs,)](
         x2, weight, dy2, dx2, partial, stats,
         dhn2 if exists(dhn2) else dy2, dbr2 if exists(dbr2) else dx2,
-        seed if dropout else stats,
+        seed if dropout else stats, dweight, dbias if has_bias else dweight,
+        counter if exists(counter) else stats,
         M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
         dhn2.stride(0) if exists(dhn2) else 0, dbr2.stride(0) if exists(dbr2) else 0,
         eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
         HAS_BIAS=has_bias, STABLE=stable, SINGLE=single, HAS_DHN=exists(dhn2),
         WRITE_DBR=exists(dbr2), DROPOUT=dropout, INT64_IDX=M * N >= 2**31,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        PREFETCH=prefetch, FUSED_REDUCE=exists(counter), RED_G=32, RED_C=128,
     )  # fmt: skip
+    if exists(counter):
+        return
     block_c, block_g = _colsum_config(programs)
     wrap_triton(_colsum_kernel)[(cdiv(N, block_c),)](
         partial, dweight, dbias if has_bias else dweight, programs, N,
