@@ -98,11 +98,11 @@ def ceilings() -> dict:
 def time_op(fn: Callable[[], object], quick_wall: bool = False) -> dict:
     if common is not None and hasattr(common, "time_op"):
         return common.time_op(fn)
-    iters = 20 if quick_wall else 100
+    iters = 20 if quick_wall else 50
     if DEVICE == "cpu":
         ms, iters = float("nan"), 1
     else:
-        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
     for _ in range(3):
         fn()
     _sync()
@@ -111,6 +111,14 @@ def time_op(fn: Callable[[], object], quick_wall: bool = False) -> dict:
         fn()
     _sync()
     return {"kernel_ms": ms, "wall_us": (time.perf_counter() - t0) / iters * 1e6}
+
+
+def _kernel_ms(fn: Callable[[], object]) -> float:
+    """Kernel time only, shorter runs (for the tuning sweep)."""
+    if DEVICE == "cpu":
+        fn()
+        return float("nan")
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def liger():
@@ -237,12 +245,12 @@ def _shapes(args, default):
 
 def cases(args):
     shapes = _shapes(args, QUICK_SHAPES if args.quick else SHAPES)
-    dtypes = ["bf16"] if args.quick else list(DTYPES)
+    dtypes = ["bf16"] if args.quick else args.dtypes.split(",")
     return [(op, M, N, d) for op in OPS for d in dtypes for (M, N) in shapes]
 
 
 def run_bench(args, out_dir: Path, shard: tuple[int, int] | None = None) -> list[dict]:
-    providers = ["ours", "torch", "compile", "liger"]
+    providers = args.providers.split(",")
     all_cases = cases(args)
     if shard is not None:  # warm-up worker: compile and run once, no timing
         all_cases = all_cases[shard[0] :: shard[1]]
@@ -269,6 +277,8 @@ def run_bench(args, out_dir: Path, shard: tuple[int, int] | None = None) -> list
                     rows.append(dict(op=op, provider=prov, M=M, N=N, dtype=dname, mode=mode,
                                      ms=t["kernel_ms"], wall_us=t["wall_us"],
                                      **{"GB/s": gbs, "frac": gbs / ceil["copy_gbps"]}))  # fmt: skip
+                    print(f"row {op} {prov} {M}x{N} {dname} {mode} {t['kernel_ms'] * 1e3:.1f}us "
+                          f"{gbs:.0f}GB/s wall {t['wall_us']:.0f}us", flush=True)  # fmt: skip
             except Exception as e:  # a provider failing must not kill the run
                 print(f"{prov} {op} {M}x{N} {dname}: {type(e).__name__}: {e}"[:300], flush=True)
             _sync()
@@ -289,17 +299,25 @@ def _fwd_candidates(block_n: int):
 
 def _bwd_candidates(block_n: int):
     for bm in (1, 2, 4, 8, 16):
-        for warps in (4, 8, 16):
+        for warps in (4, 8, 16, 32):
             per_thread = bm * block_n / (32 * warps)
-            if bm * block_n <= 8192 and 2 <= per_thread <= 32:
+            if bm * block_n <= max(8192, block_n) and 2 <= per_thread <= 32:
                 yield bm, warps
 
 
 TUNE_SHAPES = [(4096, n) for n in (512, 1024, 2048, 4096, 8192, 16384)] + [(16384, 1024)]
 
 
-def _tune_shape(M: int, N: int, sms: int, timed: bool) -> list[dict]:
-    """Time every candidate configuration at one shape (bf16); only compile when not timed."""
+def _tune_shape(M: int, N: int, sms: int, shard: tuple[int, int] | None) -> list[dict]:
+    """Time every candidate configuration at one shape (bf16). A warm-up shard (i, k) instead
+    only compiles (runs once) every k-th candidate, starting at the i-th."""
+    timed = shard is None
+    count = [0]
+
+    def mine() -> bool:
+        count[0] += 1
+        return timed or (count[0] - 1) % shard[1] == shard[0]
+
     dtype = torch.bfloat16
     rows: list[dict] = []
     block_n = max(16, next_power_of_2(N))
@@ -320,15 +338,17 @@ def _tune_shape(M: int, N: int, sms: int, timed: bool) -> list[dict]:
 
     for bm, warps in _fwd_candidates(block_n):
         cfg = (bm, block_n, warps, True)
+        if not mine():
+            continue
         fwd(cfg)
         if timed:
-            ms = time_op(lambda cfg=cfg: fwd(cfg), quick_wall=True)["kernel_ms"]
+            ms = _kernel_ms(lambda cfg=cfg: fwd(cfg))
             rows.append(dict(kind="fwd", M=M, N=N, block_m=bm, warps=warps, ms=ms,
                              gbps=2 * M * N * 2 / ms / 1e6))  # fmt: skip
     launch_fwd(x, w, b, y, stats, EPS, False)
     for bm, warps in _bwd_candidates(block_n):
         for prefetch in (False, True):
-            for per_sm in (1, 2, 3, 4, 6, 8):
+            for per_sm in (1, 2, 4):
                 tiles = cdiv(M, bm)
                 programs = max(1, min(tiles, per_sm * sms))
                 rpp = cdiv(tiles, programs) * bm
@@ -337,10 +357,14 @@ def _tune_shape(M: int, N: int, sms: int, timed: bool) -> list[dict]:
                     if fused and (per_sm > 2 or prefetch):
                         continue
                     c = counter if fused else None
+                    if per_sm > 1 and not timed:
+                        continue  # the same binary as per_sm = 1
+                    if not mine():
+                        continue
                     bwd(cfg, c)
                     if not timed:
                         continue
-                    ms = time_op(lambda cfg=cfg, c=c: bwd(cfg, c), quick_wall=True)["kernel_ms"]
+                    ms = _kernel_ms(lambda cfg=cfg, c=c: bwd(cfg, c))
                     kind = "bwd_fused" if fused else "bwd"
                     gbps = 3 * M * N * 2 / ms / 1e6
                     rows.append(dict(kind=kind, M=M, N=N, block_m=bm, warps=warps, per_sm=per_sm,
@@ -351,10 +375,9 @@ def _tune_shape(M: int, N: int, sms: int, timed: bool) -> list[dict]:
 def run_tune(args, shard: tuple[int, int] | None = None) -> list[dict]:
     sms = _num_sms(torch.device(DEVICE))
     shapes = _shapes(args, TUNE_SHAPES)
-    shapes = shapes if shard is None else shapes[shard[0] :: shard[1]]
     rows: list[dict] = []
     for M, N in shapes:
-        shape_rows = _tune_shape(M, N, sms, timed=shard is None)
+        shape_rows = _tune_shape(M, N, sms, shard)
         best: dict[str, dict] = {}
         for r in shape_rows:
             if r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]:
@@ -363,6 +386,41 @@ def run_tune(args, shard: tuple[int, int] | None = None) -> list[dict]:
             print("best", json.dumps(r), flush=True)
         rows += shape_rows
     return rows
+
+
+def pick_tables(tune_rows: list[dict]) -> dict:
+    """Per power-of-two column block, the configuration with the smallest summed time ratio
+    to the best at each tuned shape (so one entry serves e.g. 4096 and 16384 rows)."""
+    keys = {"fwd": ("block_m", "warps"), "bwd": ("block_m", "warps", "per_sm", "prefetch")}
+    tables: dict = {"fwd": {}, "bwd": {}, "fwd_warps_one_row": {}}
+    for kind, names in keys.items():
+        rows = [r for r in tune_rows if r["kind"] == kind and r["ms"] == r["ms"]]
+        for bn in sorted({max(16, next_power_of_2(r["N"])) for r in rows}):
+            rs = [r for r in rows if max(16, next_power_of_2(r["N"])) == bn]
+            shapes = {(r["M"], r["N"]) for r in rs}
+            best = {sh: min(r["ms"] for r in rs if (r["M"], r["N"]) == sh) for sh in shapes}
+            score: dict = {}
+            count: dict = {}
+            for r in rs:
+                cfg = tuple(r[k] for k in names)
+                score[cfg] = score.get(cfg, 0.0) + r["ms"] / best[(r["M"], r["N"])]
+                count[cfg] = count.get(cfg, 0) + 1
+            full = [c for c in score if count[c] == len(shapes)]
+            tables[kind][bn] = min(full, key=score.__getitem__)
+            if kind == "fwd":
+                one = [r for r in rs if r["block_m"] == 1]
+                if one:
+                    tables["fwd_warps_one_row"][bn] = min(one, key=lambda r: r["ms"])["warps"]
+    return tables
+
+
+def install_tables(tables: dict) -> None:
+    """Run `ours` with the tuned tables (as if committed to layernorm.py)."""
+    ln = sys.modules["triton_transformer.layernorm"]
+    ln._FWD_TABLE.update({int(k): tuple(v) for k, v in tables["fwd"].items()})
+    ln._BWD_TABLE.update({int(k): tuple(v) for k, v in tables["bwd"].items()})
+    ln._fwd_config.cache_clear()
+    ln._bwd_block_config.cache_clear()
 
 
 # ----------------------------------------------------------------------------- main
@@ -374,6 +432,8 @@ def _warm(args, jobs: int) -> None:
     argv = [sys.executable, __file__, "--out", str(args.out)]
     argv += ["--quick"] * args.quick + ["--tune"] * args.tune
     argv += ["--shapes", args.shapes] if args.shapes else []
+    argv += ["--dtypes", args.dtypes, "--providers", args.providers]
+    argv += ["--tuned", str(args.tuned)] if args.tuned else []
     procs = [subprocess.Popen([*argv, "--warm-shard", f"{i}/{jobs}"]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
     print(f"warm-up in {jobs} processes: {time.time() - t0:.0f} s, exit codes {codes}", flush=True)
@@ -385,10 +445,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations instead")
     ap.add_argument("--shapes", default="", help="MxN,MxN,... instead of the default shapes")
+    ap.add_argument("--tuned", type=Path, default=None, help="layernorm_tune.json to apply")
+    ap.add_argument("--dtypes", default="fp16,bf16")
+    ap.add_argument("--providers", default="ours,torch,compile,liger")
     ap.add_argument("--jobs", type=int, default=0, help="compile first in this many processes")
     ap.add_argument("--warm-shard", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shard = tuple(int(v) for v in args.warm_shard.split("/")) if args.warm_shard else None
+    tables = None
+    if args.tuned is not None and args.tuned.exists():
+        tables = pick_tables(json.loads(args.tuned.read_text())["rows"])
+        install_tables(tables)
     if shard is not None:
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         (run_tune if args.tune else run_bench)(args, shard)
@@ -401,11 +468,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__,
                 date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                liger=liger() is not None)  # fmt: skip
+                liger=liger() is not None, tuned_tables=tables)  # fmt: skip
     print(json.dumps(meta), flush=True)
     if args.tune:
         rows = run_tune(args)
         (out / "layernorm_tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print("tables", json.dumps(pick_tables(rows)), flush=True)
         return
     rows = run_bench(args, out)
     (out / "layernorm_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

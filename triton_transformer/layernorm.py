@@ -59,7 +59,6 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     exists,
-    next_power_of_2,
     row_block_size,
 )
 
@@ -102,9 +101,11 @@ _BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
     8192: (1, 16, 1, False),
     16384: (1, 16, 1, False),
 }
-# Column-sum kernel: columns per program and partial rows per step.
+# Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
+# backward programs, so the few column programs are not latency-bound loops) and warps.
 _COLSUM_BLOCK_C = 32
-_COLSUM_BLOCK_G = 64
+_COLSUM_BLOCK_G = 256
+_COLSUM_WARPS = 8
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -490,35 +491,41 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.cache
-def _bwd_config(n_rows: int, n_cols: int, max_block: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog, prefetch): backward config.
-
-    The rows are split into `programs` contiguous ranges of `rows_per_prog` rows, a fixed
-    function of the shape and the device, so dweight/dbias sum in the same order every run.
-
-    Why two launches: finishing the column sums inside the same launch needs either a
-    program that waits for the others (a spin-wait: forbidden, and it hangs the interpreter)
-    or a "last program to arrive reduces" ticket, which is wait-free and deterministic but
-    makes one program read all (programs x N) partials alone (MBs at large N), needs a
-    zeroed counter per call (an extra memset, or state mutated behind torch.compile's back),
-    and so loses to a second, fully parallel launch of a few microseconds.
-    """
+def _bwd_block_config(n_cols: int, max_block: int, device: torch.device):
+    """The per-N part of the backward configuration (see `_bwd_config`)."""
     block_n = row_block_size(n_cols, max_block)
     single = n_cols <= block_n
     if single:
         block_m, num_warps, per_sm, prefetch = _nearest(_BWD_TABLE, block_n)
     else:
         block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 1, False
+    max_programs = per_sm * _num_sms(device)
+    return block_m, block_n, num_warps, single, max_programs, prefetch
+
+
+def _bwd_config(n_rows, n_cols: int, max_block: int, device: torch.device):
+    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog, prefetch): backward config.
+
+    The rows are split into `programs` contiguous ranges of `rows_per_prog` rows, a fixed
+    function of the shape and the device, so dweight/dbias sum in the same order every run.
+    `n_rows` may be symbolic (a SymInt while torch.compile traces with dynamic shapes): only
+    the per-N part is cached, the rest is plain (symbolic-safe) integer arithmetic.
+
+    Why two launches: finishing the column sums inside the same launch needs either a
+    program that waits for the others (a spin-wait: forbidden, and it hangs the interpreter)
+    or a "last program to arrive reduces" ticket (FUSED_REDUCE in the kernel), which is
+    wait-free and deterministic but makes one program read all (programs x N) partials alone
+    (MBs at large N), and needs a zeroed counter per call (an extra memset, or state mutated
+    behind torch.compile's back); see the measurements in benchmarks/bench_layernorm.py --tune.
+    """
+    block_m, block_n, num_warps, single, max_programs, prefetch = _bwd_block_config(
+        n_cols, max_block, device
+    )
     tiles = cdiv(n_rows, block_m)
-    programs = max(1, min(tiles, per_sm * _num_sms(device)))
+    programs = torch.sym_min(tiles, max_programs)
     rows_per_prog = cdiv(tiles, programs) * block_m
     programs = cdiv(n_rows, rows_per_prog)
     return block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch
-
-
-@functools.cache
-def _colsum_config(programs: int) -> tuple[int, int]:
-    return _COLSUM_BLOCK_C, min(_COLSUM_BLOCK_G, max(16, next_power_of_2(programs)))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -531,7 +538,7 @@ def launch_fwd(
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
-    M, N = x2.shape
+    M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
     block_m, block_n, num_warps, single = cfg or _fwd_config(N, MAX_BLOCK_N)
@@ -544,7 +551,7 @@ def launch_fwd(
         h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
         eps, STABLE_CLAMP, p, 1.0 / (1.0 - p) if dropout else 1.0,
         HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single, RESIDUAL=residual,
-        DROPOUT=dropout, INT64_IDX=M * N >= 2**31,
+        DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
 
@@ -558,7 +565,7 @@ def launch_bwd(
 
     `counter` (a zeroed int32 tensor) selects the single-launch "last program reduces"
     variant, kept for measurements (benchmarks/bench_layernorm.py --tune)."""
-    M, N = x2.shape
+    M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
         return
     if M == 0:
@@ -582,16 +589,16 @@ def launch_bwd(
         dhn2.stride(0) if exists(dhn2) else 0, dbr2.stride(0) if exists(dbr2) else 0,
         eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
         HAS_BIAS=has_bias, STABLE=stable, SINGLE=single, HAS_DHN=exists(dhn2),
-        WRITE_DBR=exists(dbr2), DROPOUT=dropout, INT64_IDX=M * N >= 2**31,
+        WRITE_DBR=exists(dbr2), DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         PREFETCH=prefetch, FUSED_REDUCE=exists(counter), RED_G=32, RED_C=128,
     )  # fmt: skip
     if exists(counter):
         return
-    block_c, block_g = _colsum_config(programs)
+    block_c, block_g = _COLSUM_BLOCK_C, _COLSUM_BLOCK_G
     wrap_triton(_colsum_kernel)[(cdiv(N, block_c),)](
         partial, dweight, dbias if has_bias else dweight, programs, N,
-        HAS_BIAS=has_bias, BLOCK_G=block_g, BLOCK_C=block_c,
+        HAS_BIAS=has_bias, BLOCK_G=block_g, BLOCK_C=block_c, num_warps=_COLSUM_WARPS,
     )  # fmt: skip
 
 
