@@ -282,6 +282,8 @@ def run_bench(args, out_dir: Path, shard: tuple[int, int] | None = None) -> list
             except Exception as e:  # a provider failing must not kill the run
                 print(f"{prov} {op} {M}x{N} {dname}: {type(e).__name__}: {e}"[:300], flush=True)
             _sync()
+        if shard is None:  # partial results survive a timeout
+            (out_dir / "layernorm_bench.json").write_text(json.dumps(dict(rows=rows), indent=1))
         del inputs, grads
     return rows
 
@@ -377,6 +379,8 @@ def run_tune(args, shard: tuple[int, int] | None = None) -> list[dict]:
     shapes = _shapes(args, TUNE_SHAPES)
     rows: list[dict] = []
     for M, N in shapes:
+        if shard is None and rows:  # partial results survive a timeout
+            (args.out / "layernorm_tune.json").write_text(json.dumps(dict(rows=rows), indent=1))
         shape_rows = _tune_shape(M, N, sms, shard)
         best: dict[str, dict] = {}
         for r in shape_rows:
@@ -471,7 +475,7 @@ def main() -> None:
                 liger=liger() is not None, tuned_tables=tables)  # fmt: skip
     print(json.dumps(meta), flush=True)
     if args.tune:
-        rows = run_tune(args)
+        rows = run_tune(args)  # (args.out exists: made above)
         (out / "layernorm_tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print("tables", json.dumps(pick_tables(rows)), flush=True)
         return
