@@ -13,7 +13,8 @@ once, each output written once; weights and per-row stats ignored):
   layernorm           fwd 2·M·N·e (x, y)       bwd 3·M·N·e (x, dy, dx)
   residual_layernorm  fwd 4·M·N·e (h, branch, h_new, y)
                       bwd 4·M·N·e (h_new, dy, dh_new, dh; dbranch is dh when p = 0)
-GB/s uses the kernel time (`triton.testing.do_bench` median, L2 flushed before each call);
+GB/s uses the kernel time (sum of the op's kernel durations from torch.profiler, L2 flushed
+before each call: host overhead excluded, which do_bench's events do not guarantee);
 `frac` is GB/s over the device-to-device copy bandwidth measured in the same run; `wall_us` is
 host wall-clock per call in a tight loop.
 
@@ -95,30 +96,77 @@ def ceilings() -> dict:
     return {"copy_gbps": 2 * n * 4 / (ms * 1e-3) / 1e9}
 
 
-def time_op(fn: Callable[[], object], quick_wall: bool = False) -> dict:
+def profiled_kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """GPU time of the kernels `fn` launches, per call, with a cold L2 before each call.
+
+    torch.profiler sums device-side kernel durations, so host overhead and launch gaps are
+    excluded (`do_bench`'s events are not: when an op's host time exceeds the L2 flush, about
+    75 us on an H200, they time the host); the flush, timed alone, is subtracted.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+
+    def device_us(body: Callable[[], object]) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                flush.zero_()
+                body()
+            torch.cuda.synchronize()
+        return sum(
+            e.self_device_time_total
+            for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA
+        )
+
+    fn()
+    torch.cuda.synchronize()
+    return (device_us(fn) - device_us(lambda: None)) / iters / 1e3
+
+
+def time_op(fn: Callable[[], object]) -> dict:
+    """{"kernel_ms": profiled kernel time, "wall_us": host wall per call in a tight loop}
+    (plus "event_ms", common.time_op's do_bench time, when benchmarks/common.py exists)."""
+    extra = {}
     if common is not None and hasattr(common, "time_op"):
-        return common.time_op(fn)
-    iters = 20 if quick_wall else 50
-    if DEVICE == "cpu":
-        ms, iters = float("nan"), 1
+        t = common.time_op(fn)
+        extra = {"event_ms": t["kernel_ms"]}
+        wall = t["wall_us"]
     else:
-        ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    for _ in range(3):
-        fn()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync()
-    return {"kernel_ms": ms, "wall_us": (time.perf_counter() - t0) / iters * 1e6}
+        iters = 1 if DEVICE == "cpu" else 50
+        for _ in range(3):
+            fn()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync()
+        wall = (time.perf_counter() - t0) / iters * 1e6
+    ms = float("nan") if DEVICE == "cpu" else profiled_kernel_ms(fn)
+    return {"kernel_ms": ms, "wall_us": wall, **extra}
 
 
 def _kernel_ms(fn: Callable[[], object]) -> float:
-    """Kernel time only, shorter runs (for the tuning sweep)."""
+    """Kernel time for the tuning sweep: CUDA-graph replays of direct launches (no host
+    overhead in the timing; no L2 flush, so small shapes read partly from L2 for every
+    candidate alike)."""
     if DEVICE == "cpu":
         fn()
         return float("nan")
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def _direct_launches():
+    """Launch the kernels directly, as inside the triton_ops in eager mode (outside them
+    `wrap_triton` would dispatch through its higher-order op: ~100 us of host time each)."""
+    try:
+        from torch._library.triton import set_wrap_triton_enabled
+    except ImportError:  # older torch: wrap_triton launches directly anyway
+        import contextlib
+
+        return contextlib.nullcontext()
+    return set_wrap_triton_enabled(False)
 
 
 def liger():
@@ -381,7 +429,8 @@ def run_tune(args, shard: tuple[int, int] | None = None) -> list[dict]:
     for M, N in shapes:
         if shard is None and rows:  # partial results survive a timeout
             (args.out / "layernorm_tune.json").write_text(json.dumps(dict(rows=rows), indent=1))
-        shape_rows = _tune_shape(M, N, sms, shard)
+        with _direct_launches():
+            shape_rows = _tune_shape(M, N, sms, shard)
         best: dict[str, dict] = {}
         for r in shape_rows:
             if r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]:
@@ -462,7 +511,10 @@ def main() -> None:
         install_tables(tables)
     if shard is not None:
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        (run_tune if args.tune else run_bench)(args, shard)
+        if args.tune:
+            run_tune(args, shard)
+        else:
+            run_bench(args, args.out, shard)
         return
     if args.jobs > 1:
         _warm(args, args.jobs)

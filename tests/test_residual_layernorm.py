@@ -237,8 +237,9 @@ def test_registered_custom_op(p, device):
     args = (h.requires_grad_(), br.requires_grad_(), w.requires_grad_(), b.requires_grad_())
     torch.library.opcheck(residual_layernorm_fwd, (*args, 1e-5, True, p, seed), test_utils=tests)
     h_new, _, stats = residual_layernorm_fwd(*args, 1e-5, True, p, seed)
-    bwd_args = (torch.randn_like(h), torch.randn_like(h), h_new.detach(), w.detach(), b, stats,
-                1e-5, True, p, seed, h.dtype, br.dtype)  # fmt: skip
+    # Detached: the backward op has no autograd of its own (once-differentiable).
+    bwd_args = (torch.randn_like(h), torch.randn_like(h), h_new.detach(), w.detach(), b.detach(),
+                stats, 1e-5, True, p, seed, h.dtype, br.dtype)  # fmt: skip
     torch.library.opcheck(residual_layernorm_bwd, bwd_args, test_utils=tests)
 
 

@@ -68,38 +68,39 @@ from triton_transformer.utils import (
 STABLE_CLAMP = 2.0**-14
 
 # Widest column block one program holds in registers; longer rows loop over blocks.
-# Tests monkeypatch it small to exercise the looped path.
-MAX_BLOCK_N = 16384
+# Tests monkeypatch it small to exercise the looped path. (16384 in registers was measured
+# 2-4x slower on an H200 than looping over 8192-wide blocks: register spills.)
+MAX_BLOCK_N = 8192
 
-# Measured launch configurations (H200, bf16, M = 4096; benchmarks/bench_layernorm.py --tune),
-# keyed by the power-of-two column block. Forward: (rows per program, warps). Backward: (rows
-# per tile, warps, programs per SM, prefetch the next tile). Blocks not listed fall back to the
-# nearest entry.
+# Launch configurations keyed by the power-of-two column block. Forward: (rows per program,
+# warps). Backward: (rows per tile, warps, programs per SM, prefetch the next tile). Blocks not
+# listed fall back to the nearest entry. These are the configurations measured on an H200 at
+# revision 4b80779 (benchmarks/RESULTS.md: a 2048-element tile, `calc_num_warps` warps, 4
+# backward programs per SM); `benchmarks/bench_layernorm.py --tune` sweeps the alternatives
+# (kernel time from CUDA-graph replays) and prints a replacement table.
 _FWD_TABLE: dict[int, tuple[int, int]] = {
-    16: (64, 4),
-    32: (64, 4),
-    64: (32, 4),
-    128: (16, 4),
-    256: (8, 4),
-    512: (8, 4),
-    1024: (4, 4),
-    2048: (2, 8),
-    4096: (1, 8),
+    16: (128, 8),
+    32: (64, 8),
+    64: (32, 8),
+    128: (16, 8),
+    256: (8, 8),
+    512: (4, 8),
+    1024: (2, 8),
+    2048: (1, 8),
+    4096: (1, 16),
     8192: (1, 16),
-    16384: (1, 16),
 }
 _BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
-    16: (64, 4, 1, False),
-    32: (64, 4, 1, False),
-    64: (32, 4, 1, False),
-    128: (16, 4, 1, False),
-    256: (8, 4, 1, False),
-    512: (4, 4, 1, False),
-    1024: (2, 4, 2, False),
-    2048: (1, 4, 2, False),
-    4096: (1, 8, 2, False),
-    8192: (1, 16, 1, False),
-    16384: (1, 16, 1, False),
+    16: (128, 8, 4, False),
+    32: (64, 8, 4, False),
+    64: (32, 8, 4, False),
+    128: (16, 8, 4, False),
+    256: (8, 8, 4, False),
+    512: (4, 8, 4, False),
+    1024: (2, 8, 4, False),
+    2048: (1, 8, 4, False),
+    4096: (1, 16, 4, False),
+    8192: (1, 16, 4, False),
 }
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
 # backward programs, so the few column programs are not latency-bound loops) and warps.
