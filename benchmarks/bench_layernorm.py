@@ -170,8 +170,9 @@ def _direct_launches():
 
 
 def liger():
-    if common is not None and hasattr(common, "liger"):
-        return common.liger()
+    """liger_kernel.ops.layer_norm (LigerLayerNormFunction), or None if Liger is missing."""
+    if common is not None and hasattr(common, "liger") and common.liger() is None:
+        return None
     try:
         return importlib.import_module("liger_kernel.ops.layer_norm")
     except Exception:

@@ -499,7 +499,7 @@ def _bwd_block_config(n_cols: int, max_block: int, device: torch.device):
     if single:
         block_m, num_warps, per_sm, prefetch = _nearest(_BWD_TABLE, block_n)
     else:
-        block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 1, False
+        block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 4, False
     max_programs = per_sm * _num_sms(device)
     return block_m, block_n, num_warps, single, max_programs, prefetch
 
