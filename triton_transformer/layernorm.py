@@ -435,7 +435,10 @@ def _ln_bwd_kernel(
                     dw += tl.load(Partial + offs, mask=m, other=0.0, cache_modifier=".cg")
                     if HAS_BIAS:
                         db += tl.load(
-                            Partial + G * N + offs, mask=m, other=0.0, cache_modifier=".cg"
+                            Partial + G.to(tl.int64) * N + offs,
+                            mask=m,
+                            other=0.0,
+                            cache_modifier=".cg",
                         )
                 tl.store(DW + rc, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cm)
                 if HAS_BIAS:
@@ -445,10 +448,11 @@ def _ln_bwd_kernel(
 
 @triton.jit
 def _colsum_kernel(
-    Partial, DW, DB, G, N,
+    Partial, PartialB, DW, DB, G, N,
     HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Sum the (G, N) partials over G in a fixed order: dweight (and dbias) per column."""
+    """Sum the (G, N) partials over G in a fixed order: dweight (and dbias, from PartialB) per
+    column."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
@@ -459,7 +463,7 @@ def _colsum_kernel(
         offs = gs.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(Partial + offs, mask=mask, other=0.0)
         if HAS_BIAS:
-            db += tl.load(Partial + G * N + offs, mask=mask, other=0.0)
+            db += tl.load(PartialB + offs, mask=mask, other=0.0)
     tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
@@ -598,7 +602,7 @@ def launch_bwd(
         return
     block_c, block_g = _COLSUM_BLOCK_C, _COLSUM_BLOCK_G
     wrap_triton(_colsum_kernel)[(cdiv(N, block_c),)](
-        partial, dweight, dbias if has_bias else dweight, programs, N,
+        partial[0], partial[-1], dweight, dbias if has_bias else dweight, programs, N,
         HAS_BIAS=has_bias, BLOCK_G=block_g, BLOCK_C=block_c, num_warps=_COLSUM_WARPS,
     )  # fmt: skip
 
