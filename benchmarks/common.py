@@ -36,19 +36,24 @@ def env_info() -> dict[str, str]:
     }
 
 
+def _copy_gbps(n: int = 1 << 30) -> float:
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()  # far larger than L2
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * n / ms / 1e6
+
+
+def _bf16_tflops(m: int = 8192) -> float:
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: torch.mm(a, b), return_mode="median")
+    return 2 * m**3 / ms / 1e9
+
+
 @functools.cache
 def ceilings() -> dict[str, float]:
     """Measured ceilings: copy bandwidth (GB/s, read + write) and bf16 matmul (TFLOP/s)."""
-    n = 1 << 30  # 1 GiB source: far larger than L2
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
-    m = 8192
-    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: torch.mm(a, b), return_mode="median")
-    return {"copy_gbps": 2 * n / copy_ms / 1e6, "bf16_tflops": 2 * m**3 / mm_ms / 1e9}
+    return {"copy_gbps": _copy_gbps(), "bf16_tflops": _bf16_tflops()}
 
 
 def time_op(fn: Callable[[], Any], wall_iters: int = 50) -> dict[str, float]:
@@ -70,8 +75,8 @@ def time_op(fn: Callable[[], Any], wall_iters: int = 50) -> dict[str, float]:
 def liger() -> Any | None:
     """The liger_kernel package if importable (an optional benchmark dependency), else None."""
     try:
-        import liger_kernel  # noqa: F401
-        import liger_kernel.ops  # noqa: F401
+        import liger_kernel
+        import liger_kernel.ops  # the kernels live here
     except Exception:
         return None
     return liger_kernel
