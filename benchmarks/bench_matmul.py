@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
-import triton_transformer.bmm as bmm_module  # noqa: E402
+import triton_transformer.bmm as bmm_module
 
 SHAPES = [  # (K in, N out, relu²)
     (512, 1536, False),
@@ -56,7 +55,7 @@ def load_old(path: str | None):
 
 def layout_key(M: int, N: int, K: int, a: torch.Tensor, b: torch.Tensor) -> str:
     la, lb = bmm_module._layout(a), bmm_module._layout(b)
-    ch = lambda lay: "nt"[lay[0]] if lay else "s"  # noqa: E731
+    ch = lambda lay: "nt"[lay[0]] if lay else "s"
     return f"{M}x{N}x{K}:{ch(la)}{ch(lb)}"
 
 
@@ -114,14 +113,15 @@ def main() -> None:
                 gemm = f"{gm}x{gn}x{gk}"
                 ep = relu and mode == "fwd"
                 if mode == "fwd":
-                    ours = lambda x=x, w=w, ep=ep: bmm_module.linear_op(x, w, None, ep)  # noqa: E731
+                    ours = lambda x=x, w=w, ep=ep: bmm_module.linear_op(x, w, None, ep)
                 else:
-                    ours = lambda a=a, b=b: bmm_module.bmm_op(a, b)  # noqa: E731
+                    ours = lambda a=a, b=b: bmm_module.bmm_op(a, b)
                 with torch.no_grad():
                     t_ours = add("ours", M, K, N, mode, shape, gemm, timed(ours), flops)
                     t_torch = add("torch", M, K, N, mode, shape, gemm,
                                   timed(lambda a=a, b=b: torch.mm(a, b)), flops)  # fmt: skip
                     if ep:
+
                         def eager(x=x, w=w):
                             y = F.relu(F.linear(x, w))
                             return y * y
@@ -129,11 +129,12 @@ def main() -> None:
                         add("torch+relu²", M, K, N, mode, shape, gemm, timed(eager), flops)
                     if old is not None:
                         c = torch.empty(gm, gn, device=dev, dtype=bf16)
-                        fn = lambda a=a, b=b, c=c, ep=ep: old._matmul(  # noqa: E731
+                        fn = lambda a=a, b=b, c=c, ep=ep: old._matmul(
                             a[None], b[None], c[None], relu_squared=ep
                         )
                         add("old", M, K, N, mode, shape, gemm, timed(fn), flops)
                     if args.compile and mode == "fwd":
+
                         def expr(x, w, ep=ep):
                             y = F.linear(x, w)
                             if ep:
@@ -159,8 +160,11 @@ def main() -> None:
                     _, num_sms, _ = bmm_module._device_info(torch.cuda.current_device())
                     c = torch.empty(gm, gn, device=dev, dtype=bf16)
                     for split in (1, 2, 4, 8, 16):
-                        t = timed(lambda a=a, b=b, c=c, s=split: bmm_module._launch_tma(
-                            a, b, c, None, None, False, la, lb, s, num_sms))  # fmt: skip
+
+                        def run_split(a=a, b=b, c=c, s=split, la=la, lb=lb, n=num_sms):
+                            bmm_module._launch_tma(a, b, c, None, None, False, la, lb, s, n)
+
+                        t = timed(run_split)
                         if t:
                             extra["split_sweep"].append(
                                 {"M": M, "gemm": gemm, "split": split, "ms": t["ms"],
@@ -183,8 +187,9 @@ def main() -> None:
                     t1 = add("ours", M, K, N, "fwd+res", shape, f"{M}x{N}x{K}",
                              timed(lambda x=x, w=w, h=h: bmm_module.linear_op(x, w, h, False)),
                              flops)  # fmt: skip
-                    t2 = add("torch", M, K, N, "fwd+res", shape, f"{M}x{N}x{K}",
-                             timed(lambda x=x, w=w, h=h: torch.addmm(h, x, w.t())), flops)  # fmt: skip
+                    addmm = lambda x=x, w=w, h=h: torch.addmm(h, x, w.t())
+                    g = f"{M}x{N}x{K}"
+                    t2 = add("torch", M, K, N, "fwd+res", shape, g, timed(addmm), flops)
                 if t1 and t2:
                     print(f"{M=} {shape:14s} fwd+res: ours {t1:6.1f} addmm {t2:6.1f} "
                           f"({t1 / t2:.2f}x)", flush=True)  # fmt: skip
