@@ -404,12 +404,18 @@ def test_layout_for_tma():
     assert bmm_module._layout(base[:, 1:]) is None  # base 2 bytes off 16-byte alignment
     assert bmm_module._layout(torch.empty(8, 45, dtype=torch.bfloat16)) is None  # 90-byte rows
     assert bmm_module._layout(base[:, ::2]) is None  # no unit stride
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # what torch.compile traces with: no data pointers
+        fake = torch.empty(64, 48, dtype=torch.bfloat16)
+        assert bmm_module._layout(fake.t()) == (1, 48) and bmm_module._layout(fake[:, 1:]) is None
 
 
 def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
     plan = bmm_module._plan.__wrapped__
     bf16, fp32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(bmm_module, "COMPILE_TMA", False)
     monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
     monkeypatch.setattr(bmm_module, "CUBLAS_TABLE", {"H200": frozenset({"8192x512x512:nt"})})
     assert plan("cuda", 0, bf16, bf16, 8192, 2048, 512, 0, 1, True, "auto", None) == (
@@ -425,6 +431,7 @@ def test_plan_picks_paths(monkeypatch):
     assert plan("cuda", 0, bf16, fp32, 64, 60, 64, 0, 1, True, "auto", None)[0] == "tma"
     assert plan("cuda", 0, fp32, fp32, 64, 64, 64, 0, 1, False, "auto", None)[0] == "ptr"
     assert plan("cuda", 0, bf16, bf16, 64, 64, 64, 0, 1, False, "auto", "ptr")[0] == "ptr"
+    assert plan("cuda", 0, bf16, bf16, 64, 64, 64, 0, 1, True, "auto", None, True)[0] == "ptr"
     # Weight gradients (K = tokens, few output tiles) split K; forward shapes do not.
     assert plan("cuda", 0, bf16, bf16, 256, 512, 8192, 1, 0, False, "auto", None)[1] > 1
     assert plan("cuda", 0, bf16, bf16, 8192, 256, 512, 0, 1, False, "auto", None)[1] == 1
@@ -618,7 +625,13 @@ def test_cuda_graph_capture_gpu(device):
 
 
 @pytest.mark.gpu
-def test_compile_without_graph_breaks_gpu(device):
+@pytest.mark.parametrize("compile_tma", [True, False])
+def test_compile_without_graph_breaks_gpu(compile_tma, device, monkeypatch):
+    # Traced with the TMA kernel (inductor allocates its descriptor scratch) or the pointer one.
+    monkeypatch.setattr(bmm_module, "COMPILE_TMA", compile_tma)
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    torch._dynamo.reset()
+
     def f(x, w1, w2, q, k):
         h = linear(x, w1, "relu_squared", use_triton=True)
         out = linear(h, w2, use_triton=True, residual=x)
@@ -660,3 +673,5 @@ def test_autotune_cache_per_shape_gpu(device, monkeypatch):
     n = len(keys)
     linear(rand((1024, 512), torch.bfloat16, device), w, use_triton=True)
     assert len(bmm_module._mm_tma_tuned.cache) == n  # same shape: the cached config
+    # Eager launches after the first skip the autotuner: its pick is kept per problem.
+    assert any(k[:3] == (1024, 512, 512) for k in bmm_module._TUNED)

@@ -49,10 +49,15 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import cdiv, check_triton_tensor, next_power_of_2
+
+# What torch.compile hands an op body while tracing it.
+_TRACED_TENSORS = (FakeTensor, FunctionalTensor)
 
 ACTIVATIONS = (None, "relu_squared")
 MATMUL_IMPLS = ("auto", "triton", "cublas")
@@ -67,6 +72,9 @@ CUBLAS_TABLE: dict[str, frozenset[str]] = {}
 
 # Tests only: force a path ("tma", "ptr") where it is allowed.
 _FORCE_PATH: str | None = None
+
+# Whether torch.compile traces the TMA kernel (True) or the pointer kernel into its graphs.
+COMPILE_TMA = True
 
 # CUDA caps the 2nd grid dim (the batch here) at 65535; larger batches launch in chunks.
 _MAX_GRID_BATCH = 65535
@@ -337,6 +345,8 @@ def _tma_configs() -> list[triton.Config]:
     cfg = []
     for bm, bn, bk, stages, warps, sub in (
         (128, 256, 64, 3, 8, 2),
+        (128, 256, 64, 4, 8, 2),
+        (256, 128, 64, 3, 8, 1),
         (128, 128, 64, 4, 4, 1),
         (128, 128, 64, 4, 8, 1),
         (128, 128, 128, 3, 8, 1),
@@ -452,16 +462,17 @@ def _layout(x: torch.Tensor) -> tuple[int, int] | None:
     """(transposed, row stride) for a TMA descriptor of 2-D `x`, or None if TMA can't read it.
 
     Row-major (last stride 1) or a transposed view (first stride 1); the other stride and
-    the base address must be 16-byte aligned.
+    the start address must be 16-byte aligned. The start is judged by the storage offset
+    (PyTorch's allocators align storages to >= 256 bytes), so fake tensors work too.
     """
     s0, s1 = x.stride()
     es = x.element_size()
-    if x.data_ptr() % 16:
+    if (x.storage_offset() * es) % 16:
         return None
     if s1 == 1 and s0 > 0 and (s0 * es) % 16 == 0:
-        return 0, s0
+        return 0, int(s0)
     if s0 == 1 and s1 > 0 and (s1 * es) % 16 == 0:
-        return 1, s1
+        return 1, int(s1)
     return None
 
 
@@ -479,10 +490,13 @@ def _plan(
     epilogue: bool,
     impl: str,
     force: str | None,
+    tracing: bool = False,
 ) -> tuple:
     """How one 2-D problem runs: ("cublas",), ("tma", split_k, num_sms) or ("ptr", config).
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
+    tracing: torch.compile is tracing the op; the TMA kernel is used there only if
+    `COMPILE_TMA` (inductor must then provide the descriptors' scratch allocator).
     """
     if device_type != "cuda":
         return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
@@ -498,7 +512,7 @@ def _plan(
         and b_t >= 0
         and (N * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
     )
-    if force == "ptr" or not tma:
+    if force == "ptr" or not tma or (tracing and not COMPILE_TMA):
         return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
     return ("tma", 1 if epilogue else _split_k(M, N, K, num_sms), num_sms)
 
@@ -506,6 +520,11 @@ def _plan(
 def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Eager launches after the first: (grid, tuned config kwargs) per problem, so that the
+# autotuner's per-call work is skipped. Filled from the autotuner's pick.
+_TUNED: dict[tuple, tuple] = {}
 
 
 def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> None:
@@ -518,18 +537,38 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> 
     if split > 1:
         ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
     rs = r.stride() if r is not None else (0, 0)
+    args = (
+        a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
+        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split,
+    )  # fmt: skip
+    flags = {
+        "A_T": bool(a_lay[0]),
+        "B_T": bool(b_lay[0]),
+        "RELU_SQUARED": relu_squared,
+        "HAS_RESIDUAL": r is not None,
+        "STORE_AUX": aux is not None,
+        "SPLIT": split > 1,
+        "NUM_SMS": num_sms,
+    }
 
     def grid(meta):
         bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
         return (min(num_sms, ((M + bm - 1) // bm) * ((N + bn - 1) // bn) * split),)
 
-    wrap_triton(_mm_tma_tuned)[grid](
-        a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
-        M, N, K, a_lay[1], b_lay[1], c.stride(0), rs[0], rs[1], N, split,
-        A_T=bool(a_lay[0]), B_T=bool(b_lay[0]), RELU_SQUARED=relu_squared,
-        HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None, SPLIT=split > 1,
-        NUM_SMS=num_sms,
-    )  # fmt: skip
+    kernel = wrap_triton(_mm_tma_tuned)
+    if kernel is not _mm_tma_tuned:  # traced (torch.compile): inductor tunes and launches
+        kernel[grid](*args, **flags)
+    else:
+        key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
+        key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
+        tuned = _TUNED.get(key)
+        if tuned is not None:
+            _mm_tma_kernel[tuned[0]](*args, **flags, **tuned[1])
+        else:
+            _mm_tma_tuned[grid](*args, **flags)
+            best = getattr(_mm_tma_tuned, "best_config", None)
+            if best is not None:
+                _TUNED[key] = (grid(best.kwargs), best.all_kwargs())
     if split > 1:
         mn = M * N
         wrap_triton(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
@@ -588,12 +627,13 @@ def _mm2d_into(
         return
     epilogue = relu_squared or residual is not None
     device = a.device
+    M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         plan = _plan(
             "cuda", device.index, a.dtype, c.dtype, M, N, K,
             a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
-            epilogue, matmul_impl, _FORCE_PATH,
+            epilogue, matmul_impl, _FORCE_PATH, isinstance(a, _TRACED_TENSORS),
         )  # fmt: skip
         if plan[0] == "tma":
             _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2])
@@ -609,7 +649,7 @@ def _mm2d_into(
 
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """c[i] = a[i] @ b[i] for 3-D views of any strides (the pointer kernel; batch 1 is 2-D)."""
-    batch, M, K = a.shape
+    batch, M, K = (int(d) for d in a.shape)  # symbolic sizes: specialise
     if batch == 1:
         _mm2d_into(a[0], b[0], c[0])
         return
@@ -622,7 +662,7 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     if not interpret and matmul_impl == "cublas":
         torch.bmm(a, b, out=c)
         return
-    cfg = _ptr_config(M, b.shape[2], K, batch, a.dtype, interpret)
+    cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
     _launch_ptr(a, b, c, None, None, False, cfg, interpret)
 
 
