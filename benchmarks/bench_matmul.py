@@ -129,6 +129,8 @@ def main() -> None:
         row["TFLOP/s"] = tf
         row["frac"] = tf / peak
         rows.append(row)
+        with open(out / "rows.jsonl", "a") as f:  # partial results survive a timeout
+            f.write(json.dumps(row) + "\n")
         return tf
 
     for M in (8192,) if args.quick else (2048, 8192):

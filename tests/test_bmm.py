@@ -463,7 +463,7 @@ def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, sp
         M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split,
         A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
         HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, SPLIT=split > 1,
-        NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub,
+        NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
     )  # fmt: skip
     if split > 1:
         bmm_module._splitk_reduce_kernel[(-(-M * N // 256),)](ws, c, M * N, split, BLOCK=256)

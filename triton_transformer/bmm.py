@@ -250,6 +250,7 @@ def _mm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPI_SUB: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """Persistent TMA matmul: C = epilogue(A @ B) for 2-D A (M, K), B (K, N), C (M, N).
 
@@ -260,6 +261,7 @@ def _mm_tma_kernel(
     SPLIT: the K loop is cut into split_k chunks (work item = tile x chunk) whose fp32
     partials go to WS (split_k, M, N); `_splitk_reduce_kernel` sums them. No epilogue then.
     EPI_SUB = 2 stores the tile in two halves (less shared memory for the epilogue).
+    FLATTEN: software-pipeline across tiles (the next tile's loads overlap this epilogue).
     """
     if A_T:
         a_desc = tl.make_tensor_descriptor(A, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M])
@@ -283,7 +285,7 @@ def _mm_tma_kernel(
         k_chunk = k_tiles
         num_work = num_pid_m * num_pid_n
 
-    for work in tl.range(start_pid, num_work, NUM_SMS, flatten=True):
+    for work in tl.range(start_pid, num_work, NUM_SMS, flatten=FLATTEN):
         if SPLIT:
             tile_id = work // split_k
             k_lo = (work % split_k) * k_chunk
@@ -343,17 +345,20 @@ def _tma_configs() -> list[triton.Config]:
     (stages x (BM + BN) x BK x 2 bytes, plus the epilogue tile) stays under 227 KiB.
     """
     cfg = []
-    for bm, bn, bk, stages, warps, sub in (
-        (128, 256, 64, 3, 8, 2),
-        (128, 256, 64, 4, 8, 2),
-        (256, 128, 64, 3, 8, 1),
-        (128, 128, 64, 4, 4, 1),
-        (128, 128, 64, 4, 8, 1),
-        (128, 128, 128, 3, 8, 1),
-        (64, 128, 64, 4, 4, 1),
-        (128, 64, 64, 4, 4, 1),
+    for bm, bn, bk, stages, warps, sub, flat in (
+        (128, 256, 64, 3, 8, 2, True),
+        (128, 256, 64, 3, 8, 2, False),
+        (128, 256, 64, 4, 8, 2, True),
+        (256, 128, 64, 3, 8, 1, True),
+        (128, 128, 64, 4, 4, 1, True),
+        (128, 128, 64, 4, 4, 1, False),
+        (128, 128, 64, 4, 8, 1, True),
+        (128, 128, 128, 3, 8, 1, True),
+        (64, 128, 64, 4, 4, 1, True),
+        (128, 64, 64, 4, 4, 1, True),
     ):
         meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
+        meta["FLATTEN"] = flat
         cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
     return cfg
 
