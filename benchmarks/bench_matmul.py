@@ -202,6 +202,7 @@ def main() -> None:
 
                         t = timed(run_split)
                         if t:
+                            print(f"split {gemm} {split}: {flops / t['ms'] / 1e9:.0f} TFLOP/s")
                             extra["split_sweep"].append(
                                 {"M": M, "gemm": gemm, "split": split, "ms": t["ms"],
                                  "TFLOP/s": flops / t["ms"] / 1e9,
