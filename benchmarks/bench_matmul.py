@@ -11,10 +11,13 @@ Also: the fused residual forward (ours vs torch.addmm), the relu² backward's el
 d(pre) pass, a split-K sweep of the weight gradients, host wall time per `linear` call at a
 small shape (ours vs --old vs F.linear), and the autotuned config per shape.
 
-Writes <out>/matmul.{md,png,json}, <out>/matmul_extra.json, and <out>/cublas_table.json: the
-plain GEMMs where ours stayed below 0.9x cuBLAS, in the format of bmm.CUBLAS_TABLE.
+Writes <out>/matmul.{md,png,json}, <out>/matmul_extra.json, and <out>/matmul_table.json: per
+problem, "cublas" where our best kernel stayed below 0.9x cuBLAS (torch.addmm for residuals;
+never for relu²) and "ptr" where the pointer kernel beat the TMA one: bmm.MATMUL_TABLE's format.
 
 Usage: python3 benchmarks/bench_matmul.py --out DIR [--quick] [--old OLD_BMM.py] [--compile]
+           [--M 2048,8192] [--shapes 512->256,...] [--no-sweep] [--auto]
+(--old: e.g. `git show 9342bf6:triton_transformer/bmm.py > old_bmm.py`.)
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="M = 8192 only")
     parser.add_argument("--old", default=None, help="path of the previous bmm.py")
     parser.add_argument("--compile", action="store_true", help="add torch.compile (fwd)")
+    parser.add_argument("--M", default="2048,8192", help="token counts, comma-separated")
+    parser.add_argument("--shapes", default=None, help='e.g. "512->256,2048->512" (default all)')
+    parser.add_argument("--no-sweep", action="store_true", help="skip the split-K sweep")
+    parser.add_argument("--auto", action="store_true", help='add ours under matmul_impl="auto"')
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +124,8 @@ def main() -> None:
     ceil = common.ceilings()
     peak = ceil["bf16_tflops"]
     print(f"ceilings: {ceil}", flush=True)
-    bmm_module.matmul_impl = "triton"
-    rows, extra, table = [], {"split_sweep": [], "wall": [], "relu2_grad": []}, []
+    bmm_module.matmul_impl = "triton"  # "ours" is our kernel; "ours(auto)" the shipped policy
+    rows, extra, table = [], {"split_sweep": [], "wall": [], "relu2_grad": []}, {}
 
     def add(provider, M, K, N, mode, shape, gemm, t, flops):
         if t is None:
@@ -133,8 +140,12 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         return tf
 
-    for M in (8192,) if args.quick else (2048, 8192):
+    ms_list = [8192] if args.quick else [int(m) for m in args.M.split(",")]
+    wanted = None if args.shapes is None else set(args.shapes.split(","))
+    for M in ms_list:
         for K, N, relu in SHAPES:
+            if wanted is not None and f"{K}->{N}" not in wanted:
+                continue
             shape = f"{K}->{N}" + (" relu²" if relu else "")
             x = torch.randn(M, K, device=dev, dtype=bf16)
             w = torch.randn(N, K, device=dev, dtype=bf16) * K**-0.5
@@ -154,6 +165,13 @@ def main() -> None:
                     ours = lambda a=a, b=b: bmm_module.bmm_op(a, b)
                 with torch.no_grad():
                     t_ours = add("ours", M, K, N, mode, shape, gemm, timed(ours), flops)
+                    bmm_module._FORCE_PATH = "ptr"  # our pointer kernel, the other Triton path
+                    t_ptr = add("ours(ptr)", M, K, N, mode, shape, gemm, timed(ours), flops)
+                    bmm_module._FORCE_PATH = None
+                    if args.auto:
+                        bmm_module.matmul_impl = "auto"
+                        add("ours(auto)", M, K, N, mode, shape, gemm, timed(ours), flops)
+                        bmm_module.matmul_impl = "triton"
                     t_torch = add("torch", M, K, N, mode, shape, gemm,
                                   timed(lambda a=a, b=b: torch.mm(a, b)), flops)  # fmt: skip
                     if ep:
@@ -163,12 +181,13 @@ def main() -> None:
                             return y * y
 
                         add("torch+relu²", M, K, N, mode, shape, gemm, timed(eager), flops)
+                    t_old = None
                     if old is not None:
                         c = torch.empty(gm, gn, device=dev, dtype=bf16)
                         fn = lambda a=a, b=b, c=c, ep=ep: old._matmul(
                             a[None], b[None], c[None], relu_squared=ep
                         )
-                        add("old", M, K, N, mode, shape, gemm, timed(fn), flops)
+                        t_old = add("old", M, K, N, mode, shape, gemm, timed(fn), flops)
                     if args.compile and mode == "fwd":
 
                         def expr(x, w, ep=ep):
@@ -181,17 +200,19 @@ def main() -> None:
                         cf = common.compiled(expr)
                         add("compile", M, K, N, mode, shape, gemm,
                             timed(lambda x=x, w=w, cf=cf: cf(x, w)), flops)  # fmt: skip
-                if t_ours and t_torch and not ep:
-                    ratio = t_ours / t_torch
-                    print(f"{M=} {shape:14s} {mode}: ours {t_ours:6.1f} torch {t_torch:6.1f} "
-                          f"TFLOP/s ({ratio:.2f}x)", flush=True)  # fmt: skip
-                    if ratio < 0.9:
-                        table.append(layout_key(gm, gn, gk, a, b))
-                elif t_ours and t_torch:
-                    print(f"{M=} {shape:14s} {mode}: ours {t_ours:6.1f} torch(mm only) "
-                          f"{t_torch:6.1f} ({t_ours / t_torch:.2f}x)", flush=True)  # fmt: skip
+                if t_ours and t_torch:
+                    t_ptr = t_ptr or 0.0
+                    key = layout_key(gm, gn, gk, a, b) + ("+relu2" if ep else "")
+                    # relu² stays in Triton: the faster of our two kernels.
+                    table[key] = "ptr" if t_ptr > t_ours else None
+                    if not ep and max(t_ours, t_ptr) < 0.9 * t_torch:
+                        table[key] = "cublas"
+                    choice = table[key] or "tma"
+                    print(f"{M=} {shape:14s} {mode}: tma {t_ours:5.0f} ptr {t_ptr:5.0f} "
+                          f"old {t_old or 0:5.0f} torch{'(mm only)' if ep else ''} "
+                          f"{t_torch:5.0f} TFLOP/s -> {choice}", flush=True)  # fmt: skip
 
-                if mode == "dW":  # split-K sweep of the weight gradient
+                if mode == "dW" and not args.no_sweep:  # split-K sweep of the weight gradient
                     la, lb = bmm_module._layout(a), bmm_module._layout(b)
                     _, num_sms, _ = bmm_module._device_info(torch.cuda.current_device())
                     c = torch.empty(gm, gn, device=dev, dtype=bf16)
@@ -228,6 +249,8 @@ def main() -> None:
                     g = f"{M}x{N}x{K}"
                     t2 = add("torch", M, K, N, "fwd+res", shape, g, timed(addmm), flops)
                 if t1 and t2:
+                    key = layout_key(M, N, K, x, w.t()) + "+res"
+                    table[key] = "cublas" if t2 > t1 else None
                     print(f"{M=} {shape:14s} fwd+res: ours {t1:6.1f} addmm {t2:6.1f} "
                           f"({t1 / t2:.2f}x)", flush=True)  # fmt: skip
 
@@ -274,12 +297,13 @@ def main() -> None:
         str(k): str(v) for k, v in getattr(bmm_module._mm_tma_tuned, "cache", {}).items()
     }
     name = torch.cuda.get_device_name()
-    (out / "cublas_table.json").write_text(json.dumps({name: sorted(set(table))}, indent=1))
+    table = {k: v for k, v in sorted(table.items()) if v}
+    (out / "matmul_table.json").write_text(json.dumps({name: table}, indent=1))
     (out / "matmul_extra.json").write_text(json.dumps(extra, indent=1))
     common.report(out, "matmul", rows, x="M", y="TFLOP/s", group=("shape", "mode"))
     print(json.dumps(extra["split_sweep"]))
     print(json.dumps(extra["relu2_grad"]))
-    print("cuBLAS table:", sorted(set(table)))
+    print("MATMUL_TABLE entries:", json.dumps(table))
 
 
 if __name__ == "__main__":

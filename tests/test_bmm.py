@@ -413,39 +413,53 @@ def test_layout_for_tma():
 
 def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
-    plan = bmm_module._plan.__wrapped__
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     monkeypatch.setattr(bmm_module, "COMPILE_TMA", False)
     monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
-    monkeypatch.setattr(bmm_module, "CUBLAS_TABLE", {"H200": frozenset({"8192x512x512:nt"})})
-    assert plan("cuda", 0, bf16, bf16, 8192, 2048, 512, 0, 1, True, "auto", None) == (
-        "tma", 1, 132,
-    )  # fmt: skip
-    assert plan("cuda", 0, bf16, bf16, 8192, 512, 512, 0, 1, False, "auto", None) == ("cublas",)
-    assert plan("cuda", 0, bf16, bf16, 8192, 512, 512, 0, 1, False, "triton", None)[0] == "tma"
-    assert plan("cuda", 0, bf16, bf16, 8192, 512, 512, 0, 1, False, "auto", "tma")[0] == "tma"
-    assert plan("cuda", 0, bf16, bf16, 8192, 512, 512, 0, 1, True, "cublas", None)[0] == "tma"
-    assert plan("cuda", 0, bf16, bf16, 2048, 512, 512, 0, 1, False, "cublas", None) == ("cublas",)
-    assert plan("cuda", 0, bf16, bf16, 64, 64, 64, -1, 1, False, "auto", None)[0] == "ptr"
-    assert plan("cuda", 0, bf16, bf16, 64, 60, 64, 0, 1, False, "auto", None)[0] == "ptr"
-    assert plan("cuda", 0, bf16, fp32, 64, 60, 64, 0, 1, True, "auto", None)[0] == "tma"
-    assert plan("cuda", 0, fp32, fp32, 64, 64, 64, 0, 1, False, "auto", None)[0] == "ptr"
-    assert plan("cuda", 0, bf16, bf16, 64, 64, 64, 0, 1, False, "auto", "ptr")[0] == "ptr"
-    assert plan("cuda", 0, bf16, bf16, 64, 64, 64, 0, 1, True, "auto", None, True)[0] == "ptr"
+    table = {"8192x512x512:nt": "cublas", "64x64x64:nn": "ptr", "64x64x64:nt+res": "cublas"}
+    monkeypatch.setattr(bmm_module, "MATMUL_TABLE", {"H200": table})
+
+    def plan(M, N, K, a_t=0, b_t=1, epi="", impl="auto", force=None, tracing=False, ok=None):
+        ok = epi in ("", "+res") if ok is None else ok
+        return bmm_module._plan.__wrapped__(
+            "cuda", 0, bf16, M, N, K, a_t, b_t, epi, ok, 2, impl, force, tracing
+        )
+
+    assert plan(8192, 2048, 512, epi="+relu2") == ("tma", 1, 132)
+    assert plan(8192, 512, 512) == ("cublas",)  # listed
+    assert plan(8192, 512, 512, a_t=1, b_t=0)[0] == "tma"  # another layout: not listed
+    assert plan(8192, 512, 512, impl="triton")[0] == "tma"
+    assert plan(8192, 512, 512, force="tma")[0] == "tma"
+    assert plan(8192, 512, 512, ok=False)[0] == "tma"  # e.g. a residual of another dtype
+    assert plan(8192, 512, 512, epi="+relu2", impl="cublas")[0] == "tma"  # relu²: never cuBLAS
+    assert plan(2048, 512, 512, impl="cublas") == ("cublas",)
+    assert plan(64, 64, 64, epi="+res") == ("cublas",)  # addmm
+    assert plan(64, 64, 64, b_t=0)[0] == "ptr"  # the table's "ptr"
+    assert plan(64, 64, 64, a_t=-1)[0] == "ptr"  # TMA can't describe a
+    assert plan(64, 60, 64)[0] == "ptr"  # 120-byte output rows
+    assert plan(64, 64, 64, force="ptr")[0] == "ptr"
+    assert plan(64, 64, 64, epi="+relu2", tracing=True)[0] == "ptr"  # COMPILE_TMA off
     # Weight gradients (K = tokens, few output tiles) split K; forward shapes do not.
-    assert plan("cuda", 0, bf16, bf16, 256, 512, 8192, 1, 0, False, "auto", None)[1] > 1
-    assert plan("cuda", 0, bf16, bf16, 8192, 256, 512, 0, 1, False, "auto", None)[1] == 1
+    assert plan(256, 512, 8192, a_t=1, b_t=0)[1] > 1
+    assert plan(8192, 256, 512)[1] == 1
     monkeypatch.setattr(bmm_module, "_device_info", lambda i: (8, 108, "A100"))
-    assert plan("cuda", 0, bf16, bf16, 8192, 2048, 512, 0, 1, True, "auto", None)[0] == "ptr"
+    assert plan(8192, 2048, 512, epi="+relu2")[0] == "ptr"
+    assert plan(8192, 512, 512)[0] == "ptr"  # no table for this device, no TMA
 
 
 def test_split_k_choice():
-    for M, N, K in [(256, 512, 8192), (512, 512, 8192), (1536, 512, 2048), (256, 512, 2048)]:
-        split = bmm_module._split_k(M, N, K, 132)
-        tiles = -(-M // 128) * -(-N // 128)
-        assert split > 1 and tiles * split <= 132 and K // split >= 256
+    # Measured best splits on an H200 (bench_matmul.py's sweep): the heuristic reproduces them.
+    best = {(1536, 512, 2048): 1, (512, 512, 2048): 4, (2048, 512, 2048): 1,
+            (512, 2048, 2048): 1, (256, 512, 2048): 4, (1536, 512, 8192): 4,
+            (512, 512, 8192): 8, (2048, 512, 8192): 4, (512, 2048, 8192): 4}  # fmt: skip
+    for (M, N, K), split in best.items():
+        assert bmm_module._split_k(M, N, K, 132) == split, (M, N, K)
     assert bmm_module._split_k(8192, 2048, 512, 132) == 1
     assert bmm_module._split_k(512, 512, 512, 132) == 1  # short K: not worth a second kernel
+    for M, N, K in [(128, 128, 1 << 20), (1, 1, 1 << 16), (4096, 4096, 1 << 16)]:
+        split = bmm_module._split_k(M, N, K, 132)
+        tiles = -(-M // 128) * -(-N // 128)
+        assert 1 <= split <= 16 and (split == 1 or tiles * split <= 2 * 132)
 
 
 def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1):
@@ -562,6 +576,13 @@ def test_matmul_impl_gpu(impl, device, monkeypatch):
     monkeypatch.setattr(bmm_module, "matmul_impl", impl)
     check_linear_bf16(2048, 512, 512, None, device)
     check_linear_bf16(2048, 512, 2048, "relu_squared", device)  # the epilogue stays Triton
+    # A residual of the same dtype goes to torch.addmm under "cublas" (and where listed).
+    x = rand((2048, 2048), torch.bfloat16, device, mean=0.1)
+    w = rand((512, 2048), torch.bfloat16, device, mean=-0.01, std=2048**-0.5)
+    h = rand((2048, 512), torch.bfloat16, device, mean=1.0)
+    y = linear(x, w, use_triton=True, residual=h)
+    ref = linear(x.double(), w.double(), residual=h.double())
+    assert rel_err(y.double() - h.double(), ref - h.double()) < 1e-2
 
 
 @pytest.mark.gpu

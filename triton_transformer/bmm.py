@@ -15,7 +15,7 @@ Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype
   16 for the output). `_mm_tma_kernel` is persistent (one program per SM looping over tiles
   in grouped order), loads tiles with device-side tensor descriptors
   (`tl.make_tensor_descriptor`; its scratch comes from `triton.set_allocator`) and is
-  autotuned per (M, N, K, layout, epilogue, dtype) over `_TMA_CONFIGS`. A transposed
+  autotuned per (M, N, K, layout, epilogue, dtype) over `_tma_configs()`. A transposed
   operand (W read as (K, N) in the backward, dY^T for dW) is a descriptor of the untransposed
   storage whose tile is transposed in shared memory: no copies. Problems with few output
   tiles and a long K (the weight gradients, K = tokens) split K over programs
@@ -25,10 +25,23 @@ Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype
   batched bmm (attention), and layouts TMA cannot describe.
 - "interp": the same pointer kernel with small tiles and fp32 products for bf16 (the
   interpreter has no bf16 arithmetic); picked when tensors are not on CUDA (CPU tests).
-- "cublas": torch.mm, for plain projections only (never with an epilogue), when
-  `matmul_impl == "cublas"`, or `"auto"` and the shape is listed for this device in
-  `CUBLAS_TABLE` (measured by benchmarks/bench_matmul.py: shapes where our kernel stayed
-  below 0.9x cuBLAS). Fused epilogues (relu², residual) always run in Triton.
+- "cublas": torch.mm (torch.addmm for a residual, cuBLAS's own C-input epilogue), never with
+  relu², when `matmul_impl == "cublas"`, or `"auto"` and `MATMUL_TABLE` says so for this
+  device and problem. `MATMUL_TABLE` also sends a few problems to "ptr" where that kernel
+  measured faster than the TMA one.
+
+Which path each projection of the model takes on an H200 under "auto" (measured with
+benchmarks/bench_matmul.py, kernel times with L2 flushed; triton 3.6, torch 2.11), and why:
+- forward relu² (proj_in, 512 -> 2048): Triton, fused (TMA kernel at 8192 tokens: 528
+  TFLOP/s, 0.90x a plain torch.mm of the same shape and 1.9x PyTorch's mm + relu + square;
+  pointer kernel at 2048 tokens: 359 TFLOP/s, 0.79x of mm, 1.5x of mm + relu + square).
+- every plain GEMM (forward, dX, dW of to_qkv, to_out, proj_out, to_logits; dX and dW of
+  proj_in after the elementwise d(pre) pass): cuBLAS, where our best kernel reached
+  0.59-0.88x of it (weight gradients and 2048-token problems lose most: few output tiles,
+  K = 512 leaves little to pipeline). Exceptions: proj_out dX at 8192 tokens (TMA, 0.91x)
+  and to_logits dX at 2048 (pointer kernel, 0.91x).
+- residual adds without relu²: cuBLAS's addmm (our epilogue reads the residual with plain
+  loads in the accumulator layout, 0.40-0.79x of addmm).
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
 relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and
@@ -62,13 +75,51 @@ _TRACED_TENSORS = (FakeTensor, FunctionalTensor)
 ACTIVATIONS = (None, "relu_squared")
 MATMUL_IMPLS = ("auto", "triton", "cublas")
 
-# Which GEMM runs plain projections: "auto" (Triton unless CUBLAS_TABLE lists the shape for
-# this device), "triton" or "cublas". A module-level setting, read once per call.
+# Which GEMM runs a problem: "auto" (MATMUL_TABLE's choice for this device and shape, else the
+# TMA kernel on Hopper), "triton" (never cuBLAS) or "cublas" (cuBLAS for every problem it can
+# compute: plain products and residual adds, never relu²). Module-level, read once per call.
 matmul_impl = "auto"
 
-# Shapes where torch.mm (cuBLAS) beat our kernel by more than 10% in benchmarks/bench_matmul.py,
-# per device name: "MxNxK:AB" with A/B = "n" (row-major) or "t" (transposed view).
-CUBLAS_TABLE: dict[str, frozenset[str]] = {}
+# Measured choices per device name and problem: "MxNxK:AB[+relu2][+res]" with A/B = "n"
+# (row-major) or "t" (a transposed view) -> "cublas" or "ptr". Problems not listed run the
+# TMA kernel. From benchmarks/bench_matmul.py (kernel times, L2 flushed) on an H200, triton
+# 3.6, torch 2.11, 2026-11-22, at the model's projections for 2048 and 8192 tokens:
+# "cublas" where our best kernel stayed below 0.9x torch.mm (torch.addmm for "+res");
+# "ptr" where the pointer kernel beat the TMA one. relu² never goes to cuBLAS.
+MATMUL_TABLE: dict[str, dict[str, str]] = {
+    "NVIDIA H200": {
+        # 2048 tokens
+        "2048x1536x512:nt": "cublas",  # to_qkv fwd: best 0.69x
+        "2048x512x1536:nn": "cublas",  # to_qkv dX: 0.69x
+        "1536x512x2048:tn": "cublas",  # to_qkv dW: 0.61x
+        "2048x512x512:nt": "cublas",  # to_out fwd: 0.85x
+        "2048x512x512:nn": "cublas",  # to_out dX: 0.82x
+        "512x512x2048:tn": "cublas",  # to_out dW: 0.59x
+        "2048x512x512:nt+res": "cublas",  # to_out + residual: 0.79x of addmm
+        "2048x2048x512:nt+relu2": "ptr",  # proj_in fwd: ptr 359, TMA 337 TFLOP/s
+        "2048x512x2048:nn": "cublas",  # proj_in dX: 0.63x
+        "2048x512x2048:tn": "cublas",  # proj_in dW: 0.68x
+        "2048x512x2048:nt": "cublas",  # proj_out fwd: 0.66x
+        "2048x2048x512:nn": "cublas",  # proj_out dX: 0.84x
+        "512x2048x2048:tn": "cublas",  # proj_out dW: 0.66x
+        "2048x512x2048:nt+res": "cublas",  # proj_out + residual: 0.40x of addmm
+        "2048x256x512:nt": "cublas",  # to_logits fwd: 0.86x
+        "2048x512x256:nn": "ptr",  # to_logits dX: ptr 0.91x
+        "256x512x2048:tn": "cublas",  # to_logits dW: 0.59x
+        # 8192 tokens
+        "8192x1536x512:nt": "cublas",  # 0.87x
+        "8192x512x1536:nn": "cublas",  # 0.85x
+        "1536x512x8192:tn": "cublas",  # 0.77x
+        "8192x512x512:nt": "cublas",  # 0.82x
+        "8192x512x512:nn": "cublas",  # 0.86x
+        "512x512x8192:tn": "cublas",  # 0.79x
+        "8192x512x512:nt+res": "cublas",  # 0.71x of addmm
+        "8192x512x2048:nn": "cublas",  # proj_in dX: 0.83x
+        "2048x512x8192:tn": "cublas",  # proj_in dW: 0.78x
+        "8192x512x2048:nt": "cublas",  # proj_out fwd: 0.88x
+        "512x2048x8192:tn": "cublas",  # proj_out dW: 0.77x
+    }
+}
 
 # Tests only: force a path ("tma", "ptr") where it is allowed.
 _FORCE_PATH: str | None = None
@@ -455,12 +506,18 @@ def _device_info(index: int) -> tuple[int, int, str]:
 
 
 def _split_k(M: int, N: int, K: int, num_sms: int) -> int:
-    """K chunks for the TMA kernel: > 1 when 128x128 output tiles would leave most SMs idle
-    and K is long (weight gradients, K = tokens); each chunk keeps >= 4 K tiles of 64."""
+    """K chunks for the TMA kernel when 128x128 output tiles would leave SMs idle and K is
+    long (weight gradients: K = tokens). From the split sweep of bench_matmul.py on an H200:
+    >= 32 tiles want K chunks of ~2048 within two waves; fewer tiles want chunks of ~512
+    within one wave."""
     tiles = cdiv(M, 128) * cdiv(N, 128)
-    if 2 * tiles > num_sms or K < 1024:
+    if tiles >= num_sms:
         return 1
-    return max(1, min(num_sms // tiles, K // 256, 16))
+    if tiles >= 32:
+        split, cap = K // 2048, 2 * num_sms // tiles
+    else:
+        split, cap = K // 512, num_sms // tiles
+    return max(1, min(split, cap, 16))
 
 
 def _layout(x: torch.Tensor) -> tuple[int, int] | None:
@@ -486,13 +543,14 @@ def _plan(
     device_type: str,
     index: int,
     dtype: torch.dtype,
-    out_dtype: torch.dtype,
     M: int,
     N: int,
     K: int,
     a_t: int,
     b_t: int,
-    epilogue: bool,
+    epi: str,
+    cublas_ok: bool,
+    out_size: int,
     impl: str,
     force: str | None,
     tracing: bool = False,
@@ -500,26 +558,38 @@ def _plan(
     """How one 2-D problem runs: ("cublas",), ("tma", split_k, num_sms) or ("ptr", config).
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
+    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm can compute
+    it (no relu², one dtype throughout). out_size: the output's element size in bytes.
     tracing: torch.compile is tracing the op; the TMA kernel is used there only if
     `COMPILE_TMA` (inductor must then provide the descriptors' scratch allocator).
     """
     if device_type != "cuda":
         return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
     major, num_sms, name = _device_info(index)
-    if not epilogue and out_dtype == dtype and force is None:
-        key = f"{M}x{N}x{K}:{'nt'[a_t] if a_t >= 0 else 's'}{'nt'[b_t] if b_t >= 0 else 's'}"
-        if impl == "cublas" or (impl == "auto" and key in CUBLAS_TABLE.get(name, ())):
-            return ("cublas",)
+    choice = None
+    if impl == "auto" and force is None:
+        lay = ("nt"[a_t] if a_t >= 0 else "s") + ("nt"[b_t] if b_t >= 0 else "s")
+        choice = MATMUL_TABLE.get(name, {}).get(f"{M}x{N}x{K}:{lay}{epi}")
+    if cublas_ok and force is None and (impl == "cublas" or choice == "cublas"):
+        return ("cublas",)
     tma = (
         major in (9, 10)
         and dtype in (torch.float16, torch.bfloat16)
         and a_t >= 0
         and b_t >= 0
-        and (N * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
+        and (N * out_size) % 16 == 0
     )
-    if force == "ptr" or not tma or (tracing and not COMPILE_TMA):
+    if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
         return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
-    return ("tma", 1 if epilogue else _split_k(M, N, K, num_sms), num_sms)
+    return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
+
+
+_EPI = {  # (relu², residual) -> the table's key suffix
+    (False, False): "",
+    (True, False): "+relu2",
+    (False, True): "+res",
+    (True, True): "+relu2+res",
+}
 
 
 def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -630,23 +700,30 @@ def _mm2d_into(
         if aux is not None:
             aux.zero_()
         return
-    epilogue = relu_squared or residual is not None
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
+        epi = _EPI[relu_squared, residual is not None]
+        cublas_ok = not relu_squared and c.dtype == a.dtype
+        if residual is not None:
+            cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
-            "cuda", device.index, a.dtype, c.dtype, M, N, K,
+            "cuda", device.index, a.dtype, M, N, K,
             a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
-            epilogue, matmul_impl, _FORCE_PATH, isinstance(a, _TRACED_TENSORS),
+            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
+            isinstance(a, _TRACED_TENSORS),
         )  # fmt: skip
         if plan[0] == "tma":
             _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2])
             return
     else:
-        plan = _plan(device.type, 0, a.dtype, c.dtype, M, N, K, -1, -1, epilogue, "triton", None)
-    if plan[0] == "cublas":
-        torch.mm(a, b, out=c)
+        plan = _plan(device.type, 0, a.dtype, M, N, K, -1, -1, "", False, 0, "triton", None)
+    if plan[0] == "cublas":  # plain, or the residual as cuBLAS's own C input (beta = 1)
+        if residual is None:
+            torch.mm(a, b, out=c)
+        else:
+            torch.addmm(residual, a, b, out=c)
     else:
         interpret = device.type != "cuda"
         _launch_ptr(a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret)
