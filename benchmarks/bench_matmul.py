@@ -267,6 +267,7 @@ def main() -> None:
         "ours": lambda x, w: bmm_module.linear(x, w, use_triton=True),
         "ours:op": lambda x, w: bmm_module.linear_op(x, w, None, False),
         "ours:launch": kernel_only,
+        "ours:cublas": lambda x, w: bmm_module.linear_op(x, w, None, False),
         "F.linear": F.linear,
     }
     if old is not None:
@@ -276,7 +277,8 @@ def main() -> None:
             xx = x.clone().requires_grad_(mode != "fwd")
             ww = w.clone().requires_grad_(mode != "fwd")
 
-            def call(fn=fn, xx=xx, ww=ww, mode=mode):
+            def call(fn=fn, xx=xx, ww=ww, mode=mode, name=name):
+                bmm_module.matmul_impl = "cublas" if name == "ours:cublas" else "auto"
                 y = fn(xx, ww)
                 if mode != "fwd":
                     y.backward(torch.ones_like(y))

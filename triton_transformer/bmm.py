@@ -982,12 +982,13 @@ def linear(
         return y if residual is None else y + residual
     check_triton_tensor(x, "x")
     check_triton_tensor(weight, "weight")
-    M = math.prod(x.shape[:-1])
-    x2 = x.reshape(M, x.shape[-1])
+    two_d = x.dim() == 2  # the common case: no reshapes on the way in or out
+    M = x.shape[0] if two_d else math.prod(x.shape[:-1])
+    x2 = x if two_d else x.reshape(M, x.shape[-1])
     r2 = None
     if residual is not None:
         check_triton_tensor(residual, "residual")
-        r2 = residual.reshape(M, weight.shape[0])
+        r2 = residual if two_d else residual.reshape(M, weight.shape[0])
     # The backward needs relu(pre) itself (fp16, or a residual: see the module docstring).
     save_relu = (
         relu_squared
@@ -999,4 +1000,4 @@ def linear(
         y2 = linear_relu2_op(x2, weight, r2)[0]
     else:
         y2 = linear_op(x2, weight, r2, relu_squared)
-    return y2.view(out_shape)
+    return y2 if two_d else y2.view(out_shape)
