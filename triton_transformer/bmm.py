@@ -51,6 +51,10 @@ forward epilogue also writes relu(pre) (one extra M×N tensor, the memory PyTorc
 relu-then-square keeps) and the backward uses it; likewise with a residual, where y no longer
 determines relu(pre). d(pre) is one elementwise pass; then dX = d(pre) @ W and
 dW = d(pre)^T @ X are two plain GEMMs.
+
+Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
+a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
+torch.compile the Triton paths run the pointer kernel unless `COMPILE_TMA` is set.
 """
 
 from __future__ import annotations
@@ -118,14 +122,22 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
         "2048x512x8192:tn": "cublas",  # proj_in dW: 0.78x
         "8192x512x2048:nt": "cublas",  # proj_out fwd: 0.88x
         "512x2048x8192:tn": "cublas",  # proj_out dW: 0.77x
+        # Not measured (the benchmark run ended first); from the same problems at 2048
+        # tokens (0.40-0.59x). Confirm with: bench_matmul.py --M 8192 --shapes 512->256,2048->512
+        "8192x512x2048:nt+res": "cublas",  # proj_out + residual
+        "8192x256x512:nt": "cublas",  # to_logits fwd
+        "8192x512x256:nn": "cublas",  # to_logits dX
+        "256x512x8192:tn": "cublas",  # to_logits dW
     }
 }
 
 # Tests only: force a path ("tma", "ptr") where it is allowed.
 _FORCE_PATH: str | None = None
 
-# Whether torch.compile traces the TMA kernel (True) or the pointer kernel into its graphs.
-COMPILE_TMA = True
+# Whether torch.compile traces the TMA kernel (True) or the pointer kernel (False) into its
+# graphs. Off until verified on the GPU machine (tests/test_bmm.py's compile test runs both):
+# inductor must then allocate the device-side descriptors' scratch itself.
+COMPILE_TMA = False
 
 # CUDA caps the 2nd grid dim (the batch here) at 65535; larger batches launch in chunks.
 _MAX_GRID_BATCH = 65535
