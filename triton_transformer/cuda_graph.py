@@ -19,12 +19,24 @@ replays it from then on; the call that captures also replays, so every call is o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+@functools.cache
+def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """The side stream on which warm-up and capture run (one per device).
+
+    Whatever must be set up on the stream a graph is captured on uses it too: DDP, for one,
+    is constructed under it, so that the gradient-accumulation nodes it keeps belong to the
+    capture stream.
+    """
+    return torch.cuda.Stream(device)
 
 
 class GraphedStep(Generic[T]):
@@ -46,7 +58,7 @@ class GraphedStep(Generic[T]):
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._outputs: T | None = None
-        self._side = torch.cuda.Stream()
+        self._side = capture_stream(torch.cuda.current_device())
 
     @property
     def captured(self) -> bool:
@@ -66,7 +78,7 @@ class GraphedStep(Generic[T]):
             torch.cuda.current_stream().wait_stream(self._side)
             return out
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=self._side):
             self._outputs = self.step_fn()
         self.graph = graph
         graph.replay()  # capture records the kernels without running them: run this step
