@@ -31,8 +31,10 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "METRICS_NAME",
     "SAMPLES_NAME",
+    "CheckpointError",
     "atomic_save",
     "capture_rng_state",
+    "check_model_matches",
     "find_checkpoint",
     "load_checkpoint",
     "load_model",
@@ -47,6 +49,12 @@ CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
 SAMPLES_NAME = "samples.jsonl"
 CHECKPOINT_VERSION = 1
+# model fields that change the parameters' shapes: a checkpoint only loads into the same ones
+SHAPE_FIELDS = ("num_tokens", "dim", "depth", "heads", "dim_head", "max_seq_len", "ff_mult")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: unreadable, truncated, foreign, or of another model."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -79,10 +87,39 @@ def load_checkpoint(
     """Load a checkpoint dict (safe `weights_only` unpickling). mmap=True reads tensors
     lazily: cheap when only the config or step is needed."""
     path = find_checkpoint(path)
-    ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (a crash while it was copied?); no checkpoint")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint (truncated or not written by train.py: {first})"
+        ) from e
+    if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= set(ckpt):
+        raise CheckpointError(
+            f"{path} is not a triton-transformer checkpoint (got a {type(ckpt).__name__} "
+            "without model/config/step)"
+        )
     if ckpt.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path}: unsupported checkpoint version {ckpt.get('version')!r}")
+        raise CheckpointError(f"{path}: unsupported checkpoint version {ckpt.get('version')!r}")
     return ckpt
+
+
+def check_model_matches(ckpt: dict, config: Config, source: str | Path) -> None:
+    """Raise CheckpointError naming every model field whose value differs from the
+    checkpoint's in a way that changes parameter shapes."""
+    saved = ckpt["config"].get("model", {})
+    diffs = [
+        f"model.{name}={getattr(config.model, name)} (checkpoint: {saved[name]})"
+        for name in SHAPE_FIELDS
+        if name in saved and saved[name] != getattr(config.model, name)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{source} holds a model of another shape: {', '.join(diffs)}. A resumed run keeps "
+            "its model: drop those overrides, or start a new run"
+        )
 
 
 def load_model(
@@ -90,7 +127,10 @@ def load_model(
 ) -> tuple[Transformer, Config]:
     """Rebuild the trained Transformer from a checkpoint (eval mode) and its Config."""
     ckpt = load_checkpoint(path)
-    config = config_from_dict(ckpt["config"])
+    try:
+        config = config_from_dict(ckpt["config"])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: its config is not valid: {e}") from e
     kwargs = asdict(config.model)
     if exists(use_triton):
         kwargs["use_triton"] = use_triton

@@ -128,10 +128,17 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation (loss, bits per byte) and text samples; an interval of 0 turns it off."""
+    """Validation (loss, bits per byte) and text samples; an interval of 0 turns it off.
+
+    The validation set is a function of the data and these fields only (never of the batch
+    size or the number of processes): the split cut into consecutive train.seq_len windows,
+    of which every `eval_every` steps at most max_bytes // seq_len are scored, spread evenly
+    over the whole split. With `full_at_end` the run's last step also scores every window.
+    """
 
     eval_every: int = 100
-    eval_batches: int = 50  # fixed, deterministic windows of the validation split
+    max_bytes: int = 131_072  # labels scored per periodic validation; 0: the whole split
+    full_at_end: bool = True  # after the last step, score the whole validation split
     generate_every: int = 500
     prime_len: int = 128  # prompt taken from the validation split
     generate_len: int = 512
@@ -261,6 +268,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
     config = Config()
+    data = _upgrade_legacy_keys(data)
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}' (valid: {', '.join(SECTIONS)})")
@@ -271,6 +279,23 @@ def config_from_dict(data: dict[str, Any]) -> Config:
             _, _, typ = _resolve_key(key)
             setattr(getattr(config, section), name, _coerce(key, value, typ))
     return config
+
+
+def _upgrade_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Configs (and checkpoints) from before eval.max_bytes had eval.eval_batches, a number
+    of batches whose bytes depended on the batch size: keep the same byte budget."""
+    ev = data.get("eval")
+    if not isinstance(ev, dict) or "eval_batches" not in ev:
+        return data
+    ev = dict(ev)
+    batches = ev.pop("eval_batches")
+    if "max_bytes" not in ev and isinstance(batches, int):
+        t = data.get("train") if isinstance(data.get("train"), dict) else {}
+        batch = t.get("batch_size", TrainConfig.batch_size)
+        seq = t.get("seq_len", TrainConfig.seq_len)
+        if isinstance(batch, int) and isinstance(seq, int):
+            ev["max_bytes"] = batches * batch * seq
+    return {**data, "eval": ev}
 
 
 def apply_overrides(config: Config, overrides: list[tuple[str, Any]] | None) -> Config:
@@ -413,7 +438,7 @@ def _check(c: Config) -> list[str]:
         p.append("train.precision='bf16' needs a CUDA device (train.device='cpu'); use 'fp32'")
 
     non_negative("eval.eval_every", e.eval_every)
-    positive("eval.eval_batches", e.eval_batches)
+    non_negative("eval.max_bytes", e.max_bytes)
     non_negative("eval.generate_every", e.generate_every)
     positive("eval.prime_len", e.prime_len)
     positive("eval.generate_len", e.generate_len)

@@ -13,13 +13,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
-from triton_transformer.data import decode_tokens, eval_batches
+from triton_transformer.data import decode_tokens, eval_window_starts, windows_at
 from triton_transformer.distributed import DistInfo, all_reduce_sum
 
-__all__ = ["evaluate_loss", "fork_rng", "sample_from_split"]
+__all__ = ["evaluate_loss", "fork_rng", "generate_text", "sample_from_split"]
 
+SINGLE_PROCESS = DistInfo()  # rank 0 of 1
 AutocastFactory = Callable[[], contextlib.AbstractContextManager]
 
 
@@ -34,39 +36,50 @@ def evaluate_loss(
     model: nn.Module,
     data: np.ndarray,
     *,
-    batch_size: int,
     seq_len: int,
-    max_batches: int | None,
+    max_bytes: int,
+    batch_size: int,
     device: torch.device,
     autocast: AutocastFactory,
-    dist: DistInfo,
+    dist: DistInfo = SINGLE_PROCESS,
+    progress: bool = False,
 ) -> dict:
-    """Mean loss (nats/byte) and bits per byte over the fixed validation windows.
+    """Mean loss (nats/byte), bits per byte and label count over the windows of `data`
+    chosen by `eval_window_starts(len(data), seq_len, max_bytes)` (max_bytes 0: all).
 
-    With several ranks, rank r scores batches r, r + N, r + 2N, ... and the summed losses
-    and label counts are all-reduced: the same value as one process (up to the order of
-    the float64 additions). Pass the unwrapped model: DDP would add collectives.
+    The set of windows depends on neither `batch_size` nor the number of ranks: rank r scores
+    windows r, r + N, r + 2N, ... in batches of `batch_size`, and the summed losses and label
+    counts are all-reduced, so the result is the same up to float rounding. Pass the unwrapped
+    model: DDP would add collectives. Returns {"val_loss", "val_bpb", "tokens"}.
     """
+    starts = eval_window_starts(len(data), seq_len, max_bytes)[dist.rank :: dist.world_size]
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss * n, n
+    bar = tqdm(
+        total=len(starts) * seq_len,
+        desc="eval",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        disable=not progress,
+    )
     try:
-        with fork_rng(device):
-            batches = eval_batches(data, batch_size, seq_len, max_batches=max_batches)
-            for i, batch in enumerate(batches):
-                if i % dist.world_size != dist.rank:
-                    continue
+        with fork_rng(device), bar:
+            for i in range(0, len(starts), batch_size):
+                batch = windows_at(data, starts[i : i + batch_size], seq_len)
                 batch = batch.to(device, non_blocking=True)
                 with autocast():
                     loss = model(batch)
-                n = batch.shape[0] * (batch.shape[1] - 1)
+                n = batch.shape[0] * seq_len
                 sums[0] += loss.double() * n
                 sums[1] += n
+                bar.update(n)
     finally:
         model.train(was_training)
     total, count = all_reduce_sum(sums).tolist()
     val_loss = total / max(count, 1.0)
-    return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}
+    return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2), "tokens": int(count)}
 
 
 @torch.no_grad()
@@ -92,3 +105,27 @@ def sample_from_split(
     with fork_rng(device), autocast():
         out = wrapper.generate(prime[None], length, temperature, filter_thres, generator=gen)
     return {"prime": decode_tokens(prime.cpu()), "sample": decode_tokens(out[0].cpu())}
+
+
+@torch.no_grad()
+def generate_text(
+    model: nn.Module,
+    prompt: bytes,
+    *,
+    length: int,
+    temperature: float,
+    filter_thres: float,
+    seed: int,
+    device: torch.device,
+    autocast: AutocastFactory,
+) -> str:
+    """`length` bytes sampled after `prompt` (with the KV cache), decoded as UTF-8 (bad bytes
+    and control characters as U+FFFD). The same seed gives the same text on one machine."""
+    wrapper = model if isinstance(model, AutoregressiveWrapper) else AutoregressiveWrapper(model)
+    tokens = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with fork_rng(device), autocast():
+        out = wrapper.generate(
+            tokens[None], length, temperature, filter_thres, use_kv_cache=True, generator=gen
+        )
+    return decode_tokens(out[0].cpu())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+from dataclasses import asdict, dataclass
 from html import escape
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from triton_transformer.checkpoint import METRICS_NAME, SAMPLES_NAME
 from triton_transformer.config import Config, ConfigError
 from triton_transformer.utils import exists
 
-__all__ = ["RunLogger", "WandbLogger"]
+__all__ = ["LossWindow", "RunLogger", "WandbLogger"]
 
 
 def _wandb_has_credentials() -> bool:
@@ -67,6 +68,38 @@ class WandbLogger:
 
     def finish(self) -> None:
         self.run.finish()
+
+
+@dataclass
+class LossWindow:
+    """The steps since the last metrics record: each record logs their mean loss and
+    tokens/s. Checkpoints store it, so a resumed run logs what an uninterrupted one would."""
+
+    loss: float = 0.0
+    steps: int = 0
+    time_s: float = 0.0
+
+    def add(self, loss: float, time_s: float) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.time_s += time_s
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss / max(self.steps, 1)
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return tokens_per_step * self.steps / max(self.time_s, 1e-9)
+
+    def reset(self) -> None:
+        self.loss, self.steps, self.time_s = 0.0, 0, 0.0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss, self.steps = float(state["loss"]), int(state["steps"])
+        self.time_s = float(state["time_s"])
 
 
 class RunLogger:

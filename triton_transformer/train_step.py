@@ -53,7 +53,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 class StepInterrupted(KeyboardInterrupt):
-    """A stop was requested between two micro-batches: the step's gradients are dropped."""
+    """A stop was requested between two micro-batches: the step is to be discarded."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -165,7 +165,7 @@ class TrainStep:
 
         next_batch: returns the next micro-batch (on any device; it is moved here).
         should_stop: asked before every micro-batch after the first; True raises
-            `StepInterrupted` with the gradients dropped (a prompt Ctrl-C).
+            `StepInterrupted` (a prompt Ctrl-C); the caller then `discard`s the step.
         Returns (mean loss over the micro-batches, global gradient norm before clipping),
         both 0-dim float32 tensors on the device.
         """
@@ -173,8 +173,7 @@ class TrainStep:
         total = torch.zeros((), device=self.device)
         for i in range(self.grad_accum_steps):
             if i and should_stop is not None and should_stop():
-                self.discard()
-                raise StepInterrupted
+                raise StepInterrupted  # phase stays "forward": the caller discards the step
             batch = next_batch().to(self.device, non_blocking=True)
             total += self._micro_batch(batch, last=i == self.grad_accum_steps - 1)
         return total / self.grad_accum_steps, self._clip()

@@ -55,6 +55,7 @@ from triton_transformer.checkpoint import (
     SAMPLES_NAME,
     atomic_save,
     capture_rng_state,
+    check_model_matches,
     find_checkpoint,
     load_checkpoint,
     load_model,
@@ -83,7 +84,8 @@ from triton_transformer.distributed import (
     is_main_process,
 )
 from triton_transformer.evaluation import evaluate_loss, fork_rng, sample_from_split
-from triton_transformer.metrics import RunLogger
+from triton_transformer.metrics import LossWindow, RunLogger
+from triton_transformer.run_dir import RunDirError, RunDirLock
 from triton_transformer.run_setup import (
     autocast_context,
     check_corpus,
@@ -142,6 +144,9 @@ class TrainResult:
     tokens_per_s: float | None = None
     peak_mem_mb: float | None = None  # GPU only
     world_size: int = 1  # processes that trained (tokens_per_s counts all of them)
+    full_val_loss: float | None = None  # over the whole validation split, after the last step
+    stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted
+    mfu: float | None = None  # model FLOPs utilisation on a GPU of known peak, else None
 
     @property
     def final_val_loss(self) -> float | None:
@@ -156,6 +161,8 @@ class Trainer:
     corpus: an already loaded `Corpus` (None: `load_corpus` per config.data).
     callbacks: called after every optimizer step as callback(trainer, step, info); raising
         KeyboardInterrupt there behaves like Ctrl-C (tests use this).
+    overwrite: a new run may replace the run in a non-empty run directory (otherwise that
+        is refused: `RunDirError`).
     """
 
     def __init__(
@@ -165,8 +172,11 @@ class Trainer:
         resume: str | Path | None = None,
         corpus: Corpus | None = None,
         callbacks: Sequence[Callback] = (),
+        overwrite: bool = False,
     ) -> None:
         self.config = config.validate()
+        self.overwrite = overwrite
+        self._lock: RunDirLock | None = None
         self.callbacks = list(callbacks)
         t = config.train
         self.device = resolve_device(t.device)
@@ -190,8 +200,9 @@ class Trainer:
 
         ckpt_path = find_checkpoint(resume) if exists(resume) else None
         ckpt = load_checkpoint(ckpt_path) if exists(ckpt_path) else None
-        # rank 0 names the run (a timestamp, or a suffix for a taken name): all ranks agree
-        self.run_dir = Path(broadcast_object(str(self._resolve_run_dir(ckpt_path))))
+        if exists(ckpt):
+            check_model_matches(ckpt, config, ckpt_path)
+        self.run_dir = self._claim_run_dir(ckpt_path)
 
         seed_everything(t.seed)
         self.corpus = corpus if exists(corpus) else load_run_corpus(config, self.dist)
@@ -244,6 +255,7 @@ class Trainer:
         self.train_time_s = 0.0  # time inside training steps only (no eval / sampling)
         self.last_checkpoint_step: int | None = None
         self._wandb_id: str | None = None
+        self.window = LossWindow()  # the steps since the last metrics record
         if exists(ckpt):
             self._load_state(ckpt)  # restores the RNG streams last
         if self.cuda_graph:
@@ -256,7 +268,8 @@ class Trainer:
         self._late_losses: dict[int, float] = {}  # the last read, for an interrupted fit
 
         self._step_rng: dict | None = None
-        self._stop_requested = False  # Ctrl-C seen by this process
+        self._stop_signal: str | None = None  # SIGINT / SIGTERM that asked to stop
+        self._stop_requested = False  # Ctrl-C (or SIGTERM) seen by this process
         self._stop_agreed = False  # ... and, with several ranks, known to all of them
         self.global_batch = t.batch_size * t.grad_accum_steps * self.dist.world_size
         self.tokens_per_step = self.global_batch * t.seq_len
@@ -284,7 +297,11 @@ class Trainer:
         return True, "on"
 
     def close(self) -> None:
-        """Leave the process group if this trainer created it (`train` calls this)."""
+        """Unlock the run directory; leave the process group if this trainer created it
+        (`train` calls this)."""
+        if exists(getattr(self, "_lock", None)):
+            self._lock.release()
+            self._lock = None
         if getattr(self, "_owns_process_group", False):
             self._owns_process_group = False
             destroy_distributed()
@@ -296,6 +313,24 @@ class Trainer:
             "(see its log) or stalled for longer than "
             f"train.dist_timeout_s={self.config.train.dist_timeout_s:g}; stopping this rank too."
         )
+
+    def _claim_run_dir(self, ckpt_path: Path | None) -> Path:
+        """Rank 0 names the run directory (a timestamp, or a suffix for a taken name), checks
+        and locks it (`RunDirLock`); every rank gets the name, or rank 0's refusal."""
+        run_dir, error = None, None
+        if self.is_main:
+            try:
+                run_dir = self._resolve_run_dir(ckpt_path)
+                resuming = exists(ckpt_path) and run_dir.resolve() == ckpt_path.parent.resolve()
+                self._lock = RunDirLock.acquire(
+                    run_dir, resuming=resuming, overwrite=self.overwrite
+                )
+            except RunDirError as e:
+                error = str(e)
+        run_dir, error = broadcast_object((str(run_dir), error))
+        if exists(error):
+            raise RunDirError(error)
+        return Path(run_dir)
 
     def _resolve_run_dir(self, ckpt_path: Path | None) -> Path:
         if self.config.log.run_dir:
@@ -330,6 +365,7 @@ class Trainer:
             "rng": rng if exists(rng) else self.rng_state(),
             "config": self.config.to_dict(),
             "wandb_id": self._wandb_id,
+            "log_window": self.window.state_dict(),
         }
 
     def _load_state(self, ckpt: dict) -> None:
@@ -340,6 +376,8 @@ class Trainer:
         self.tokens_seen = int(ckpt["tokens_seen"])
         self.train_time_s = float(ckpt["train_time_s"])
         self._wandb_id = ckpt.get("wandb_id")
+        if "log_window" in ckpt:  # absent in checkpoints from before it was stored
+            self.window.load_state_dict(ckpt["log_window"])
         self.last_checkpoint_step = self.step
         self.set_rng_state(
             rank_rng_state(
@@ -362,7 +400,8 @@ class Trainer:
 
         Steps whose loss was not read yet (CUDA graphs) are checked first: a checkpoint is
         written only after a finite check (NonFiniteLossError otherwise)."""
-        self._read_pending()
+        late = self._read_pending()  # steps already counted in the window, losses not yet
+        self.window.loss += sum(loss for loss, _ in late.values())
         states = all_gather_object(rng if exists(rng) else self.rng_state())
         if self.is_main:
             state = self.state_dict(states[0])
@@ -389,7 +428,10 @@ class Trainer:
             return self._graphed_train_step(sync)
         self._step_rng = self.rng_state()  # to rewind to if interrupted mid-step
         start = time.perf_counter()
-        loss, grad_norm = self.step_runner.forward_backward(self._next_batch)
+        # a single process stops between micro-batches; ranks agree at the step's end
+        loss, grad_norm = self.step_runner.forward_backward(
+            self._next_batch, should_stop=lambda: self._stop_requested and not self.dist.enabled
+        )
         stats = [loss, grad_norm]
         if self.dist.enabled:
             # one small all-reduce per step: the mean loss over the ranks, and whether any
@@ -489,19 +531,21 @@ class Trainer:
     def _fork_rng(self) -> contextlib.AbstractContextManager:
         return fork_rng(self.device)
 
-    def evaluate(self) -> dict:
-        """Mean loss (nats/byte) and bits per byte over the fixed validation windows
-        (sharded over the ranks and all-reduced: the same value as one process)."""
+    def evaluate(self, max_bytes: int | None = None) -> dict:
+        """Mean loss (nats/byte) and bits per byte over the validation windows: at most
+        `max_bytes` (default eval.max_bytes; 0: the whole split) spread over the split, the
+        same set at any batch size and number of ranks (sharded and all-reduced)."""
         t, e = self.config.train, self.config.eval
         return evaluate_loss(
             self.wrapper,  # unwrapped: DDP would add collectives
             self.corpus.valid,
-            batch_size=t.batch_size,
             seq_len=t.seq_len,
-            max_batches=e.eval_batches,
+            max_bytes=e.max_bytes if max_bytes is None else max_bytes,
+            batch_size=t.batch_size,
             device=self.device,
             autocast=self._autocast,
             dist=self.dist,
+            progress=self.is_main and self.config.log.progress and max_bytes == 0,
         )
 
     def sample(self) -> dict:
@@ -523,28 +567,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ interrupts
 
-    def _install_sigint(self) -> Any:
-        """First Ctrl-C: finish the current step, save and stop. Second: stop now.
+    def _install_signal_handlers(self) -> dict:
+        """First Ctrl-C or SIGTERM (what schedulers send before killing a job): stop after
+        the current micro-batch, save and stop. A second one: stop now.
 
-        With several ranks (torchrun passes its SIGINT on to every worker) the ranks agree on
-        the step to stop after through the per-step all-reduce, then save together; a second
-        Ctrl-C stops at once without saving (the ranks may be anywhere, a collective could
-        hang), keeping the last checkpoint."""
+        With several ranks (torchrun passes SIGINT and SIGTERM on to every worker) the ranks
+        agree on the step to stop after through the per-step all-reduce, then save together;
+        a second signal stops at once without saving (the ranks may be anywhere, a collective
+        could hang), keeping the last checkpoint. Returns the previous handlers."""
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return {}
 
         def handler(signum: int, frame: Any) -> None:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
+            self._stop_signal = signal.Signals(signum).name
+            when = "after this step" if self.dist.enabled else "after this micro-batch"
+            name = "Ctrl-C" if signum == signal.SIGINT else self._stop_signal
             self._print(
-                "\nCtrl-C: stopping after this step and saving a checkpoint "
-                "(press Ctrl-C again to stop sooner"
-                + (", without saving)" if self.dist.enabled else ")")
+                f"\n{name}: stopping {when} and saving a checkpoint "
+                f"(send it again to stop sooner{', without saving' if self.dist.enabled else ''})"
             )
 
-        previous = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, handler)
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, handler)
         return previous
 
     def _on_interrupt(self) -> Path | None:
@@ -599,8 +648,9 @@ class Trainer:
             "tokens": self.tokens_seen,
             "train_time_s": self.train_time_s,
         }
-        if "val_loss" in info:
-            record.update(val_loss=info["val_loss"], val_bpb=info["val_bpb"])
+        for key in ("val_loss", "val_bpb", "full_val_loss", "full_val_bpb"):
+            if key in info:
+                record[key] = info[key]
         if self.device.type == "cuda":
             record["peak_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.log.log_record(record)
@@ -641,7 +691,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        previous_handler = self._install_sigint()
+        previous_handlers = self._install_signal_handlers()
         pbar = tqdm(
             total=t.max_steps,
             initial=self.step,
@@ -649,7 +699,6 @@ class Trainer:
             dynamic_ncols=True,
             disable=not (lg.progress and self.is_main),
         )
-        window_loss, window_steps, window_time = 0.0, 0, 0.0
         call_time, call_steps, first_time = 0.0, 0, None
         self.train_model.train()
         try:
@@ -659,15 +708,14 @@ class Trainer:
                 info = self.train_step(sync=self._is_sync_step(self.step + 1))
                 step = self.step
                 result.losses.update(info["losses"])
-                window_loss += sum(info["losses"].values())
-                window_steps += 1
-                window_time += info["time_s"]
+                # with CUDA graphs the losses arrive at sync steps, in time for the record
+                self.window.add(sum(info["losses"].values()), info["time_s"])
                 if first_time is None:
                     first_time = info["time_s"]  # warm-up: kept out of the mean
                 else:
                     call_time += info["time_s"]
                     call_steps += 1
-                tok_s = self.tokens_per_step * window_steps / max(window_time, 1e-9)
+                tok_s = self.window.tokens_per_s(self.tokens_per_step)
                 if exists(info["loss"]):  # with CUDA graphs, known at sync steps only
                     pbar.set_postfix(
                         loss=f"{info['loss']:.3f}",
@@ -686,9 +734,17 @@ class Trainer:
                         f"step {step}: val loss {info['val_loss']:.4f}, "
                         f"{info['val_bpb']:.4f} bits/byte"
                     )
+                if do_eval and last and e.full_at_end:
+                    full = info if e.max_bytes == 0 else self.evaluate(max_bytes=0)
+                    info.update(full_val_loss=full["val_loss"], full_val_bpb=full["val_bpb"])
+                    result.full_val_loss = full["val_loss"]
+                    self._print(
+                        f"step {step}: whole validation split ({full['tokens']:,} bytes): "
+                        f"loss {full['val_loss']:.4f}, {full['val_bpb']:.4f} bits/byte"
+                    )
                 if step % lg.log_every == 0 or do_eval or last:
-                    self._log_record(info, window_loss / window_steps, tok_s)
-                    window_loss, window_steps, window_time = 0.0, 0, 0.0
+                    self._log_record(info, self.window.mean_loss, tok_s)
+                    self.window.reset()
                 if e.generate_every > 0 and step % e.generate_every == 0 and self.is_main:
                     self.log.log_sample(self.sample())
                 if (lg.checkpoint_every and step % lg.checkpoint_every == 0) or last:
@@ -698,6 +754,7 @@ class Trainer:
             result.checkpoint = self.checkpoint_path
         except KeyboardInterrupt:
             result.interrupted = True
+            result.stop_signal = self._stop_signal or "SIGINT"
             result.checkpoint = self._on_interrupt()
             result.losses.update(self._late_losses)  # read while saving (CUDA graphs)
         except Exception as exc:
@@ -706,8 +763,8 @@ class Trainer:
             raise
         finally:
             pbar.close()
-            if exists(previous_handler):
-                signal.signal(signal.SIGINT, previous_handler)
+            for sig, previous in previous_handlers.items():
+                signal.signal(sig, previous)
             self.log.finish()
 
         result.step = self.step
@@ -726,13 +783,16 @@ def train(
     resume: str | Path | None = None,
     corpus: Corpus | None = None,
     callbacks: Sequence[Callback] = (),
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train per `config` (continuing from `resume`, a run dir or checkpoint, if given).
 
     Under torchrun this joins the process group, trains data-parallel, and leaves the group
     again on success, error or Ctrl-C (when it created the group).
     """
-    trainer = Trainer(config, resume=resume, corpus=corpus, callbacks=callbacks)
+    trainer = Trainer(
+        config, resume=resume, corpus=corpus, callbacks=callbacks, overwrite=overwrite
+    )
     try:
         return trainer.fit()
     finally:
