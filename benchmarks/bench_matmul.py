@@ -4,9 +4,12 @@ For M (tokens) in 2048 and 8192 and each projection (K in -> N out) of the model
   fwd  Y  = X @ W^T      (M, N, K)   relu² fused for 512 -> 2048
   dX   dX = dY @ W       (M, K, N)
   dW   dW = dY^T @ X     (N, K, M)   K = tokens: split K when the output has few tiles
-Providers: ours (the Triton kernel, matmul_impl="triton"), torch (torch.mm = cuBLAS, plain
-GEMM: the target is ours >= 0.9x it), old (the kernel before this change, when --old gives
-its bmm.py), compile (torch.compile of the same PyTorch expression, with --compile).
+Providers: ours (the TMA kernel on Hopper: matmul_impl="triton"), ours(ptr) (our pointer
+kernel), ours(auto) (the shipped policy, MATMUL_TABLE; with --auto), torch (torch.mm = cuBLAS,
+plain GEMM: the target is ours >= 0.9x it), torch+relu² (mm, relu, square in eager), old (the
+kernel before this change, when --old gives its bmm.py), compile (torch.compile of the same
+PyTorch expression, with --compile). Kernel times come from torch.profiler (L2 flushed), so
+host overhead does not leak into them; wall_us is the host time per call.
 Also: the fused residual forward (ours vs torch.addmm), the relu² backward's elementwise
 d(pre) pass, a split-K sweep of the weight gradients, host wall time per `linear` call at a
 small shape (ours vs --old vs F.linear), and the autotuned config per shape.
