@@ -21,8 +21,8 @@ host wall-clock per call in a tight loop.
 --tune sweeps the Triton kernels' launch configurations (rows per program, warps, backward
 programs per SM, and the single-launch "last program reduces" backward) and writes the best
 per N: the source of `layernorm._FWD_TABLE` / `_BWD_TABLE` and of `utils.calc_num_warps`.
---jobs K compiles everything first in K worker processes (Triton and Inductor caches on disk),
-so the timed process does not wait on compilers.
+--jobs K (default 8 on a GPU) compiles everything first in K worker processes (Triton and
+Inductor caches on disk), so the timed process does not wait on compilers.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from triton_transformer.layernorm import (
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import cdiv, next_power_of_2
 
-try:  # the shared benchmark helpers, once on main
+try:  # the shared benchmark helpers (benchmarks/common.py)
     common = importlib.import_module("common")
 except ImportError:
     common = None
@@ -64,6 +64,8 @@ except ImportError:
 EPS = 1e-5
 # CPU (TRITON_INTERPRET=1, tiny --shapes) only to smoke-test this script.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    common = None  # its helpers need CUDA
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [(4096, n) for n in (512, 1024, 2048, 4096, 8192, 16384)] + [(16384, 1024)]
 QUICK_SHAPES = [(4096, 1024), (4096, 4096), (16384, 1024)]
@@ -131,7 +133,7 @@ def time_op(fn: Callable[[], object]) -> dict:
     extra = {}
     if common is not None and hasattr(common, "time_op"):
         t = common.time_op(fn)
-        extra = {"event_ms": t["kernel_ms"]}
+        extra = {"event_ms": t.get("ms", t.get("kernel_ms"))}
         wall = t["wall_us"]
     else:
         iters = 1 if DEVICE == "cpu" else 50
@@ -181,7 +183,8 @@ def liger():
 
 def report(out_dir: Path, op: str, rows: list[dict], x: str = "N", y: str = "GB/s") -> None:
     if common is not None and hasattr(common, "report"):
-        common.report(out_dir, op, rows, x=x, y=y)
+        # M in the panel key: 4096 x 1024 and 16384 x 1024 share N.
+        common.report(out_dir, op, rows, x=x, y=y, group=("dtype", "mode", "M"))
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = ["provider", "M", "N", "dtype", "mode", "ms", "wall_us", y, "frac"]
@@ -257,6 +260,8 @@ def provider_fn(provider: str, op: str):
     if provider == "torch":
         return _torch_fn(op)
     if provider == "compile":
+        if common is not None and hasattr(common, "compiled"):
+            return common.compiled(_torch_fn(op), dynamic=False)
         return torch.compile(_torch_fn(op), dynamic=False)
     if provider == "liger" and op == "layernorm":
         mod = liger()
@@ -502,7 +507,10 @@ def main() -> None:
     ap.add_argument("--tuned", type=Path, default=None, help="layernorm_tune.json to apply")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--providers", default="ours,torch,compile,liger")
-    ap.add_argument("--jobs", type=int, default=0, help="compile first in this many processes")
+    ap.add_argument(
+        "--jobs", type=int, default=8 if DEVICE == "cuda" else 0,
+        help="compile first in this many processes (0: no warm-up)",
+    )  # fmt: skip
     ap.add_argument("--warm-shard", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shard = tuple(int(v) for v in args.warm_shard.split("/")) if args.warm_shard else None
