@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import importlib
 import json
 import os
@@ -98,33 +99,41 @@ def ceilings() -> dict:
     return {"copy_gbps": 2 * n * 4 / (ms * 1e-3) / 1e9}
 
 
-def profiled_kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+
+
+def _device_us(body: Callable[[], object], iters: int) -> float:
+    """Summed CUDA kernel time (us) of `iters` calls of body, each after an L2 flush."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = _flush_buffer()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            body()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+
+
+@functools.cache
+def _flush_us(iters: int) -> float:
+    return _device_us(lambda: None, iters)
+
+
+def profiled_kernel_ms(fn: Callable[[], object], iters: int = 10) -> float:
     """GPU time of the kernels `fn` launches, per call, with a cold L2 before each call.
 
     torch.profiler sums device-side kernel durations, so host overhead and launch gaps are
     excluded (`do_bench`'s events are not: when an op's host time exceeds the L2 flush, about
-    75 us on an H200, they time the host); the flush, timed alone, is subtracted.
+    75 us on an H200, they time the host); the flushes, timed alone, are subtracted.
     """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-
-    def device_us(body: Callable[[], object]) -> float:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                flush.zero_()
-                body()
-            torch.cuda.synchronize()
-        return sum(
-            e.self_device_time_total
-            for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA
-        )
-
     fn()
     torch.cuda.synchronize()
-    return (device_us(fn) - device_us(lambda: None)) / iters / 1e3
+    return (_device_us(fn, iters) - _flush_us(iters)) / iters / 1e3
 
 
 def time_op(fn: Callable[[], object]) -> dict:
