@@ -22,6 +22,18 @@ replays draw fresh masks, `torch.manual_seed` reproduces them, and torch.compile
 dtypes: h_new (and y) take torch's promoted dtype of (h, branch) (e.g. an fp32 residual
 stream plus a bf16 branch under autocast gives fp32, as `h + branch` would); the gradients
 take the dtypes of h and branch.
+
+In a pre-norm transformer the add of one sub-layer and the norm of the next become one call,
+with the existing LayerNorm modules' parameters (state dicts unchanged):
+
+    y = blocks[0].attn.norm(h)
+    for i, block in enumerate(blocks):
+        a = block.attn.body(y)                        # everything after the attention's norm
+        h, y = residual_layernorm(h, a, block.ff.norm.weight, block.ff.norm.bias, ...)
+        f = block.ff.body(y)                          # everything after the FF's norm
+        nxt = blocks[i + 1].attn.norm if i + 1 < len(blocks) else final_norm
+        h, y = residual_layernorm(h, f, nxt.weight, nxt.bias, stable=nxt.stable, ...)
+    logits = to_logits(y)
 """
 
 from __future__ import annotations
