@@ -27,7 +27,7 @@ Triton design:
 - Backward: with xhat = (u - mean) * rstd, u = x / scale (scale = 1 unless stable) and
   g = dy * w, du = rstd * (g - c2 - xhat * c1) with c1 = mean(xhat * g), c2 = mean(g). One
   pass over x and dy when the row fits a block (two when it does not). dweight/dbias: a fixed
-  number of programs (a small multiple of the SM count, tuned per N) each own a contiguous
+  number of programs (a multiple of the SM count, per N from _BWD_TABLE) each own a contiguous
   range of rows, accumulate their column sums in registers and write them as one row of a
   (programs, N) fp32 buffer; a tiny column-sum kernel then adds those rows in a fixed order.
   No atomics, no locks, no waiting: deterministic, and it runs in the interpreter (which runs
