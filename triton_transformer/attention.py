@@ -97,7 +97,7 @@ def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
 def _dropout_keep(seed, rows, cols, N_K, p, DROP_INT64: tl.constexpr):
     """Keep mask (rows x cols broadcast) of the dropout on attention weights: Philox counter
     row * n_k + key, so forward and backward tiles of any shape draw the same numbers."""
-    if DROP_INT64:
+    if DROP_INT64:  # noqa: SIM108
         counter = rows.to(tl.int64) * N_K + cols
     else:
         counter = rows * N_K + cols
@@ -117,7 +117,7 @@ def _fwd_block(
     past each row's diagonal; otherwise every key of every block is visible."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if INT64_ROWS:
+        if INT64_ROWS:  # noqa: SIM108
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
@@ -125,7 +125,9 @@ def _fwd_block(
             kmask = offs_n[None, :] < N_K
             if PAD_D:
                 kmask = kmask & (offs_d[:, None] < HEAD_DIM)
-            k = tl.load(k_base + rows_n[None, :] * skn + offs_d[:, None] * skd, mask=kmask, other=0.0)
+            k = tl.load(
+                k_base + rows_n[None, :] * skn + offs_d[:, None] * skd, mask=kmask, other=0.0
+            )
         elif PAD_D:
             k = tl.load(
                 k_base + rows_n[None, :] * skn + offs_d[:, None] * skd,
@@ -145,7 +147,7 @@ def _fwd_block(
             real = tl.load(kpm_base + offs_n * skpm, mask=offs_n < N_K, other=0)
             qk = tl.where(real[None, :] != 0, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED or HAS_KPM:
+        if MASKED or HAS_KPM:  # noqa: SIM108
             # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead,
             # so its p and alpha are exp2(-inf) = 0, not NaN
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,7 +164,9 @@ def _fwd_block(
             vmask = offs_n[:, None] < N_K
             if PAD_D:
                 vmask = vmask & (offs_d[None, :] < HEAD_DIM)
-            v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=vmask, other=0.0)
+            v = tl.load(
+                v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=vmask, other=0.0
+            )
         elif PAD_D:
             v = tl.load(
                 v_base + rows_n[:, None] * svn + offs_d[None, :] * svd,
@@ -177,13 +181,14 @@ def _fwd_block(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Lengths are not specialised (divisibility by 16 buys nothing behind masks), so a new sequence
+# length, e.g. each step of a growing KV cache, never recompiles.
+@triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, KPM, SEED,
+    Q, K, V, Out, LSE, KPM, SEED,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
     skpm_b, skpm_n,
     BH, H, N_Q, N_K, qk_scale, dropout_p, out_scale,
-    NQ_KEY, NK_KEY,  # autotuning keys only (bucketed lengths)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
@@ -201,13 +206,17 @@ def _attn_fwd_kernel(
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    if INT64_ROWS:
+    if INT64_ROWS:  # noqa: SIM108
         rows_m = offs_m.to(tl.int64)
     else:
         rows_m = offs_m
 
     q_mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
-    q = tl.load(Q + b * sqb + h * sqh + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows_m[:, None] * sqn + offs_d[None, :] * sqd,
+        mask=q_mask,
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + b * skb + h * skh
@@ -249,17 +258,17 @@ def _attn_fwd_kernel(
     seen = l_i > 0.0  # rows that saw no key output zeros
     inv_l = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
-    o_ptrs = O + b * sob + h * soh + rows_m[:, None] * son + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    o_ptrs = Out + b * sob + h * soh + rows_m[:, None] * son + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
     if WRITE_LSE:
         # +inf for rows that saw nothing: the backward's exp2(s - lse) is then 0
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
         tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BH", "H", "N_Q"])
 def _attn_bwd_delta_kernel(
-    O, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
+    Out, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32."""
@@ -273,7 +282,9 @@ def _attn_bwd_delta_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)
     mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(
+        Out + b * sob + h * soh + rows[:, None] * son + offs_d[None, :], mask=mask, other=0.0
+    )
     do = tl.load(
         DO + b * sdob + h * sdoh + rows[:, None] * sdon + offs_d[None, :] * sdod,
         mask=mask, other=0.0,
@@ -294,13 +305,15 @@ def _bwd_dkdv_block(
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        if INT64_ROWS:
+        if INT64_ROWS:  # noqa: SIM108
             rows_m = offs_m.to(tl.int64)
         else:
             rows_m = offs_m
         mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
         q = tl.load(q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=mask, other=0.0)
-        do = tl.load(do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0)
+        do = tl.load(
+            do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0
+        )
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -337,7 +350,7 @@ def _bwd_dq_block(
     add nothing to dQ = dS K; MASKED applies the causal diagonal."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if INT64_ROWS:
+        if INT64_ROWS:  # noqa: SIM108
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
@@ -363,14 +376,13 @@ def _bwd_dq_block(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     skpm_b, skpm_n,
     BH, H, N_Q, N_K, qk_scale, sm_scale, dropout_p, drop_scale,
-    NQ_KEY, NK_KEY,  # autotuning keys only (bucketed lengths)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
@@ -403,7 +415,7 @@ def _attn_bwd_kernel(
     if pid < n_kblocks:
         n0 = pid * BLOCK_N1
         offs_n = n0 + tl.arange(0, BLOCK_N1)
-        if INT64_ROWS:
+        if INT64_ROWS:  # noqa: SIM108
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
@@ -420,7 +432,9 @@ def _attn_bwd_kernel(
             # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
             lo = (tl.maximum(n0 - causal_off, 0) // BLOCK_M1) * BLOCK_M1
             full_lo = tl.maximum(n0 + BLOCK_N1 - 1 - causal_off, 0)
-            full_lo = tl.minimum(tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1)
+            full_lo = tl.minimum(
+                tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1
+            )
             full_lo = tl.maximum(full_lo, lo)
             dk, dv = _bwd_dkdv_block(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
@@ -451,13 +465,15 @@ def _attn_bwd_kernel(
             pid_m = tl.cdiv(N_Q, BLOCK_M2) - 1 - pid_m  # longest rows first
         m0 = pid_m * BLOCK_M2
         offs_m = m0 + tl.arange(0, BLOCK_M2)
-        if INT64_ROWS:
+        if INT64_ROWS:  # noqa: SIM108
             rows_m = offs_m.to(tl.int64)
         else:
             rows_m = offs_m
         q_mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
         q = tl.load(q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-        do = tl.load(do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=q_mask, other=0.0)
+        do = tl.load(
+            do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=q_mask, other=0.0
+        )
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -494,56 +510,29 @@ def _attn_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _fwd_configs(decode: bool, fp32: bool) -> list[triton.Config]:
-    C = triton.Config
-    if fp32:  # ieee fp32 runs on FMA units: small tiles keep registers in check
-        return [C({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
-    if decode:  # a few queries against a long cache: 16-row tiles, wide key steps
-        return [
-            C({"BLOCK_M": 16, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in ((64, 4, 3), (128, 4, 3), (128, 8, 2))
-        ]
-    return [
-        C({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in (
-            (128, 64, 4, 3),
-            (128, 64, 8, 3),
-            (128, 128, 8, 3),
-            (128, 32, 4, 4),
-            (64, 64, 4, 3),
-            (64, 128, 4, 3),
-        )
-    ]
-
-
-def _bwd_configs(fp32: bool) -> list[triton.Config]:
-    def C(m1, n1, m2, n2, w, s):
-        meta = {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2}
-        return triton.Config(meta, num_warps=w, num_stages=s)
-
-    if fp32:
-        return [C(32, 64, 64, 32, 4, 2)]
-    return [
-        C(32, 128, 128, 32, 4, 3),  # Triton tutorial's Hopper choice
-        C(64, 128, 128, 64, 8, 2),
-        C(64, 64, 64, 64, 4, 3),
-        C(32, 64, 64, 32, 4, 3),
-    ]
-
-
-_KEYS = ["NQ_KEY", "NK_KEY", "HEAD_DIM", "CAUSAL", "HAS_KPM", "DROPOUT", "WRITE_LSE"]
+@functools.cache
+def _fwd_config(n_q: int, d: int, dtype: torch.dtype, causal: bool) -> dict:
+    """Forward tiles for one problem class: a fixed table (measured offline with
+    benchmarks/bench_attention.py --sweep on an H200), not runtime autotuning: no benchmarking
+    on first call, and the same tiles, hence the same summation order, on every run."""
+    if dtype == torch.float32:  # ieee fp32 runs on FMA units: small tiles, few registers
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if n_q <= 16:  # decode: a few queries against a long KV cache
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    if d <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 @functools.cache
-def _fwd_kernel_for(decode: bool, fp32: bool):
-    """The autotuned forward kernel for one (decode, fp32) class of problems (GPU only)."""
-    return triton.autotune(_fwd_configs(decode, fp32), key=_KEYS)(_attn_fwd_kernel)
-
-
-@functools.cache
-def _bwd_kernel_for(fp32: bool):
-    keys = [k for k in _KEYS if k != "WRITE_LSE"]
-    return triton.autotune(_bwd_configs(fp32), key=keys)(_attn_bwd_kernel)
+def _bwd_config(d: int, dtype: torch.dtype, causal: bool) -> dict:
+    """Backward tiles: key blocks of BLOCK_N1 stepping over BLOCK_M1 queries (dK, dV), query
+    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ). See `_fwd_config`."""
+    if dtype == torch.float32:
+        return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+                "num_warps": 4, "num_stages": 2}  # fmt: skip
+    return {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
+            "num_warps": 4, "num_stages": 3 if d > 64 else 4}  # fmt: skip
 
 
 # Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
@@ -562,15 +551,12 @@ def _launch_meta(
     return {
         "interpret": interpret,
         "fp32": fp32,
-        "decode": n_q <= 16,
         "BLOCK_D": max(16, next_power_of_2(d)),
         # Interpreter: no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
         "UPCAST": interpret and dtype == torch.bfloat16,
         "DOT_PREC": "ieee" if fp32 or (interpret and dtype == torch.bfloat16) else "tf32",
         "DROP_INT64": n_q * n_k >= 2**31,
         "INT64_ROWS": max_row_offset >= 2**31,
-        "NQ_KEY": next_power_of_2(n_q),
-        "NK_KEY": next_power_of_2(n_k),
         "grid_bh": (bh, 1) if bh <= _MAX_GRID_Y else (_MAX_GRID_Y, -(-bh // _MAX_GRID_Y)),
     }
 
@@ -580,9 +566,9 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
-def _fwd(q, k, v, kpm, seed, causal: bool, scale: float, dropout_p: float, need_lse: bool):
+def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
-    lse (b·h, n_q) fp32 (empty when not needed)."""
+    lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
@@ -598,7 +584,6 @@ def _fwd(q, k, v, kpm, seed, causal: bool, scale: float, dropout_p: float, need_
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
         b * h, h, n_q, n_k, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
-        meta["NQ_KEY"], meta["NK_KEY"],
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
@@ -606,20 +591,14 @@ def _fwd(q, k, v, kpm, seed, causal: bool, scale: float, dropout_p: float, need_
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], DOT_PREC=meta["DOT_PREC"],
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
-    if meta["interpret"]:
-        bm = _INTERP_FWD["BLOCK_M"]
-        wrap_triton(_attn_fwd_kernel)[(-(-n_q // bm), gy, gz)](*args, **consts, **_INTERP_FWD)
-    else:
-        kernel = _fwd_kernel_for(meta["decode"], meta["fp32"])
-
-        def grid(m):
-            return (triton.cdiv(n_q, m["BLOCK_M"]), gy, gz)
-
-        wrap_triton(kernel)[grid](*args, **consts)
+    if config is None:
+        config = _INTERP_FWD if meta["interpret"] else _fwd_config(n_q, d, q.dtype, causal)
+    grid = (-(-n_q // config["BLOCK_M"]), gy, gz)
+    wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, **config)
     return out, lse
 
 
-def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv) -> None:
+def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None):
     """Launch the backward: fills dq, dk, dv (any strides) for (b, h, n, d) views; `out` and
     `dout` are (b, n_q, h, d) tensors (dout of any strides)."""
     b, h, n_q, d = q.shape
@@ -647,23 +626,16 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
         *dq.stride(), *dk.stride(), *dv.stride(),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
         b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_p, 1.0 / (1.0 - dropout_p),
-        meta["NQ_KEY"], meta["NK_KEY"],
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], DOT_PREC=meta["DOT_PREC"],
     )  # fmt: skip
-    if meta["interpret"]:
-        c = _INTERP_BWD
-        n_prog = -(-n_k // c["BLOCK_N1"]) + -(-n_q // c["BLOCK_M2"])
-        wrap_triton(_attn_bwd_kernel)[(n_prog, gy, gz)](*args, **consts, **c)
-    else:
-
-        def grid(m):
-            return (triton.cdiv(n_k, m["BLOCK_N1"]) + triton.cdiv(n_q, m["BLOCK_M2"]), gy, gz)
-
-        wrap_triton(_bwd_kernel_for(meta["fp32"]))[grid](*args, **consts)
+    if config is None:
+        config = _INTERP_BWD if meta["interpret"] else _bwd_config(d, q.dtype, causal)
+    n_prog = -(-n_k // config["BLOCK_N1"]) + -(-n_q // config["BLOCK_M2"])
+    wrap_triton(_attn_bwd_kernel)[(n_prog, gy, gz)](*args, **consts, **config)
 
 
 # ---------------------------------------------------------------------------------------------
