@@ -31,9 +31,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import common
 
-from triton_transformer import attention as A  # noqa: E402
+from triton_transformer import attention as A
 
 DTYPE = torch.bfloat16
 
@@ -81,7 +81,7 @@ def bench_case(rows, n, d, causal, providers, out_dir):
             del out
             for mode in ("fwd", "fwd+bwd"):
 
-                def run():
+                def run(fn=fn, mode=mode):
                     o = fn(q, k, v)
                     if mode == "fwd+bwd":
                         o.backward(dout)
@@ -241,7 +241,7 @@ def model_benchmarks(out_dir, quick):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         seq = torch.randint(0, 256, (4, 513), device="cuda")
 
-        def step():
+        def step(model=model, seq=seq, opt=opt):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(seq)
             loss.backward()
