@@ -511,13 +511,13 @@ def _attn_bwd_kernel(
 
 
 @functools.cache
-def _fwd_config(n_q: int, d: int, dtype: torch.dtype, causal: bool) -> dict:
+def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
     """Forward tiles for one problem class: a fixed table (measured offline with
     benchmarks/bench_attention.py --sweep on an H200), not runtime autotuning: no benchmarking
     on first call, and the same tiles, hence the same summation order, on every run."""
     if dtype == torch.float32:  # ieee fp32 runs on FMA units: small tiles, few registers
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if n_q <= 16:  # decode: a few queries against a long KV cache
+    if decode:  # n_q <= 16: a few queries against a long KV cache
         return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if d <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -542,21 +542,31 @@ _INTERP_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}
 
 
 @functools.cache
-def _launch_meta(
-    n_q: int, n_k: int, d: int, bh: int, dtype: torch.dtype, max_row_offset: int
-) -> dict:
-    """Host-side launch settings for one problem shape (cached: no per-call work)."""
+def _dtype_meta(d: int, dtype: torch.dtype) -> dict:
+    """Launch settings fixed by head dim and dtype (cached; read the environment once)."""
     interpret = interpreter_enabled()
     fp32 = dtype == torch.float32
     return {
         "interpret": interpret,
-        "fp32": fp32,
         "BLOCK_D": max(16, next_power_of_2(d)),
         # Interpreter: no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
         "UPCAST": interpret and dtype == torch.bfloat16,
+        # ieee: exact fp32 products (tf32 would cost ~1e-3); fp16/bf16 ignore the setting
         "DOT_PREC": "ieee" if fp32 or (interpret and dtype == torch.bfloat16) else "tf32",
-        "DROP_INT64": n_q * n_k >= 2**31,
-        "INT64_ROWS": max_row_offset >= 2**31,
+    }
+
+
+def _launch_meta(q, k, v) -> dict:
+    """Launch settings of one call. Plain arithmetic on sizes (no cache keyed on sizes, which
+    may be symbolic under torch.compile): 64-bit offsets only where products can pass 2**31;
+    batch·head spills from grid dim 1 into dim 2 past CUDA's 65535."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    bh = b * h
+    return {
+        **_dtype_meta(int(d), q.dtype),
+        "DROP_INT64": bool(n_q * n_k >= 2**31),
+        "INT64_ROWS": bool(_max_row_offset(q, k, v) >= 2**31),
         "grid_bh": (bh, 1) if bh <= _MAX_GRID_Y else (_MAX_GRID_Y, -(-bh // _MAX_GRID_Y)),
     }
 
@@ -575,7 +585,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    meta = _launch_meta(n_q, n_k, d, b * h, q.dtype, _max_row_offset(q, k, v))
+    meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
@@ -592,7 +602,11 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     if config is None:
-        config = _INTERP_FWD if meta["interpret"] else _fwd_config(n_q, d, q.dtype, causal)
+        config = (
+            _INTERP_FWD
+            if meta["interpret"]
+            else _fwd_config(bool(n_q <= 16), int(d), q.dtype, causal)
+        )
     grid = (-(-n_q // config["BLOCK_M"]), gy, gz)
     wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, **config)
     return out, lse
@@ -607,7 +621,7 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
         for t in (dq, dk, dv):
             t.zero_()
         return
-    meta = _launch_meta(n_q, n_k, d, b * h, q.dtype, _max_row_offset(q, k, v))
+    meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     gy, gz = meta["grid_bh"]
@@ -633,7 +647,7 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
         INT64_ROWS=meta["INT64_ROWS"], DOT_PREC=meta["DOT_PREC"],
     )  # fmt: skip
     if config is None:
-        config = _INTERP_BWD if meta["interpret"] else _bwd_config(d, q.dtype, causal)
+        config = _INTERP_BWD if meta["interpret"] else _bwd_config(int(d), q.dtype, causal)
     n_prog = -(-n_k // config["BLOCK_N1"]) + -(-n_q // config["BLOCK_M2"])
     wrap_triton(_attn_bwd_kernel)[(n_prog, gy, gz)](*args, **consts, **config)
 
