@@ -163,6 +163,32 @@ def _compile_job(job):
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def use_sweep_winners(results):
+    """Route bf16 training-shape launches to the sweep's fastest tiles (this process only), so
+    the main table measures what the sweep found; the committed table in attention.py is
+    written from these results."""
+    best = {}
+    for r in results:
+        if "tflops" in r:
+            key = (r["kind"], r["d"], r["causal"])
+            if key not in best or r["tflops"] > best[key]["tflops"]:
+                best[key] = r
+    fwd_default, bwd_default = A._fwd_config, A._bwd_config
+
+    def fwd_config(decode, d, dtype, causal):
+        r = best.get(("fwd", d, causal))
+        if r and dtype == DTYPE and not decode:
+            return r["cfg"]
+        return fwd_default(decode, d, dtype, causal)
+
+    def bwd_config(d, dtype, causal):
+        r = best.get(("bwd", d, causal))
+        return r["cfg"] if r and dtype == DTYPE else bwd_default(d, dtype, causal)
+
+    A._fwd_config, A._bwd_config = fwd_config, bwd_config
+    print("using:", {k: v["cfg"] for k, v in best.items()}, flush=True)
+
+
 def sweep(out_dir):
     jobs = [
         (kind, i, d, causal)
@@ -214,6 +240,12 @@ def model_benchmarks(out_dir, quick):
         torch.manual_seed(0)
         net = Transformer(**cfg, attn_impl=impl, use_triton=use_triton, check_token_ids=False)
         model = AutoregressiveWrapper(net.cuda().to(DTYPE)).eval()
+        with torch.no_grad():  # the three variants compute the same function
+            x = torch.randint(0, 256, (4, 512), device="cuda")
+            if name == "flash/triton":
+                ref_logits = net(x, use_triton=False).float()
+            err = ((net(x).float() - ref_logits).norm() / ref_logits.norm()).item()
+            print(f"{name}: logits rel err vs flash/torch {err:.1e}", flush=True)
         for batch in (1, 16):
             prompt = torch.randint(0, 256, (batch, 64), device="cuda")
             model.generate(prompt, 16)  # compile / warm up
@@ -271,15 +303,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="only the tile sweep")
+    parser.add_argument("--sweep", action="store_true", help="tile sweep, then use its winners")
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--providers", default="sdpa-flash,ours,sdpa-cudnn,naive")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep:
-        sweep(out)
-        return
+        use_sweep_winners(sweep(out))
     print(common.env_info(), common.ceilings(), flush=True)
     rows = []
     seqs = (1024, 4096) if args.quick else (512, 1024, 2048, 4096, 8192)
