@@ -85,6 +85,17 @@ def _bh_index(BH):
 
 
 @triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc) with fp32 accumulation; IEEE: exact products for fp32 operands (else the
+    default, tf32, which fp16/bf16 operands ignore)."""
+    if IEEE:  # noqa: SIM108
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
 def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
     """Load/store mask of a (rows, BLOCK_D) tile: rows < n, and columns < HEAD_DIM if padded."""
     mask = offs[:, None] < n
@@ -111,7 +122,7 @@ def _fwd_block(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
     past each row's diagonal; otherwise every key of every block is visible."""
@@ -137,7 +148,7 @@ def _fwd_block(
             k = tl.load(k_base + rows_n[None, :] * skn + offs_d[:, None] * skd)
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        qk = _mm(q, k, None, IEEE) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             visible = offs_n[None, :] < N_K
             if CAUSAL:
@@ -176,7 +187,7 @@ def _fwd_block(
             v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        acc = _mm(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -192,7 +203,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index(BH)
@@ -246,13 +257,13 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, DOT_PREC,
+        INT64_ROWS, IEEE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, DOT_PREC,
+        INT64_ROWS, IEEE,
     )  # fmt: skip
 
     seen = l_i > 0.0  # rows that saw no key output zeros
@@ -299,7 +310,7 @@ def _bwd_dkdv_block(
     offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0."""
@@ -321,20 +332,20 @@ def _bwd_dkdv_block(
             do = do.to(q.dtype)
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        qkT = _mm(k, tl.trans(q), None, IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT - lse[None, :])
         if MASKED:
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (dO Vᵀ)ᵀ
+        dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
         if DROPOUT:
             keep = _dropout_keep(seed, offs_m[None, :], offs_n[:, None], N_K, dropout_p, DROP_INT64)
             pdT = tl.where(keep, pT * drop_scale, 0.0)
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         else:
             pdT = pT
-        dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dv = _mm(pdT.to(do.dtype), do, dv, IEEE)
         dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        dk = _mm(dsT.to(q.dtype), q, dk, IEEE)
     return dk, dv
 
 
@@ -344,7 +355,7 @@ def _bwd_dq_block(
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
-    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block over key blocks [lo, hi). Keys >= n_k load as zero rows, so they
     add nothing to dQ = dS K; MASKED applies the causal diagonal."""
@@ -360,19 +371,19 @@ def _bwd_dq_block(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        qk = _mm(q, tl.trans(k), None, IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk - lse[:, None])
         if MASKED:
             p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, p, 0.0)
         if HAS_KPM:
             real = tl.load(kpm_base + offs_n * skpm, mask=offs_n < N_K, other=0)
             p = tl.where(real[None, :] != 0, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        dp = _mm(do, tl.trans(v), None, IEEE)
         if DROPOUT:
             keep = _dropout_keep(seed, offs_m[:, None], offs_n[None, :], N_K, dropout_p, DROP_INT64)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        dq = _mm(ds.to(k.dtype), k, dq, IEEE)
     return dq
 
 
@@ -387,7 +398,7 @@ def _attn_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics."""
@@ -440,7 +451,7 @@ def _attn_bwd_kernel(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
                 offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
                 drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
-                INT64_ROWS, DOT_PREC,
+                INT64_ROWS, IEEE,
             )  # fmt: skip
         else:
             full_lo = 0
@@ -448,7 +459,7 @@ def _attn_bwd_kernel(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
             offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
             drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
-            INT64_ROWS, DOT_PREC,
+            INT64_ROWS, IEEE,
         )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -490,7 +501,7 @@ def _attn_bwd_kernel(
                 dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
                 offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
                 drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
-                UPCAST, INT64_ROWS, DOT_PREC,
+                UPCAST, INT64_ROWS, IEEE,
             )  # fmt: skip
         else:
             full_end = N_K
@@ -498,7 +509,7 @@ def _attn_bwd_kernel(
             dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
             offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
             drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
-            UPCAST, INT64_ROWS, DOT_PREC,
+            UPCAST, INT64_ROWS, IEEE,
         )  # fmt: skip
         dq = dq * sm_scale
         b_dq = DQ + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
@@ -551,8 +562,8 @@ def _dtype_meta(d: int, dtype: torch.dtype) -> dict:
         "BLOCK_D": max(16, next_power_of_2(d)),
         # Interpreter: no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
         "UPCAST": interpret and dtype == torch.bfloat16,
-        # ieee: exact fp32 products (tf32 would cost ~1e-3); fp16/bf16 ignore the setting
-        "DOT_PREC": "ieee" if fp32 or (interpret and dtype == torch.bfloat16) else "tf32",
+        # exact fp32 products for fp32 inputs (tf32 would cost ~1e-3)
+        "IEEE": fp32 or (interpret and dtype == torch.bfloat16),
     }
 
 
@@ -598,7 +609,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
-        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], DOT_PREC=meta["DOT_PREC"],
+        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     if config is None:
@@ -644,7 +655,7 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
-        INT64_ROWS=meta["INT64_ROWS"], DOT_PREC=meta["DOT_PREC"],
+        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
     )  # fmt: skip
     if config is None:
         config = _INTERP_BWD if meta["interpret"] else _bwd_config(int(d), q.dtype, causal)
