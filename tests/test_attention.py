@@ -269,6 +269,45 @@ def test_dropout_forward_and_backward_use_one_mask(causal, device):
                                  use_triton=True), plain)  # fmt: skip
 
 
+def test_empty_sizes(device):
+    # no queries or no keys: empty outputs, or zeros (a row with no key), and zero gradients
+    for n_q, n_k in ((0, 5), (5, 0), (0, 0)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n_q, n_k, 16, torch.float32, device))
+        for use_triton in (False, True):
+            out = attention(q, k, v, causal=True, use_triton=use_triton)
+            assert out.shape == (1, 2, n_q, 16) and (out == 0).all()
+            out.sum().backward()
+            assert all(t.grad.shape == t.shape and (t.grad == 0).all() for t in (q, k, v))
+            q.grad = k.grad = v.grad = None
+
+
+def test_64_bit_offsets_and_grid_spill(device, monkeypatch):
+    # The paths for huge problems, forced on small ones: 64-bit row offsets and Philox
+    # counters, and batch·head spilling from grid dim 1 into dim 2 (past 65535 on CUDA).
+    import triton_transformer.attention as A
+
+    launch_meta = A._launch_meta
+
+    def forced(q, k, v):
+        return {**launch_meta(q, k, v), "DROP_INT64": True, "INT64_ROWS": True}
+
+    monkeypatch.setattr(A, "_launch_meta", forced)
+    monkeypatch.setattr(A, "_MAX_GRID_Y", 3)  # b·h = 8 -> a (.., 3, 3) grid
+    check_attention(*make_qkv(2, 4, 37, 37, 16, torch.float32, device), causal=True)
+    # dropout with 64-bit counters: still one mask for forward and backward
+    p, shape = 0.25, (1, 2, 21, 30)
+    keep = dropout_mask(shape, p, seed=3, device=device)
+    q, k, v = (t.requires_grad_() for t in make_qkv(*shape, 16, torch.float32, device))
+    torch.manual_seed(3)
+    out = attention(q, k, v, dropout_p=p, use_triton=True)
+    out.backward(torch.ones_like(out))
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, keep=keep, p=p)
+    ref.backward(torch.ones_like(ref))
+    assert rel_err(out, ref) < 1e-5
+    assert all(rel_err(t.grad, rt.grad) < 1e-5 for t, rt in zip((q, k, v), r, strict=True))
+
+
 # --- the registered ops ----------------------------------------------------------------------
 
 

@@ -79,9 +79,10 @@ _MAX_GRID_Y = 65535  # CUDA's limit on grid dims 1 and 2
 
 
 @triton.jit
-def _bh_index(BH):
-    """batch·head index of this program: grid dim 1, spilling into dim 2 past 65535."""
-    return tl.program_id(1) + tl.program_id(2) * 65535
+def _bh_index():
+    """batch·head index of this program: grid dim 1, spilling into dim 2 when batch·head
+    exceeds CUDA's 65535 (the caller returns for indices >= b·h)."""
+    return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
 
 
 @triton.jit
@@ -206,7 +207,7 @@ def _attn_fwd_kernel(
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    bh = _bh_index(BH)
+    bh = _bh_index()
     if bh >= BH:
         return
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
@@ -284,7 +285,7 @@ def _attn_bwd_delta_kernel(
 ):  # fmt: skip
     """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    bh = _bh_index(BH)
+    bh = _bh_index()
     if bh >= BH:
         return
     b = (bh // H).to(tl.int64)
@@ -403,7 +404,7 @@ def _attn_bwd_kernel(
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    bh = _bh_index(BH)
+    bh = _bh_index()
     if bh >= BH:
         return
     b = (bh // H).to(tl.int64)
