@@ -73,14 +73,15 @@ def test_bmm_transposed_and_sliced_inputs(dtype, device):
 
 def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
     # k.transpose(-1, -2) must reach the kernel as a strided view of k's storage, not a copy.
+    # fp32 runs the pointer kernel on every device (the batched path).
     seen = []
-    real = bmm_module._matmul
+    real = bmm_module._launch_ptr
 
     def spy(a, b, c, *args, **kwargs):
         seen.append((a.data_ptr(), b.data_ptr()))
         return real(a, b, c, *args, **kwargs)
 
-    monkeypatch.setattr(bmm_module, "_matmul", spy)
+    monkeypatch.setattr(bmm_module, "_launch_ptr", spy)
     q = rand((2, 2, 9, 16), torch.float32, device).requires_grad_()
     k = rand((2, 2, 11, 16), torch.float32, device).requires_grad_()
     bmm(q, k.transpose(-1, -2), use_triton=True).sum().backward()
@@ -229,9 +230,7 @@ def test_launch_config_tiles():
     for dtype in DTYPES:
         for shape in [(1, 1, 1, 1), (37, 45, 29, 3), (512, 512, 64, 32), (4096, 2048, 512, 1)]:
             for interpret in (True, False):
-                bm, bn, bk, group, warps, stages = bmm_module._matmul_config(
-                    *shape, dtype, interpret
-                )
+                bm, bn, bk, group, warps, stages = bmm_module._ptr_config(*shape, dtype, interpret)
                 for block in (bm, bn, bk):
                     assert block >= 16 and block & (block - 1) == 0  # tl.dot: powers of 2, >= 16
                 assert bm <= 128 and bn <= 128 and bk <= 64 and group >= 1
@@ -282,3 +281,418 @@ def test_linear_gpu(x_shape, w_shape, dtype, activation, device):
     assert rel_err(y, ref) < TOL[dtype]
     assert rel_err(x.grad, x64.grad) < TOL[dtype]
     assert rel_err(weight.grad, w64.grad) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------
+# Residual epilogue, relu² in fp16, registration, dispatch, the TMA kernel in the interpreter
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", [None, "relu_squared"])
+@pytest.mark.parametrize(
+    "dtype, res_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # autocast's fp32 residual stream + a bf16 linear
+    ],
+)
+def test_linear_residual_matches_float64(dtype, res_dtype, activation, device):
+    x = rand((2, 7, 45), dtype, device, mean=0.3).requires_grad_()
+    weight = rand((29, 45), dtype, device, mean=-0.05).requires_grad_()
+    res = rand((2, 7, 29), res_dtype, device, mean=1.7).requires_grad_()
+    y = linear(x, weight, activation, use_triton=True, residual=res)
+    assert y.dtype == torch.promote_types(dtype, res_dtype) and y.shape == res.shape
+    grad = rand(y.shape, y.dtype, device, mean=0.7)
+    y.backward(grad)
+
+    x64, w64, r64 = (t.detach().double().requires_grad_() for t in (x, weight, res))
+    ref = linear(x64, w64, activation, residual=r64)
+    ref.backward(grad.double())
+    # Judge the product separately from the residual, which would hide its errors.
+    assert rel_err(y.double() - res.double(), ref - r64) < TOL[dtype]
+    assert rel_err(x.grad, x64.grad) < TOL[dtype]
+    assert rel_err(weight.grad, w64.grad) < TOL[dtype]
+    assert res.grad.dtype == res_dtype
+    assert rel_err(res.grad, r64.grad) < TOL[res_dtype]
+
+
+def test_linear_residual_checks(device):
+    x, w = torch.randn(3, 4, device=device), torch.randn(5, 4, device=device)
+    with pytest.raises(ValueError, match="residual must have the output's shape"):
+        linear(x, w, use_triton=True, residual=torch.randn(5, device=device))
+    with pytest.raises(TypeError, match=r"residual must be a torch\.Tensor"):
+        linear(x, w, use_triton=True, residual=1.0)
+
+
+def test_relu2_fp16_backward_survives_underflow(device):
+    # relu(pre) ~ 1e-4 squares to ~1e-8, below fp16's smallest subnormal (6e-8): y is 0, so the
+    # old backward, which rebuilt relu(pre) as sqrt(y), lost every gradient. The forward must
+    # keep relu(pre) itself. Scales chosen so that the gradients themselves are normal fp16.
+    x = rand((12, 45), torch.float16, device, mean=2e-3, std=4e-4).requires_grad_()
+    weight = rand((29, 45), torch.float16, device, mean=1.5e-3, std=3e-4).requires_grad_()
+    y = linear(x, weight, "relu_squared", use_triton=True)
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    pre = x64 @ w64.T
+    assert (pre > 5e-5).all() and (y == 0).float().mean() > 0.9  # y underflowed, pre did not
+    grad = rand(y.shape, torch.float16, device, mean=30.0, std=5.0)
+    y.backward(grad)
+    ref = linear(x64, w64, "relu_squared")
+    ref.backward(grad.double())
+    assert rel_err(x.grad, x64.grad) < 1e-2
+    assert rel_err(weight.grad, w64.grad) < 1e-2
+    # The old scheme on the same data: d(pre) from sqrt(y) is all zeros.
+    dpre_old = bmm_module.relu2_grad_op(grad, y.detach(), True)
+    assert rel_err(dpre_old.double() @ w64.detach(), x64.grad) > 0.5
+
+
+def test_relu2_bf16_saves_no_extra_tensor(device, monkeypatch):
+    # bf16 (8-bit exponent) rebuilds relu(pre) = sqrt(y) safely: no second output is written.
+    calls = []
+    monkeypatch.setattr(bmm_module, "linear_relu2_op", lambda *a: calls.append(a))
+    x = rand((6, 45), torch.bfloat16, device, mean=0.3).requires_grad_()
+    weight = rand((29, 45), torch.bfloat16, device, mean=-0.05).requires_grad_()
+    linear(x, weight, "relu_squared", use_triton=True).sum().backward()
+    assert not calls and x.grad is not None
+
+
+def _opcheck_tests(device):
+    # The interpreter cannot run kernels on fake tensors: those checks need CUDA.
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    return tests
+
+
+def test_registered_custom_ops(device):
+    x = rand((7, 45), torch.float32, device).requires_grad_()
+    w = rand((24, 45), torch.float32, device).requires_grad_()
+    r = rand((7, 24), torch.float32, device).requires_grad_()
+    a = rand((3, 9, 16), torch.float32, device).requires_grad_()
+    b = rand((3, 16, 8), torch.float32, device).requires_grad_()
+    tests = _opcheck_tests(device)
+    torch.library.opcheck(bmm_module.bmm_op, (a, b), test_utils=tests)
+    torch.library.opcheck(bmm_module.bmm_op, (x, w.t()), test_utils=tests)
+    for res in (None, r):
+        torch.library.opcheck(bmm_module.linear_op, (x, w, res, False), test_utils=tests)
+        torch.library.opcheck(bmm_module.linear_relu2_op, (x, w, res), test_utils=tests)
+    torch.library.opcheck(bmm_module.linear_op, (x, w, None, True), test_utils=tests)
+    dy, s = rand((7, 24), torch.float32, device), rand((7, 24), torch.float32, device, mean=1.0)
+    torch.library.opcheck(bmm_module.relu2_grad_op, (dy, s.abs(), True), test_utils=tests)
+
+
+@pytest.mark.parametrize("kind", ["bmm", "linear", "relu_squared", "relu_squared_fp16"])
+def test_double_backward_raises(kind, device):
+    dtype = torch.float16 if kind == "relu_squared_fp16" else torch.float32
+    x = rand((5, 16), dtype, device, mean=0.3).requires_grad_()
+    w = rand((8, 16), dtype, device, mean=0.1).requires_grad_()
+    if kind == "bmm":
+        out = bmm(x, w.t(), use_triton=True)
+    else:
+        out = linear(x, w, None if kind == "linear" else "relu_squared", use_triton=True)
+    (g,) = torch.autograd.grad((out * out).float().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_layout_for_tma():
+    base = torch.empty(64, 48, dtype=torch.bfloat16)
+    assert bmm_module._layout(base) == (0, 48)
+    assert bmm_module._layout(base.t()) == (1, 48)
+    assert bmm_module._layout(base[:, :40]) == (0, 48)  # row stride still 96 bytes
+    assert bmm_module._layout(base[:, 1:]) is None  # base 2 bytes off 16-byte alignment
+    assert bmm_module._layout(torch.empty(8, 45, dtype=torch.bfloat16)) is None  # 90-byte rows
+    assert bmm_module._layout(base[:, ::2]) is None  # no unit stride
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # what torch.compile traces with: no data pointers
+        fake = torch.empty(64, 48, dtype=torch.bfloat16)
+        assert bmm_module._layout(fake.t()) == (1, 48) and bmm_module._layout(fake[:, 1:]) is None
+
+
+def test_plan_picks_paths(monkeypatch):
+    # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(bmm_module, "COMPILE_TMA", False)
+    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
+    table = {"8192x512x512:nt": "cublas", "64x64x64:nn": "ptr", "64x64x64:nt+res": "cublas"}
+    monkeypatch.setattr(bmm_module, "MATMUL_TABLE", {"H200": table})
+
+    def plan(M, N, K, a_t=0, b_t=1, epi="", impl="auto", force=None, tracing=False, ok=None):
+        ok = epi in ("", "+res") if ok is None else ok
+        return bmm_module._plan.__wrapped__(
+            "cuda", 0, bf16, M, N, K, a_t, b_t, epi, ok, 2, impl, force, tracing
+        )
+
+    assert plan(8192, 2048, 512, epi="+relu2") == ("tma", 1, 132)
+    assert plan(8192, 512, 512) == ("cublas",)  # listed
+    assert plan(8192, 512, 512, a_t=1, b_t=0)[0] == "tma"  # another layout: not listed
+    assert plan(8192, 512, 512, impl="triton")[0] == "tma"
+    assert plan(8192, 512, 512, force="tma")[0] == "tma"
+    assert plan(8192, 512, 512, ok=False)[0] == "tma"  # e.g. a residual of another dtype
+    assert plan(8192, 512, 512, epi="+relu2", impl="cublas")[0] == "tma"  # relu²: never cuBLAS
+    assert plan(2048, 512, 512, impl="cublas") == ("cublas",)
+    assert plan(64, 64, 64, epi="+res") == ("cublas",)  # addmm
+    assert plan(64, 64, 64, b_t=0)[0] == "ptr"  # the table's "ptr"
+    assert plan(64, 64, 64, a_t=-1)[0] == "ptr"  # TMA can't describe a
+    assert plan(64, 60, 64)[0] == "ptr"  # 120-byte output rows
+    assert plan(64, 64, 64, force="ptr")[0] == "ptr"
+    assert plan(64, 64, 64, epi="+relu2", tracing=True)[0] == "ptr"  # COMPILE_TMA off
+    # Weight gradients (K = tokens, few output tiles) split K; forward shapes do not.
+    assert plan(256, 512, 8192, a_t=1, b_t=0)[1] > 1
+    assert plan(8192, 256, 512)[1] == 1
+    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (8, 108, "A100"))
+    assert plan(8192, 2048, 512, epi="+relu2")[0] == "ptr"
+    assert plan(8192, 512, 512)[0] == "ptr"  # no table for this device, no TMA
+
+
+def test_split_k_choice():
+    # Measured best splits on an H200 (bench_matmul.py's sweep): the heuristic reproduces them.
+    best = {(1536, 512, 2048): 1, (512, 512, 2048): 4, (2048, 512, 2048): 1,
+            (512, 2048, 2048): 1, (256, 512, 2048): 4, (1536, 512, 8192): 4,
+            (512, 512, 8192): 8, (2048, 512, 8192): 4, (512, 2048, 8192): 4}  # fmt: skip
+    for (M, N, K), split in best.items():
+        assert bmm_module._split_k(M, N, K, 132) == split, (M, N, K)
+    assert bmm_module._split_k(8192, 2048, 512, 132) == 1
+    assert bmm_module._split_k(512, 512, 512, 132) == 1  # short K: not worth a second kernel
+    for M, N, K in [(128, 128, 1 << 20), (1, 1, 1 << 16), (4096, 4096, 1 << 16)]:
+        split = bmm_module._split_k(M, N, K, 132)
+        tiles = -(-M // 128) * -(-N // 128)
+        assert 1 <= split <= 16 and (split == 1 or tiles * split <= 2 * 132)
+
+
+def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1):
+    """The Hopper kernel with fixed small tiles (no autotuning), as the interpreter runs it."""
+    M, K = a.shape
+    N = b.shape[1]
+    la, lb = bmm_module._layout(a), bmm_module._layout(b)
+    c = torch.full((M, N), float("nan"), dtype=a.dtype, device=a.device)
+    aux = torch.full_like(c, float("nan")) if save_relu else None
+    ws = torch.empty((split, M, N), device=a.device) if split > 1 else c
+    rs = residual.stride() if residual is not None else (0, 0)
+    num_sms = 3  # fewer programs than tiles: each loops over several (persistent)
+    bmm_module._mm_tma_kernel[(num_sms,)](
+        a, b, c, residual if residual is not None else c, aux if save_relu else c, ws,
+        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split,
+        A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
+        HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, SPLIT=split > 1,
+        NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
+    )  # fmt: skip
+    if split > 1:
+        bmm_module._splitk_reduce_kernel[(-(-M * N // 256),)](ws, c, M * N, split, BLOCK=256)
+    return c, aux
+
+
+@pytest.mark.parametrize(
+    "a_t, b_t, relu_squared, has_res, save_relu, split, sub",
+    [
+        (False, True, False, False, False, 1, 1),  # forward: X @ W^T
+        (False, False, False, False, False, 1, 2),  # dX = dY @ W, halves stored apart
+        (True, False, False, False, False, 3, 1),  # dW = dY^T @ X, split K
+        (True, True, False, False, False, 1, 1),
+        (False, True, True, True, True, 1, 2),  # relu², residual and relu(pre) together
+        (False, True, True, False, False, 1, 1),
+    ],
+)
+def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub, device):
+    # Dims that are multiples of 8 (16-byte rows in fp16) but not of the 32-wide tiles: the
+    # descriptors' zero padding and clipped stores cover the ragged edges. On a GPU this runs
+    # on Hopper only; on the CPU in the interpreter.
+    if device == "cuda" and torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("TMA needs sm_90+")
+    if device == "cuda":
+        import triton
+
+        triton.set_allocator(bmm_module._tma_alloc)
+    M, N, K = 40, 48, 104
+    dtype = torch.float16
+    A = rand((M, K), dtype, device, mean=0.3)
+    B = rand((K, N), dtype, device, mean=-0.1)
+    a = A.t().contiguous().t() if a_t else A
+    b = B.t().contiguous().t() if b_t else B
+    res = rand((M, N), dtype, device, mean=1.5) if has_res else None
+    c, aux = _run_tma_kernel(a, b, relu_squared, res, save_relu, split, sub)
+    ref = A.double() @ B.double()
+    if relu_squared:
+        relu = ref.clamp_min(0)
+        assert (ref < 0).any() and (ref > 0).any()
+        if save_relu:
+            assert rel_err(aux, relu) < 1e-2
+        ref = relu * relu
+    if has_res:
+        ref = ref + res.double()
+    assert rel_err(c, ref) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------
+# The model's projections on a GPU: both paths, CUDA graphs, torch.compile, autotune cache
+# ------------------------------------------------------------------------------------------
+
+# (K in, N out, activation) of every projection of the model (d512, ff 4x, vocab 256).
+MODEL_SHAPES = [
+    (512, 1536, None),  # to_qkv
+    (512, 512, None),  # to_out
+    (512, 2048, "relu_squared"),  # proj_in
+    (2048, 512, None),  # proj_out
+    (512, 256, None),  # to_logits
+]
+
+
+def check_linear_bf16(M, K, N, activation, device):
+    x = rand((M, K), torch.bfloat16, device, mean=0.1, std=1.0).requires_grad_()
+    weight = rand((N, K), torch.bfloat16, device, mean=-0.01, std=K**-0.5).requires_grad_()
+    y = linear(x, weight, activation, use_triton=True)
+    grad = rand(y.shape, torch.bfloat16, device, mean=0.3)
+    y.backward(grad)
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = linear(x64, w64, activation)
+    ref.backward(grad.double())
+    assert rel_err(y, ref) < 1e-2
+    assert rel_err(x.grad, x64.grad) < 1e-2
+    assert rel_err(weight.grad, w64.grad) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+@pytest.mark.parametrize("M", [2048, 8192])
+@pytest.mark.parametrize("K, N, activation", MODEL_SHAPES)
+def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
+    # Every projection forward and backward (dX, dW) through the Hopper TMA kernel and through
+    # the pointer fallback, matmul_impl forced to Triton (no cuBLAS table entry applies).
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    monkeypatch.setattr(bmm_module, "_FORCE_PATH", path)
+    tma_calls = []
+    real = bmm_module._launch_tma
+    monkeypatch.setattr(bmm_module, "_launch_tma", lambda *a: tma_calls.append(1) or real(*a))
+    check_linear_bf16(M, K, N, activation, device)
+    hopper = torch.cuda.get_device_capability()[0] in (9, 10)
+    assert len(tma_calls) == (3 if path == "tma" and hopper else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "cublas"])
+def test_matmul_impl_gpu(impl, device, monkeypatch):
+    monkeypatch.setattr(bmm_module, "matmul_impl", impl)
+    check_linear_bf16(2048, 512, 512, None, device)
+    check_linear_bf16(2048, 512, 2048, "relu_squared", device)  # the epilogue stays Triton
+    # A residual of the same dtype goes to torch.addmm under "cublas" (and where listed).
+    x = rand((2048, 2048), torch.bfloat16, device, mean=0.1)
+    w = rand((512, 2048), torch.bfloat16, device, mean=-0.01, std=2048**-0.5)
+    h = rand((2048, 512), torch.bfloat16, device, mean=1.0)
+    y = linear(x, w, use_triton=True, residual=h)
+    ref = linear(x.double(), w.double(), residual=h.double())
+    assert rel_err(y.double() - h.double(), ref - h.double()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_residual_gpu(dtype, device):
+    x = rand((4096, 2048), dtype, device, mean=0.1).requires_grad_()
+    w = rand((512, 2048), dtype, device, mean=-0.01, std=2048**-0.5).requires_grad_()
+    h = rand((4096, 512), torch.float32, device, mean=1.0).requires_grad_()
+    y = linear(x, w, "relu_squared", use_triton=True, residual=h)
+    grad = rand(y.shape, torch.float32, device, mean=0.3)
+    y.backward(grad)
+    x64, w64, h64 = (t.detach().double().requires_grad_() for t in (x, w, h))
+    ref = linear(x64, w64, "relu_squared", residual=h64)
+    ref.backward(grad.double())
+    assert rel_err(y.double() - h.double(), ref - h64) < 1e-2
+    assert rel_err(x.grad, x64.grad) < 1e-2 and rel_err(w.grad, w64.grad) < 1e-2
+    assert torch.equal(h.grad, grad)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_gpu(device):
+    # Forward and backward of a relu² projection and a plain one, captured and replayed twice
+    # on new data; the replay matches eager. Autotuning happens in the warm-up, not in capture.
+    x = rand((2048, 512), torch.bfloat16, device).requires_grad_()
+    w1 = rand((2048, 512), torch.bfloat16, device, std=512**-0.5).requires_grad_()
+    w2 = rand((512, 2048), torch.bfloat16, device, std=2048**-0.5).requires_grad_()
+
+    def step():
+        h = linear(x, w1, "relu_squared", use_triton=True)
+        out = linear(h, w2, use_triton=True, residual=x)
+        out.float().square().mean().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in (x, w1, w2):
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    static_grads = [p.grad for p in (x, w1, w2)]  # the graph writes these buffers
+    outs = []
+    for _ in range(2):
+        with torch.no_grad():
+            for p in (x, w1, w2):
+                p.copy_(rand(p.shape, p.dtype, device, std=p.shape[1] ** -0.5))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out.clone()] + [g.clone() for g in static_grads]
+        for p in (x, w1, w2):
+            p.grad = None
+        want = [step().detach()] + [p.grad for p in (x, w1, w2)]
+        for g, e in zip(got, want, strict=True):
+            assert rel_err(g, e) < 1e-3
+        outs.append(got[0])
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_tma", [True, False])
+def test_compile_without_graph_breaks_gpu(compile_tma, device, monkeypatch):
+    # Traced with the TMA kernel (inductor allocates its descriptor scratch) or the pointer one.
+    monkeypatch.setattr(bmm_module, "COMPILE_TMA", compile_tma)
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    torch._dynamo.reset()
+
+    def f(x, w1, w2, q, k):
+        h = linear(x, w1, "relu_squared", use_triton=True)
+        out = linear(h, w2, use_triton=True, residual=x)
+        s = bmm(q, k.transpose(-1, -2), use_triton=True)
+        return out.float().sum() + s.float().sum()
+
+    args = [
+        rand((1024, 512), torch.bfloat16, device).requires_grad_(),
+        rand((2048, 512), torch.bfloat16, device, std=512**-0.5).requires_grad_(),
+        rand((512, 2048), torch.bfloat16, device, std=2048**-0.5).requires_grad_(),
+        rand((4, 128, 64), torch.bfloat16, device).requires_grad_(),
+        rand((4, 128, 64), torch.bfloat16, device).requires_grad_(),
+    ]
+    explanation = torch._dynamo.explain(f)(*args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    loss = torch.compile(f)(*args)
+    loss.backward()
+    got = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    ref = f(*args)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
+    for g, a in zip(got, args, strict=True):
+        assert rel_err(g, a.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_autotune_cache_per_shape_gpu(device, monkeypatch):
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the autotuned kernel is the Hopper path")
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    w = rand((512, 512), torch.bfloat16, device, std=512**-0.5)
+    for M in (1024, 3072):
+        linear(rand((M, 512), torch.bfloat16, device), w, use_triton=True)
+    keys = list(bmm_module._mm_tma_tuned.cache)
+    for M in (1024, 3072):
+        assert any(k[:3] == (M, 512, 512) for k in keys), keys
+    n = len(keys)
+    linear(rand((1024, 512), torch.bfloat16, device), w, use_triton=True)
+    assert len(bmm_module._mm_tma_tuned.cache) == n  # same shape: the cached config
+    # Eager launches after the first skip the autotuner: its pick is kept per problem.
+    assert any(k[:3] == (1024, 512, 512) for k in bmm_module._TUNED)

@@ -1,9 +1,60 @@
-"""Batched matmul and bias-free linear layer (optionally fused with relu²) in Triton.
+"""Batched matmul and bias-free linear layer (optional relu² and residual epilogues) in Triton.
 
-One tiled matmul kernel serves every case: it takes strides for both operands and the
-output, so a transposed view (k.transpose(-1, -2), weight.t(), the operands of a backward
-pass) is read in place, never copied. Tiles are visited in grouped order so that programs
-running together share rows of A and columns of B in L2.
+Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capture them):
+- `triton_transformer::bmm(a, b)`: a (..., M, K) @ b (..., K, N); any strides (a transposed
+  view such as k.transpose(-1, -2) is read in place). Its backward uses the same op.
+- `triton_transformer::linear(x, weight, residual, relu_squared)`: act(x @ weight.T) [+ residual]
+  for 2-D x; and `triton_transformer::linear_relu2(x, weight, residual)`, which also returns
+  relu(x @ weight.T) for the backward (see "relu² backward" below).
+- `triton_transformer::relu2_grad(dy, s, from_square)`: d(pre) = dy · 2·relu(pre).
+The backward of each is `@once_differentiable` (double backward raises) and calls these ops.
+
+Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype and device):
+- "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
+  or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
+  16 for the output). `_mm_tma_kernel` is persistent (one program per SM looping over tiles
+  in grouped order), loads tiles with device-side tensor descriptors
+  (`tl.make_tensor_descriptor`; its scratch comes from `triton.set_allocator`) and is
+  autotuned per (M, N, K, layout, epilogue, dtype) over `_tma_configs()`. A transposed
+  operand (W read as (K, N) in the backward, dY^T for dW) is a descriptor of the untransposed
+  storage whose tile is transposed in shared memory: no copies. Problems with few output
+  tiles and a long K (the weight gradients, K = tokens) split K over programs
+  (`_split_k`): fp32 partials in a workspace, summed in a fixed order by a second kernel, so
+  results stay deterministic (no atomics).
+- "ptr": `_mm_ptr_kernel`, the pointer-based (strided, batched) kernel: other GPUs, fp32,
+  batched bmm (attention), and layouts TMA cannot describe.
+- "interp": the same pointer kernel with small tiles and fp32 products for bf16 (the
+  interpreter has no bf16 arithmetic); picked when tensors are not on CUDA (CPU tests).
+- "cublas": torch.mm (torch.addmm for a residual, cuBLAS's own C-input epilogue), never with
+  relu², when `matmul_impl == "cublas"`, or `"auto"` and `MATMUL_TABLE` says so for this
+  device and problem. `MATMUL_TABLE` also sends a few problems to "ptr" where that kernel
+  measured faster than the TMA one.
+
+Which path each projection of the model takes on an H200 under "auto" (measured with
+benchmarks/bench_matmul.py, kernel times with L2 flushed; triton 3.6, torch 2.11), and why:
+- forward relu² (proj_in, 512 -> 2048): Triton, fused (TMA kernel at 8192 tokens: 528
+  TFLOP/s, 0.90x a plain torch.mm of the same shape and 1.9x PyTorch's mm + relu + square;
+  pointer kernel at 2048 tokens: 359 TFLOP/s, 0.79x of mm, 1.5x of mm + relu + square).
+- every plain GEMM (forward, dX, dW of to_qkv, to_out, proj_out, to_logits; dX and dW of
+  proj_in after the elementwise d(pre) pass): cuBLAS, where our best kernel reached
+  0.59-0.88x of it (weight gradients and 2048-token problems lose most: few output tiles,
+  K = 512 leaves little to pipeline). Exceptions: proj_out dX at 8192 tokens (TMA, 0.91x)
+  and to_logits dX at 2048 (pointer kernel, 0.91x).
+- residual adds without relu²: cuBLAS's addmm (our epilogue reads the residual with plain
+  loads in the accumulator layout, 0.40-0.79x of addmm).
+
+relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
+relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and
+bf16's 8-bit exponent means y = relu(pre)² does not underflow for any relu(pre) > 1e-19. In
+fp16, y underflows (to 0, or to subnormals with few bits) for relu(pre) < ~8e-3, so the
+forward epilogue also writes relu(pre) (one extra M×N tensor, the memory PyTorch's own
+relu-then-square keeps) and the backward uses it; likewise with a residual, where y no longer
+determines relu(pre). d(pre) is one elementwise pass; then dX = d(pre) @ W and
+dW = d(pre)^T @ X are two plain GEMMs.
+
+Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
+a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
+torch.compile the Triton paths run the pointer kernel unless `COMPILE_TMA` is set.
 """
 
 from __future__ import annotations
@@ -15,21 +66,158 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import check_triton_tensor, interpreter_enabled
+from triton_transformer.utils import cdiv, check_triton_tensor, next_power_of_2
+
+# What torch.compile hands an op body while tracing it.
+_TRACED_TENSORS = (FakeTensor, FunctionalTensor)
 
 ACTIVATIONS = (None, "relu_squared")
+MATMUL_IMPLS = ("auto", "triton", "cublas")
+
+# Which GEMM runs a problem: "auto" (MATMUL_TABLE's choice for this device and shape, else the
+# TMA kernel on Hopper), "triton" (never cuBLAS) or "cublas" (cuBLAS for every problem it can
+# compute: plain products and residual adds, never relu²). Module-level, read once per call.
+matmul_impl = "auto"
+
+# Measured choices per device name and problem: "MxNxK:AB[+relu2][+res]" with A/B = "n"
+# (row-major) or "t" (a transposed view) -> "cublas" or "ptr". Problems not listed run the
+# TMA kernel. From benchmarks/bench_matmul.py (kernel times, L2 flushed) on an H200, triton
+# 3.6, torch 2.11, 2026-11-22, at the model's projections for 2048 and 8192 tokens:
+# "cublas" where our best kernel stayed below 0.9x torch.mm (torch.addmm for "+res");
+# "ptr" where the pointer kernel beat the TMA one. relu² never goes to cuBLAS.
+MATMUL_TABLE: dict[str, dict[str, str]] = {
+    "NVIDIA H200": {
+        # 2048 tokens
+        "2048x1536x512:nt": "cublas",  # to_qkv fwd: best 0.69x
+        "2048x512x1536:nn": "cublas",  # to_qkv dX: 0.69x
+        "1536x512x2048:tn": "cublas",  # to_qkv dW: 0.61x
+        "2048x512x512:nt": "cublas",  # to_out fwd: 0.85x
+        "2048x512x512:nn": "cublas",  # to_out dX: 0.82x
+        "512x512x2048:tn": "cublas",  # to_out dW: 0.59x
+        "2048x512x512:nt+res": "cublas",  # to_out + residual: 0.79x of addmm
+        "2048x2048x512:nt+relu2": "ptr",  # proj_in fwd: ptr 359, TMA 337 TFLOP/s
+        "2048x512x2048:nn": "cublas",  # proj_in dX: 0.63x
+        "2048x512x2048:tn": "cublas",  # proj_in dW: 0.68x
+        "2048x512x2048:nt": "cublas",  # proj_out fwd: 0.66x
+        "2048x2048x512:nn": "cublas",  # proj_out dX: 0.84x
+        "512x2048x2048:tn": "cublas",  # proj_out dW: 0.66x
+        "2048x512x2048:nt+res": "cublas",  # proj_out + residual: 0.40x of addmm
+        "2048x256x512:nt": "cublas",  # to_logits fwd: 0.86x
+        "2048x512x256:nn": "ptr",  # to_logits dX: ptr 0.91x
+        "256x512x2048:tn": "cublas",  # to_logits dW: 0.59x
+        # 8192 tokens
+        "8192x1536x512:nt": "cublas",  # 0.87x
+        "8192x512x1536:nn": "cublas",  # 0.85x
+        "1536x512x8192:tn": "cublas",  # 0.77x
+        "8192x512x512:nt": "cublas",  # 0.82x
+        "8192x512x512:nn": "cublas",  # 0.86x
+        "512x512x8192:tn": "cublas",  # 0.79x
+        "8192x512x512:nt+res": "cublas",  # 0.71x of addmm
+        "8192x512x2048:nn": "cublas",  # proj_in dX: 0.83x
+        "2048x512x8192:tn": "cublas",  # proj_in dW: 0.78x
+        "8192x512x2048:nt": "cublas",  # proj_out fwd: 0.88x
+        "512x2048x8192:tn": "cublas",  # proj_out dW: 0.77x
+        # Not measured (the benchmark run ended first); from the same problems at 2048
+        # tokens (0.40-0.59x). Confirm with: bench_matmul.py --M 8192 --shapes 512->256,2048->512
+        "8192x512x2048:nt+res": "cublas",  # proj_out + residual
+        "8192x256x512:nt": "cublas",  # to_logits fwd
+        "8192x512x256:nn": "cublas",  # to_logits dX
+        "256x512x8192:tn": "cublas",  # to_logits dW
+    }
+}
+
+# Tests only: force a path ("tma", "ptr") where it is allowed.
+_FORCE_PATH: str | None = None
+
+# Whether torch.compile traces the TMA kernel (True) or the pointer kernel (False) into its
+# graphs. Off until verified on the GPU machine (tests/test_bmm.py's compile test runs both):
+# inductor must then allocate the device-side descriptors' scratch itself.
+COMPILE_TMA = False
 
 # CUDA caps the 2nd grid dim (the batch here) at 65535; larger batches launch in chunks.
 _MAX_GRID_BATCH = 65535
 
 
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _matmul_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    s_ptr,
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile (pid_m, pid_n) of a tile index in grouped order: GROUP_M row-blocks are swept
+    together, column by column, so their A tiles and the B tile of a column stay in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _round_bf16(x):
+    """Interpreter only: round fp32 to the nearest bf16 (ties to even), as GPUs do when they
+    cast; the interpreter truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    R,
+    AUX,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_rm,
+    stride_rn,
+    stride_xm,
+    RELU_SQUARED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_AUX: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """act(acc) [+ R] for one fp32 tile at rows offs_m and columns offs_n (int64).
+
+    RELU_SQUARED: act(y) = relu(y)²; STORE_AUX also writes relu(y) to AUX (row stride
+    stride_xm, unit column stride). HAS_RESIDUAL adds R (any strides) after the activation.
+    """
+    if RELU_SQUARED:
+        acc = tl.maximum(acc, 0.0)
+        if STORE_AUX:
+            aux = acc
+            if ROUND:
+                aux = _round_bf16(aux)
+            mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
+            tl.store(aux_ptrs, aux.to(AUX.dtype.element_ty), mask=mask)
+        acc = acc * acc
+    if HAS_RESIDUAL:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        r_ptrs = R + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ROUND:
+        acc = _round_bf16(acc)
+    return acc
+
+
+@triton.jit
+def _mm_ptr_kernel(
+    A,
+    B,
+    C,
+    R,
+    AUX,
     M,
     N,
     K,
@@ -42,11 +230,12 @@ def _matmul_kernel(
     stride_cb,
     stride_cm,
     stride_cn,
-    stride_sb,
-    stride_sm,
-    stride_sk,
+    stride_rm,
+    stride_rn,
+    stride_xm,
     RELU_SQUARED: tl.constexpr,
-    A_TIMES_2SQRT_S: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_AUX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -54,25 +243,15 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """C[b] = act(A'[b] @ B[b]) for A (M, K), B (K, N), C (M, N), all given by strides.
+    """C[b] = epilogue(A[b] @ B[b]) for A (M, K), B (K, N), C (M, N), all given by strides.
 
-    RELU_SQUARED: act(y) = relu(y)² in the epilogue, else identity.
-    A_TIMES_2SQRT_S: A' = A * 2·sqrt(S) with S shaped like A (the relu² backward, where S
-    is the forward output relu(pre)², so 2·sqrt(S) = 2·relu(pre)); else A' = A.
+    One program per output tile (grid: tiles, batch). The pointer-based path: the
+    interpreter, GPUs without TMA, fp32, batches, and layouts TMA cannot describe. The
+    epilogue operands (R, AUX) are used with batch 1 only.
     """
     pid = tl.program_id(0)
     bid = tl.program_id(1).to(tl.int64)
-
-    # Grouped ordering: GROUP_M row-blocks are swept together, column by column, so the
-    # A tiles of a group and the B tile of a column stay hot in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # int64 row/column offsets: a single operand may exceed 2**31 elements.
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,57 +259,233 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-
-    a_ptrs = a_ptr + bid * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + bid * stride_bb + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    if A_TIMES_2SQRT_S:
-        s_ptrs = s_ptr + bid * stride_sb + offs_m[:, None] * stride_sm + offs_k[None, :] * stride_sk
+    a_ptrs = A + bid * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + bid * stride_bb + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         # Masks cover the ragged edges, so M, N and K need not be multiples of the tiles.
         k_left = K - k * BLOCK_K
-        a_mask = mask_m[:, None] & (offs_k[None, :] < k_left)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if A_TIMES_2SQRT_S:
-            s = tl.load(s_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-            a = a.to(tl.float32) * (2.0 * tl.sqrt(s))
-            s_ptrs += BLOCK_K * stride_sk
-        if UPCAST:
-            # Interpreter only: it has no bf16 arithmetic, so multiply in fp32.
+        if UPCAST:  # interpreter only: no bf16 arithmetic there, so multiply in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        else:
-            a = a.to(b.dtype)  # back to the storage dtype for the tensor cores; no-op if unscaled
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if RELU_SQUARED:
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
+    acc = _epilogue(
+        acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
+        RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, UPCAST,
+    )  # fmt: skip
+    c_ptrs = C + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    if UPCAST:
-        # The interpreter truncates fp32 -> bf16 where GPUs round to nearest even: round
-        # the fp32 bits here so the cast below is exact and results match the GPU's.
-        bits = acc.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        acc = bits.to(tl.float32, bitcast=True)
-    c_ptrs = c_ptr + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+@triton.jit
+def _mm_tma_kernel(
+    A,
+    B,
+    C,
+    R,
+    AUX,
+    WS,
+    M,
+    N,
+    K,
+    stride_a,
+    stride_b,
+    stride_c,
+    stride_rm,
+    stride_rn,
+    stride_xm,
+    split_k,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    RELU_SQUARED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_AUX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPI_SUB: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """Persistent TMA matmul: C = epilogue(A @ B) for 2-D A (M, K), B (K, N), C (M, N).
+
+    A_T: A is stored as (K, M) with row stride stride_a (a transposed view), else (M, K).
+    B_T: B is stored as (N, K) (e.g. a weight read as W^T), else (K, N). Tiles of a
+    transposed operand are loaded untransposed and transposed in shared memory.
+    TMA pads out-of-bounds loads with zeros and clips stores, so ragged edges need no masks.
+    SPLIT: the K loop is cut into split_k chunks (work item = tile x chunk) whose fp32
+    partials go to WS (split_k, M, N); `_splitk_reduce_kernel` sums them. No epilogue then.
+    EPI_SUB = 2 stores the tile in two halves (less shared memory for the epilogue).
+    FLATTEN: software-pipeline across tiles (the next tile's loads overlap this epilogue).
+    """
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(A, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(A, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(B, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N])
+    SUB_N: tl.constexpr = BLOCK_N // EPI_SUB
+    c_desc = tl.make_tensor_descriptor(C, [M, N], [stride_c, 1], [BLOCK_M, SUB_N])
+
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT:
+        k_chunk = tl.cdiv(k_tiles, split_k)
+        num_work = num_pid_m * num_pid_n * split_k
+    else:
+        k_chunk = k_tiles
+        num_work = num_pid_m * num_pid_n
+
+    for work in tl.range(start_pid, num_work, NUM_SMS, flatten=FLATTEN):
+        if SPLIT:
+            tile_id = work // split_k
+            k_lo = (work % split_k) * k_chunk
+        else:
+            tile_id = work
+            k_lo = 0
+        k_hi = min(k_lo + k_chunk, k_tiles)
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_lo, k_hi):
+            off_k = ki * BLOCK_K
+            if A_T:  # noqa: SIM108 (constexpr branches, resolved at compile time)
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_T:  # noqa: SIM108
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc)
+
+        offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+        if SPLIT:
+            # fp32 partial of chunk (work % split_k); the reduce kernel adds them in order.
+            offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+            ws_ptrs = WS + (work % split_k).to(tl.int64) * M * N
+            ws_ptrs += offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        elif EPI_SUB == 2:
+            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1))
+            acc0, acc1 = tl.split(acc)
+            for h in tl.static_range(2):
+                part = acc0 if h == 0 else acc1
+                offs_n = off_n.to(tl.int64) + h * SUB_N + tl.arange(0, SUB_N)
+                part = _epilogue(
+                    part, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
+                    RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
+                )  # fmt: skip
+                c_desc.store([off_m, off_n + h * SUB_N], part.to(C.dtype.element_ty))
+        else:
+            offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+            acc = _epilogue(
+                acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
+                RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
+            )  # fmt: skip
+            c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
+
+
+def _tma_configs() -> list[triton.Config]:
+    """Tile shapes / stages / warps the Hopper kernel is autotuned over (per shape).
+
+    128x256 tiles (two warpgroups) for large outputs, 128x128 in two pipeline depths, and
+    narrower tiles for problems with few output tiles. Shared memory per config
+    (stages x (BM + BN) x BK x 2 bytes, plus the epilogue tile) stays under 227 KiB.
+    """
+    cfg = []
+    for bm, bn, bk, stages, warps, sub, flat in (
+        (128, 256, 64, 3, 8, 2, True),
+        (128, 256, 64, 3, 8, 2, False),
+        (128, 256, 64, 4, 8, 2, True),
+        (256, 128, 64, 3, 8, 1, True),
+        (128, 128, 64, 4, 4, 1, True),
+        (128, 128, 64, 4, 4, 1, False),
+        (128, 128, 64, 4, 8, 1, True),
+        (128, 128, 128, 3, 8, 1, True),
+        (64, 128, 64, 4, 4, 1, True),
+        (128, 64, 64, 4, 4, 1, True),
+    ):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
+        meta["FLATTEN"] = flat
+        cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
+    return cfg
+
+
+_TMA_KEY = ["M", "N", "K", "split_k", "A_T", "B_T", "RELU_SQUARED", "HAS_RESIDUAL"]
+_TMA_KEY += ["STORE_AUX", "NUM_SMS"]  # NUM_SMS: a different GPU model tunes anew
+# The autotuner's key also holds every tensor argument's dtype.
+_mm_tma_tuned = triton.autotune(configs=_tma_configs(), key=_TMA_KEY)(_mm_tma_kernel)
+
+
+@triton.jit
+def _splitk_reduce_kernel(WS, C, MN, split_k, BLOCK: tl.constexpr):
+    """C (contiguous) = sum over s of WS[s], in order s = 0, 1, ...: deterministic."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(WS + s * MN + offs, mask=mask, other=0.0)
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu2_grad_kernel(
+    DY,
+    S,
+    DP,
+    M,
+    N,
+    stride_dym,
+    stride_dyn,
+    stride_sm,
+    stride_sn,
+    FROM_SQUARE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """DP (contiguous) = DY * 2·relu(pre), with relu(pre) = sqrt(S) if FROM_SQUARE else S."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    dy = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask)
+    s = tl.load(S + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask)
+    s = s.to(tl.float32)
+    if FROM_SQUARE:
+        s = tl.sqrt(s)
+    dp = dy.to(tl.float32) * (2.0 * s)
+    tl.store(DP + offs_m[:, None] * N + offs_n[None, :], dp.to(DP.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------
+# Host side: plans (cached per shape), launches
+# ------------------------------------------------------------------------------------------
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= n, clamped to [lo, hi]."""
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, next_power_of_2(n)))
 
 
 @functools.cache
-def _matmul_config(
+def _ptr_config(
     M: int, N: int, K: int, batch: int, dtype: torch.dtype, interpret: bool
 ) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for one problem shape.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the pointer kernel.
 
     A fixed heuristic rather than triton.autotune: no benchmarking on first call, and the
     same tiles (hence the same summation order) on every run.
@@ -143,80 +498,402 @@ def _matmul_config(
         # ieee fp32 goes through FMA units, not tensor cores: 64x64 tiles with a 32-deep K
         # step keep the per-thread accumulator (32 fp32) and shared memory small.
         return _pow2(M, 16, 64), _pow2(N, 16, 64), _pow2(K, 16, 32), 8, 4, 3
-    # fp16/bf16 on tensor cores: 128x128x64 tiles with 8 warps and 3 stages (96 KiB of
-    # shared memory, fits any GPU since Ampere) for large problems. Too few programs leave
-    # SMs idle (an H100 has 132), so for small problems narrow N, then M, to 64. Measured on
-    # an H200 (triton 3.6) this is 75-100% of torch.matmul at the model's shapes; wider
-    # 128x256 tiles gain ~15% only on 4096³ problems and need more shared memory.
+    # fp16/bf16 on tensor cores: 128x128x64 tiles, 8 warps, 3 stages (96 KiB of shared
+    # memory, fits any GPU since Ampere) for large problems; for small ones narrow N, then M,
+    # to 64 so that there are enough programs for the SMs (an H100 has 132).
     block_m, block_n = _pow2(M, 16, 128), _pow2(N, 16, 128)
-    if batch * triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < 128:
+    if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
         block_n = min(block_n, 64)
-    if batch * triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < 128:
+    if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
         block_m = min(block_m, 64)
     big = block_m * block_n >= 128 * 128
     return block_m, block_n, _pow2(K, 16, 64), 8, 8 if big else 4, 3 if big else 4
 
 
-def _matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    relu_squared: bool = False,
-    s: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """c[i] = act(a'[i] @ b[i]) for 3-D views a (B, M, K), b (B, K, N), c (B, M, N).
+@functools.cache
+def _device_info(index: int) -> tuple[int, int, str]:
+    """(compute capability major, SM count, name) of a CUDA device."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count, props.name
 
-    Any strides are fine (transposed views are read in place). `s` (shaped like `a`)
-    switches on a' = a * 2·sqrt(s), the relu² backward.
+
+def _split_k(M: int, N: int, K: int, num_sms: int) -> int:
+    """K chunks for the TMA kernel when 128x128 output tiles would leave SMs idle and K is
+    long (weight gradients: K = tokens). From the split sweep of bench_matmul.py on an H200:
+    >= 32 tiles want K chunks of ~2048 within two waves; fewer tiles want chunks of ~512
+    within one wave."""
+    tiles = cdiv(M, 128) * cdiv(N, 128)
+    if tiles >= num_sms:
+        return 1
+    if tiles >= 32:
+        split, cap = K // 2048, 2 * num_sms // tiles
+    else:
+        split, cap = K // 512, num_sms // tiles
+    return max(1, min(split, cap, 16))
+
+
+def _layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """(transposed, row stride) for a TMA descriptor of 2-D `x`, or None if TMA can't read it.
+
+    Row-major (last stride 1) or a transposed view (first stride 1); the other stride and
+    the start address must be 16-byte aligned. The start is judged by the storage offset
+    (PyTorch's allocators align storages to >= 256 bytes), so fake tensors work too.
     """
+    s0, s1 = x.stride()
+    es = x.element_size()
+    if (x.storage_offset() * es) % 16:
+        return None
+    if s1 == 1 and s0 > 0 and (s0 * es) % 16 == 0:
+        return 0, int(s0)
+    if s0 == 1 and s1 > 0 and (s1 * es) % 16 == 0:
+        return 1, int(s1)
+    return None
+
+
+@functools.cache
+def _plan(
+    device_type: str,
+    index: int,
+    dtype: torch.dtype,
+    M: int,
+    N: int,
+    K: int,
+    a_t: int,
+    b_t: int,
+    epi: str,
+    cublas_ok: bool,
+    out_size: int,
+    impl: str,
+    force: str | None,
+    tracing: bool = False,
+) -> tuple:
+    """How one 2-D problem runs: ("cublas",), ("tma", split_k, num_sms) or ("ptr", config).
+
+    a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
+    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm can compute
+    it (no relu², one dtype throughout). out_size: the output's element size in bytes.
+    tracing: torch.compile is tracing the op; the TMA kernel is used there only if
+    `COMPILE_TMA` (inductor must then provide the descriptors' scratch allocator).
+    """
+    if device_type != "cuda":
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
+    major, num_sms, name = _device_info(index)
+    choice = None
+    if impl == "auto" and force is None:
+        lay = ("nt"[a_t] if a_t >= 0 else "s") + ("nt"[b_t] if b_t >= 0 else "s")
+        choice = MATMUL_TABLE.get(name, {}).get(f"{M}x{N}x{K}:{lay}{epi}")
+    if cublas_ok and force is None and (impl == "cublas" or choice == "cublas"):
+        return ("cublas",)
+    tma = (
+        major in (9, 10)
+        and dtype in (torch.float16, torch.bfloat16)
+        and a_t >= 0
+        and b_t >= 0
+        and (N * out_size) % 16 == 0
+    )
+    if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
+    return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
+
+
+_EPI = {  # (relu², residual) -> the table's key suffix
+    (False, False): "",
+    (True, False): "+relu2",
+    (False, True): "+res",
+    (True, True): "+relu2+res",
+}
+
+
+def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Eager launches after the first: (grid, tuned config kwargs) per problem, so that the
+# autotuner's per-call work is skipped. Filled from the autotuner's pick.
+_TUNED: dict[tuple, tuple] = {}
+
+
+def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> None:
+    """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N)."""
+    M, K = a.shape
+    N = b.shape[1]
+    # A context variable in Triton: set it in whichever thread launches (autograd's too).
+    triton.set_allocator(_tma_alloc)
+    ws = c
+    if split > 1:
+        ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
+    rs = r.stride() if r is not None else (0, 0)
+    args = (
+        a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
+        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split,
+    )  # fmt: skip
+    flags = {
+        "A_T": bool(a_lay[0]),
+        "B_T": bool(b_lay[0]),
+        "RELU_SQUARED": relu_squared,
+        "HAS_RESIDUAL": r is not None,
+        "STORE_AUX": aux is not None,
+        "SPLIT": split > 1,
+        "NUM_SMS": num_sms,
+    }
+
+    def grid(meta):
+        bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
+        return (min(num_sms, ((M + bm - 1) // bm) * ((N + bn - 1) // bn) * split),)
+
+    kernel = wrap_triton(_mm_tma_tuned)
+    if kernel is not _mm_tma_tuned:  # traced (torch.compile): inductor tunes and launches
+        kernel[grid](*args, **flags)
+    else:
+        key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
+        key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
+        tuned = _TUNED.get(key)
+        if tuned is not None:
+            _mm_tma_kernel[tuned[0]](*args, **flags, **tuned[1])
+        else:
+            _mm_tma_tuned[grid](*args, **flags)
+            best = getattr(_mm_tma_tuned, "best_config", None)
+            if best is not None:
+                _TUNED[key] = (grid(best.kwargs), best.all_kwargs())
+    if split > 1:
+        mn = M * N
+        wrap_triton(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
+
+
+def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret) -> None:
+    """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N)."""
     batch, M, K = a.shape
     N = b.shape[2]
-    if c.numel() == 0:
-        return c
-    if K == 0:  # an empty sum: act(0) = 0 for both activations
-        return c.zero_()
-    interpret = interpreter_enabled()
-    block_m, block_n, block_k, group_m, num_warps, num_stages = _matmul_config(
-        M, N, K, batch, a.dtype, interpret
-    )
+    block_m, block_n, block_k, group_m, num_warps, num_stages = cfg
     # Interpreter only: it has no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
     upcast = interpret and a.dtype == torch.bfloat16
     # ieee: exact fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16 operands
     # ignore the setting and always use tensor cores.
     precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
-    s_arg = s if s is not None else a  # placeholder pointer; unused when A_TIMES_2SQRT_S=False
-    grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    rs = r.stride()[-2:] if r is not None else (0, 0)
+    grid_mn = cdiv(M, block_m) * cdiv(N, block_n)
     for start in range(0, batch, _MAX_GRID_BATCH):
         # Slice only when the batch needs several launches: views cost host time.
         end = min(batch, start + _MAX_GRID_BATCH)
+        a_, b_, c_ = a, b, c
         if end - start < batch:
-            a_, b_, c_, s_ = a[start:end], b[start:end], c[start:end], s_arg[start:end]
+            a_, b_, c_ = a[start:end], b[start:end], c[start:end]
+        wrap_triton(_mm_ptr_kernel)[(grid_mn, end - start)](
+            a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
+            M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], N,
+            RELU_SQUARED=relu_squared, HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None,
+            DOT_PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+
+
+def _mm2d_into(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    relu_squared: bool = False,
+    residual: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
+) -> None:
+    """c = act(a @ b) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c (M, N) fresh.
+
+    aux (M, N, contiguous, a's dtype): with relu_squared, also receives relu(a @ b).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    if c.numel() == 0:
+        return
+    if K == 0:  # an empty sum: act(0) = 0 for both activations
+        if residual is None:
+            c.zero_()
         else:
-            a_, b_, c_, s_ = a, b, c, s_arg
-        _matmul_kernel[(grid_mn, end - start)](
-            a_,
-            b_,
-            c_,
-            s_,
-            M,
-            N,
-            K,
-            *a_.stride(),
-            *b_.stride(),
-            *c_.stride(),
-            *s_.stride(),
-            RELU_SQUARED=relu_squared,
-            A_TIMES_2SQRT_S=s is not None,
-            DOT_PRECISION=precision,
-            UPCAST=upcast,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            GROUP_M=group_m,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
+            c.copy_(residual)
+        if aux is not None:
+            aux.zero_()
+        return
+    device = a.device
+    M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
+    if device.type == "cuda":
+        a_lay, b_lay = _layout(a), _layout(b)
+        epi = _EPI[relu_squared, residual is not None]
+        cublas_ok = not relu_squared and c.dtype == a.dtype
+        if residual is not None:
+            cublas_ok = cublas_ok and residual.dtype == a.dtype
+        plan = _plan(
+            "cuda", device.index, a.dtype, M, N, K,
+            a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
+            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
+            isinstance(a, _TRACED_TENSORS),
+        )  # fmt: skip
+        if plan[0] == "tma":
+            _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2])
+            return
+    else:
+        plan = _plan(device.type, 0, a.dtype, M, N, K, -1, -1, "", False, 0, "triton", None)
+    if plan[0] == "cublas":  # plain, or the residual as cuBLAS's own C input (beta = 1)
+        if residual is None:
+            torch.mm(a, b, out=c)
+        else:
+            torch.addmm(residual, a, b, out=c)
+    else:
+        interpret = device.type != "cuda"
+        _launch_ptr(a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret)
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """c[i] = a[i] @ b[i] for 3-D views of any strides (the pointer kernel; batch 1 is 2-D)."""
+    batch, M, K = (int(d) for d in a.shape)  # symbolic sizes: specialise
+    if batch == 1:
+        _mm2d_into(a[0], b[0], c[0])
+        return
+    if c.numel() == 0:
+        return
+    if K == 0:
+        c.zero_()
+        return
+    interpret = a.device.type != "cuda"
+    if not interpret and matmul_impl == "cublas":
+        torch.bmm(a, b, out=c)
+        return
+    cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
+    _launch_ptr(a, b, c, None, None, False, cfg, interpret)
+
+
+# ------------------------------------------------------------------------------------------
+# Ops (torch.library), their autograd, and the public functions
+# ------------------------------------------------------------------------------------------
+
+
+@triton_op("triton_transformer::bmm", mutates_args=())
+def bmm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 2-D a (M, K), b (K, N) or 3-D a (B, M, K), b (B, K, N); any strides."""
+    c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=a.dtype)
+    if a.dim() == 2:
+        _mm2d_into(a, b, c)
+    else:
+        _bmm_into(a, b, c)
     return c
+
+
+def _bmm_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+@once_differentiable
+def _bmm_backward(ctx, dc: torch.Tensor):
+    a, b = ctx.saved_tensors
+    da = db = None
+    if ctx.needs_input_grad[0]:  # dA = dC @ B^T, B^T a view
+        da = bmm_op(dc, b.transpose(-1, -2))
+    if ctx.needs_input_grad[1]:  # dB = A^T @ dC
+        db = bmm_op(a.transpose(-1, -2), dc)
+    return da, db
+
+
+bmm_op.register_autograd(_bmm_backward, setup_context=_bmm_setup_context)
+
+
+def _linear_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=dtype)
+
+
+@triton_op("triton_transformer::linear", mutates_args=())
+def linear_op(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, relu_squared: bool
+) -> torch.Tensor:
+    """act(x @ weight.T) [+ residual] for 2-D x (M, K), weight (N, K), residual (M, N).
+
+    The output has x's dtype, promoted with the residual's. With relu_squared its backward
+    recovers relu(pre) as sqrt(output), so it needs no residual and fp32/bf16 (see the module
+    docstring); `linear_relu2_op` covers the other cases.
+    """
+    y = _linear_out(x, weight, residual)
+    _mm2d_into(x, weight.t(), y, relu_squared, residual)
+    return y
+
+
+@triton_op("triton_transformer::linear_relu2", mutates_args=())
+def linear_relu2_op(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(relu(x @ weight.T)² [+ residual], relu(x @ weight.T)): the second output, written by
+    the same epilogue, is what the backward needs (it does not underflow in fp16)."""
+    y = _linear_out(x, weight, residual)
+    r = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
+    _mm2d_into(x, weight.t(), y, True, residual, r)
+    return y, r
+
+
+@triton_op("triton_transformer::relu2_grad", mutates_args=())
+def relu2_grad_op(dy: torch.Tensor, s: torch.Tensor, from_square: bool) -> torch.Tensor:
+    """dy · 2·relu(pre) for 2-D dy and s (M, N), relu(pre) = sqrt(s) if from_square else s.
+
+    Any strides; returns a contiguous tensor in s's dtype.
+    """
+    M, N = s.shape
+    dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
+    if dp.numel():
+        wrap_triton(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+            dy, s, dp, M, N, *dy.stride(), *s.stride(),
+            FROM_SQUARE=from_square, BLOCK_M=16, BLOCK_N=256, num_warps=4,
+        )  # fmt: skip
+    return dp
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    x, weight, residual, relu_squared = inputs
+    ctx.relu_squared = relu_squared
+    ctx.from_square = True
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    # relu(pre) = sqrt(y) only holds without a residual; linear() never asks for that grad.
+    ctx.can_grad = not (relu_squared and residual is not None)
+    ctx.save_for_backward(x, weight, output if relu_squared and ctx.can_grad else None)
+
+
+def _linear_relu2_setup_context(ctx, inputs, output) -> None:
+    x, weight, residual = inputs
+    ctx.relu_squared = True
+    ctx.from_square = False
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.can_grad = True
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _linear_grads(ctx, dy: torch.Tensor):
+    if not ctx.can_grad:
+        raise RuntimeError(
+            "linear_op with relu_squared and a residual saves no relu(pre): use "
+            "linear_relu2_op (as linear() does) when gradients are needed"
+        )
+    x, weight, s = ctx.saved_tensors
+    # d(pre) = dy · 2·relu(pre), one elementwise pass; without relu² d(pre) = dy, cast only
+    # when a wider residual promoted the output.
+    dpre = relu2_grad_op(dy, s, ctx.from_square) if ctx.relu_squared else dy.to(x.dtype)
+    dx = dw = dres = None
+    if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
+        dx = bmm_op(dpre, weight)
+    if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view
+        dw = bmm_op(dpre.t(), x)
+    if ctx.needs_input_grad[2]:
+        dres = dy.to(ctx.residual_dtype)
+    return dx, dw, dres
+
+
+@once_differentiable
+def _linear_backward(ctx, dy: torch.Tensor):
+    return *_linear_grads(ctx, dy), None
+
+
+@once_differentiable
+def _linear_relu2_backward(ctx, dy: torch.Tensor, dr: torch.Tensor | None):
+    return _linear_grads(ctx, dy)
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+linear_relu2_op.register_autograd(_linear_relu2_backward, setup_context=_linear_relu2_setup_context)
 
 
 def _as_batched(x: torch.Tensor) -> torch.Tensor:
@@ -225,74 +902,14 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """View (..., C) as (R, C), keeping whatever strides allow (unlike utils.as_rows)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-class _BMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # Allocate the output in its final shape and hand the kernel a view: returning a
-        # view from a custom Function would forbid in-place ops on the result.
-        c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=a.dtype)
-        _matmul(_as_batched(a), _as_batched(b), _as_batched(c))
-        ctx.save_for_backward(a, b)
-        return c
-
-    @staticmethod
-    def backward(ctx, dc: torch.Tensor):
-        a, b = ctx.saved_tensors
-        a3, b3, dc3 = _as_batched(a), _as_batched(b), _as_batched(dc)
-        da = db = None
-        if ctx.needs_input_grad[0]:  # dA = dC @ B^T
-            da = torch.empty(a.shape, device=a.device, dtype=a.dtype)
-            _matmul(dc3, b3.transpose(1, 2), _as_batched(da))
-        if ctx.needs_input_grad[1]:  # dB = A^T @ dC
-            db = torch.empty(b.shape, device=b.device, dtype=b.dtype)
-            _matmul(a3.transpose(1, 2), dc3, _as_batched(db))
-        return da, db
-
-
-class _Linear(torch.autograd.Function):
-    # relu² backward needs relu(pre); it is recomputed as sqrt(y) from the output y that
-    # the forward saves anyway, so no pre-activation tensor is stored. The factor
-    # 2·sqrt(y) is applied as dy tiles are loaded by both backward matmuls (no d(pre)
-    # tensor either).
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, relu_squared: bool) -> torch.Tensor:
-        y = torch.empty((*x.shape[:-1], weight.shape[0]), device=x.device, dtype=x.dtype)
-        x2, y2 = _as_rows(x), _as_rows(y)
-        _matmul(x2[None], weight.t()[None], y2[None], relu_squared=relu_squared)
-        ctx.save_for_backward(x, weight, y if relu_squared else None)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight, y = ctx.saved_tensors
-        dy2 = _as_rows(dy)
-        y2 = None if y is None else _as_rows(y)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
-            dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-            s = None if y2 is None else y2[None]
-            _matmul(dy2[None], weight[None], _as_rows(dx)[None], s=s)
-        if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, summed over every leading dim
-            x2 = _as_rows(x)
-            dw = torch.empty(weight.shape, device=weight.device, dtype=weight.dtype)
-            s = None if y2 is None else y2.t()[None]
-            _matmul(dy2.t()[None], x2[None], dw[None], s=s)
-        return dx, dw, None
-
-
 def _check_pair(
     a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate two matmul operands; under torch.autocast cast both to its dtype.
 
-    Autocast does not reach inside a custom autograd.Function, so without this the Triton
-    path would run in fp32 under bf16 autocast (and mixed bf16 activations / fp32 weights
-    would be refused). The cast is differentiable: fp32 weights still get fp32 grads.
+    Autocast does not reach inside a custom op, so without this the Triton path would run
+    in fp32 under bf16 autocast (and mixed bf16 activations / fp32 weights would be
+    refused). The cast is differentiable: fp32 weights still get fp32 grads.
     """
     for t, name in ((a, name_a), (b, name_b)):
         if not isinstance(t, torch.Tensor):
@@ -313,7 +930,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
 
     The leading (batch) dims of `a` and `b` must be equal (no broadcasting); plain 2-D
     matrices are fine too. Inputs may be strided views (e.g. k.transpose(-1, -2)): the
-    Triton kernel reads them in place. fp32 accumulation; the output has the input dtype.
+    Triton kernels read them in place. fp32 accumulation; the output has the input dtype.
     """
     a, b = _check_pair(a, b, "a", "b")
     if a.dim() < 2 or b.dim() < 2:
@@ -329,7 +946,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
         return torch.matmul(a, b)
     check_triton_tensor(a, "a")
     check_triton_tensor(b, "b")
-    return _BMM.apply(a, b)
+    if a.dim() == 2:
+        return bmm_op(a, b)
+    c = bmm_op(_as_batched(a), _as_batched(b))
+    return c.view(*a.shape[:-1], b.shape[-1])
 
 
 def linear(
@@ -337,12 +957,15 @@ def linear(
     weight: torch.Tensor,
     activation: str | None = None,
     use_triton: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T) like F.linear without bias: x (..., K), weight (N, K) -> (..., N).
+    """act(x @ weight.T) [+ residual], like F.linear without bias: x (..., K), weight (N, K).
 
-    activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue in the
-    Triton kernel). The weight gradient is reduced over all leading dims of x in one
-    deterministic matmul (no atomics).
+    activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue).
+    residual: optional tensor shaped like the output (..., N), added after the activation
+    in the same epilogue (e.g. the model's `h + proj_out(...)`); the output dtype is x's
+    promoted with the residual's. The weight gradient is reduced over all leading dims of x
+    in one deterministic matmul (no atomics).
     """
     x, weight = _check_pair(x, weight, "x", "weight")
     if activation not in ACTIVATIONS:
@@ -354,12 +977,39 @@ def linear(
             f"x's last dim must equal weight's second dim ({weight.shape[1]}): "
             f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+        if tuple(residual.shape) != out_shape:
+            raise ValueError(
+                f"residual must have the output's shape {out_shape}, got {tuple(residual.shape)}"
+            )
+    relu_squared = activation == "relu_squared"
     if not use_triton:
         y = F.linear(x, weight)
-        if activation == "relu_squared":
+        if relu_squared:
             y = F.relu(y)
             y = y * y  # not y.square(): CUDA autocast would run pow in fp32
-        return y
+        return y if residual is None else y + residual
     check_triton_tensor(x, "x")
     check_triton_tensor(weight, "weight")
-    return _Linear.apply(x, weight, activation == "relu_squared")
+    two_d = x.dim() == 2  # the common case: no reshapes on the way in or out
+    M = x.shape[0] if two_d else math.prod(x.shape[:-1])
+    x2 = x if two_d else x.reshape(M, x.shape[-1])
+    r2 = None
+    if residual is not None:
+        check_triton_tensor(residual, "residual")
+        r2 = residual if two_d else residual.reshape(M, weight.shape[0])
+    # The backward needs relu(pre) itself (fp16, or a residual: see the module docstring).
+    save_relu = (
+        relu_squared
+        and (x.dtype == torch.float16 or r2 is not None)
+        and torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad or (r2 is not None and r2.requires_grad))
+    )
+    if save_relu:
+        y2 = linear_relu2_op(x2, weight, r2)[0]
+    else:
+        y2 = linear_op(x2, weight, r2, relu_squared)
+    return y2 if two_d else y2.view(out_shape)
