@@ -145,6 +145,11 @@ def test_explicit_scale(device):
     q, k, v = make_qkv(2, 2, 33, 40, 16, torch.float32, device)
     check_attention(q, k, v, scale=0.5)
     check_attention(q, k, v, scale=0.05, causal=True)
+    # scale <= 0 takes the unfolded path (a row max does not commute with a negative scale)
+    check_attention(q, k, v, scale=-0.3, causal=True)
+    check_attention(
+        q[:, :, :5], k, v, scale=0.0, key_padding_mask=torch.rand(2, 40, device=device) > 0.5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -123,10 +123,14 @@ def _fwd_block(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
-    past each row's diagonal; otherwise every key of every block is visible."""
+    past each row's diagonal; otherwise every key of every block is visible.
+
+    FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row,
+    so each score costs one fused multiply-add, s·scale - m, before its exp2 (max commutes
+    with a positive scale; -inf masks stay -inf)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if INT64_ROWS:  # noqa: SIM108
@@ -149,7 +153,12 @@ def _fwd_block(
             k = tl.load(k_base + rows_n[None, :] * skn + offs_d[:, None] * skd)
         if UPCAST:
             k = k.to(tl.float32)
-        qk = _mm(q, k, None, IEEE) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        qk = _mm(q, k, None, IEEE)  # (BLOCK_M, BLOCK_N)
+        if FOLD_SCALE:
+            row_scale = qk_scale
+        else:
+            qk = qk * qk_scale  # log2 units
+            row_scale = 1.0
         if MASKED:
             visible = offs_n[None, :] < N_K
             if CAUSAL:
@@ -158,14 +167,14 @@ def _fwd_block(
         if HAS_KPM:
             real = tl.load(kpm_base + offs_n * skpm, mask=offs_n < N_K, other=0)
             qk = tl.where(real[None, :] != 0, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
         if MASKED or HAS_KPM:  # noqa: SIM108
             # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead,
             # so its p and alpha are exp2(-inf) = 0, not NaN
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])
+        p = tl.math.exp2(qk * row_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -204,7 +213,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
@@ -258,13 +267,13 @@ def _attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE,
+        INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE,
+        INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
 
     seen = l_i > 0.0  # rows that saw no key output zeros
@@ -611,6 +620,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+        FOLD_SCALE=scale > 0,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     if config is None:
