@@ -6,30 +6,44 @@
     python train.py --config configs/tiny.toml        # ~1 minute on a CPU, PyTorch ops
     python train.py --set train.lr=3e-4 --model.depth 4 --max-steps 1000
     python train.py --resume runs/RUN_DIR             # continue an interrupted run
+    python train.py sample runs/RUN_DIR --prompt "The " --seed 1
+    python train.py eval runs/RUN_DIR --split test    # loss over the whole test split
     torchrun --nproc_per_node=2 train.py --use-triton # data parallel on 2 GPUs (DDP)
     python train.py download [--data-dir data]        # fetch enwik8
     python train.py plot RUN_DIR [RUN_DIR ...] -o loss.png
 
-Under torchrun every process runs this script; rank 0 alone prints results (and the trainer
-makes it the only one that logs and writes files).
+Without a CUDA GPU and without --config, training uses the CPU-sized preset configs/cpu.toml
+(and says so); `--use-triton` then trains with PyTorch ops, because the Triton kernels could
+only run in Triton's CPU interpreter (a correctness tool, about 1000x slower), unless
+`--triton-interpret` insists. TRITON_INTERPRET=1 must be set before triton is imported, so
+that is decided here, before anything from the package is imported.
 
-Without a CUDA GPU, `--use-triton` runs the Triton kernels in Triton's CPU interpreter (very
-slow, for checking only): TRITON_INTERPRET=1 must be set before triton is imported, so it is
-decided here, before anything from the package is imported.
+User mistakes (bad config, data, checkpoint or run directory) print one or two lines on
+stderr and exit non-zero; `--debug` (or TRITON_TRANSFORMER_DEBUG=1) shows the traceback.
+Under torchrun every process runs this script; rank 0 alone prints results.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import signal
 import sys
+import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = ROOT / "configs" / "enwik8.toml"
+CPU_CONFIG = ROOT / "configs" / "cpu.toml"
+DEBUG_ENV = "TRITON_TRANSFORMER_DEBUG"
 
-EXIT_INTERRUPTED = 130  # the shell's convention for Ctrl-C
+EXIT_ERROR = 1  # the run failed (non-finite loss, a crashed rank)
+EXIT_USAGE = 2  # bad input: command line, config, data, checkpoint or run directory
+EXIT_INTERRUPTED = 130  # the shell's convention for Ctrl-C (128 + SIGINT)
+EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by a scheduler, checkpoint saved
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -43,61 +57,86 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _wants_triton(argv: list[str]) -> bool:
-    """Could this run use the Triton kernels? (Errs on the side of yes.)"""
-    if any("use-triton" in a or "use_triton" in a for a in argv):
-        return True
-    if _flag_value(argv, "--resume"):
-        return True  # the checkpoint's config decides; cheaper to assume than to load it
-    config = _flag_value(argv, "--config") or DEFAULT_CONFIG
-    try:
-        import tomllib
-
-        with open(config, "rb") as f:
-            return bool(tomllib.load(f).get("model", {}).get("use_triton", False))
-    except Exception:
-        return False  # unreadable: load_config reports it properly later
-
-
-def _setup_triton_interpreter(argv: list[str]) -> None:
-    """Without a GPU, Triton kernels can only run in the interpreter (torch does not import
-    triton, so checking for CUDA first is safe)."""
-    if "TRITON_INTERPRET" in os.environ:
-        return
+def _wants_cpu(argv: list[str]) -> bool:
+    """Will this command run on the CPU? (torch does not import triton: safe to ask here.)"""
     import torch
 
     device = _flag_value(argv, "--device") or _flag_value(argv, "--train.device") or "auto"
-    on_cpu = device == "cpu" or not torch.cuda.is_available()
-    if on_cpu and _wants_triton(argv):
+    return device == "cpu" or not torch.cuda.is_available()
+
+
+def _setup_triton_interpreter(argv: list[str]) -> None:
+    """--triton-interpret on a CPU: run the Triton kernels in Triton's interpreter."""
+    if "--triton-interpret" in argv and "TRITON_INTERPRET" not in os.environ and _wants_cpu(argv):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _error(msg: str, code: int = 2) -> int:
+def _error(msg: str, code: int = EXIT_USAGE) -> int:
     print(f"train.py: error: {msg}", file=sys.stderr)
     return code
 
 
+def _note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    # one "warning: ..." line, without the source line Python prints by default
+    return f"warning: {message}\n"
+
+
+def _add_triton_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--triton-interpret",
+        action="store_true",
+        help="without a CUDA GPU, run the Triton kernels in Triton's CPU interpreter anyway "
+        "(a correctness check, about 1000x slower than PyTorch ops)",
+    )
+
+
+def _triton_policy(use_triton: bool, on_cpu: bool, insist: bool, is_main: bool = True) -> bool:
+    """Whether to run the Triton kernels: on a CPU only in the interpreter, and only when
+    insisted on (--triton-interpret or TRITON_INTERPRET=1); otherwise say why not."""
+    from triton_transformer.utils import interpreter_enabled
+
+    if not (use_triton and on_cpu) or interpreter_enabled():
+        return use_triton
+    if is_main:
+        _note(
+            "note: --use-triton without a CUDA GPU: the Triton kernels could only run in "
+            "Triton's CPU interpreter, a correctness tool about 1000x slower than PyTorch.\n"
+            "      Using PyTorch ops instead (same model, same checkpoints); pass "
+            "--triton-interpret to insist on the kernels."
+        )
+    return False
+
+
+# --------------------------------------------------------------------------- train
+
+
 def train_main(argv: list[str]) -> int:
-    _setup_triton_interpreter(argv)
+    started = time.perf_counter()
     from triton_transformer.config import (
-        ConfigError,
         add_config_arguments,
         apply_overrides,
         config_from_dict,
+        config_to_toml,
         load_config,
     )
 
     parser = argparse.ArgumentParser(
         prog="train.py",
-        description="Train the transformer (subcommands: download, plot; see --help of each).",
-        epilog="examples:\n" + "\n".join(__doc__.splitlines()[3:10]),
+        description="Train the transformer (subcommands: sample, eval, download, plot; see "
+        "--help of each). --debug shows tracebacks of errors.",
+        epilog="examples:\n" + "\n".join(__doc__.splitlines()[3:14]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
-        help=f"TOML config (default: {DEFAULT_CONFIG.relative_to(ROOT)})",
+        help=f"TOML config (default: {DEFAULT_CONFIG.relative_to(ROOT)}; without a CUDA GPU "
+        f"{CPU_CONFIG.relative_to(ROOT)})",
     )
     parser.add_argument(
         "--resume",
@@ -105,71 +144,262 @@ def train_main(argv: list[str]) -> int:
         default=None,
         help="continue from a checkpoint, with its config (plus any overrides)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a run directory that holds one, deleting its files",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved TOML config and exit"
+    )
+    _add_triton_flags(parser)
     add_config_arguments(parser)
     args = parser.parse_args(argv)
 
-    from triton_transformer.distributed import DistributedError, env_info
-    from triton_transformer.trainer import NonFiniteLossError, find_checkpoint, load_checkpoint
+    from triton_transformer.checkpoint import find_checkpoint, load_checkpoint
+    from triton_transformer.distributed import env_info
+
+    job = env_info()  # torchrun's RANK / WORLD_SIZE (rank 0 of 1 without torchrun)
+    overrides = list(args.overrides)
+    if args.triton_interpret:
+        overrides.append(("model.use_triton", True))
+    if args.resume:
+        ckpt = load_checkpoint(find_checkpoint(args.resume), mmap=True)
+        config = config_from_dict(ckpt["config"])
+        config.log.run_dir = ""  # stay in the checkpoint's run directory unless told
+        if args.config and job.is_main:
+            _note(f"note: --resume uses the checkpoint's config; ignoring {args.config}")
+        config = apply_overrides(config, overrides).validate()
+    else:
+        path = args.config
+        if path is None:
+            path = DEFAULT_CONFIG
+            if _wants_cpu(argv):
+                path = CPU_CONFIG
+                if job.is_main:
+                    _note(
+                        "!" * 78 + "\nNO CUDA GPU: training the CPU-sized preset "
+                        f"{CPU_CONFIG.relative_to(ROOT)} (a 3M-parameter model, PyTorch ops, "
+                        "a few minutes)\ninstead of the full "
+                        f"{DEFAULT_CONFIG.relative_to(ROOT)} (26M parameters: days on a "
+                        "CPU). To insist on it:\n  python train.py --config "
+                        f"{DEFAULT_CONFIG.relative_to(ROOT)}\n" + "!" * 78
+                    )
+        config = load_config(path, overrides)
+    on_cpu = config.train.device == "cpu" or _wants_cpu(argv)
+    config.model.use_triton = _triton_policy(
+        config.model.use_triton, on_cpu, args.triton_interpret, job.is_main
+    )
+    if args.print_config:
+        if job.is_main:
+            print(config_to_toml(config), end="")
+        return 0
+    return _run_training(config, args, job, started)
+
+
+def _run_training(config, args: argparse.Namespace, job, started: float) -> int:
+    from triton_transformer.config import ConfigError
+    from triton_transformer.distributed import DistributedError
+    from triton_transformer.trainer import NonFiniteLossError
     from triton_transformer.trainer import train as run_training
-
-    try:
-        job = env_info()  # torchrun's RANK / WORLD_SIZE (rank 0 of 1 without torchrun)
-    except ValueError as e:
-        return _error(str(e))
-
-    try:
-        if args.resume:
-            ckpt_path = find_checkpoint(args.resume)
-            config = config_from_dict(load_checkpoint(ckpt_path, mmap=True)["config"])
-            config.log.run_dir = ""  # stay in the checkpoint's run directory unless told
-            if args.config and job.is_main:
-                print(
-                    f"note: --resume uses the checkpoint's config; ignoring {args.config}",
-                    file=sys.stderr,
-                )
-            config = apply_overrides(config, args.overrides).validate()
-        else:
-            config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        # the same on every rank: rank 0 says it once
-        return _error(str(e)) if job.is_main else 2
 
     # from here on an error may concern one rank only: each says its own (with its rank)
     where = f" (rank {job.rank} of {job.world_size})" if job.enabled else ""
     try:
-        result = run_training(config, resume=args.resume)
-    except (ConfigError, FileNotFoundError) as e:
+        result = run_training(config, resume=args.resume, overwrite=args.overwrite)
+    except ConfigError as e:
         return _error(f"{e}{where}")
     except NonFiniteLossError as e:
         # every rank sees the same all-reduced loss and gradient norm: rank 0 reports it
-        return _error(str(e), code=1) if job.is_main else 1
+        return _error(str(e), code=EXIT_ERROR) if job.is_main else EXIT_ERROR
     except DistributedError as e:
-        return _error(str(e), code=1)
+        return _error(str(e), code=EXIT_ERROR)
 
+    code = EXIT_TERMINATED if result.stop_signal == "SIGTERM" else EXIT_INTERRUPTED
     if not job.is_main:
-        return EXIT_INTERRUPTED if result.interrupted else 0
+        return code if result.interrupted else 0
+    wall = _duration(time.perf_counter() - started)
     if result.interrupted:
         launcher = f"torchrun --nproc_per_node={job.world_size}" if job.enabled else "python"
-        print(
-            f"stopped at step {result.step}. Resume with:\n"
-            f"  {launcher} train.py --resume {result.run_dir}",
-            file=sys.stderr,
+        saved = (
+            f"checkpoint: {result.checkpoint}"
+            if result.checkpoint
+            else "no new checkpoint (the last one is kept)"
         )
-        return EXIT_INTERRUPTED
+        _note(
+            f"stopped at step {result.step} ({result.stop_signal}) after {wall}; {saved}. "
+            f"Resume with:\n  {launcher} train.py --resume {result.run_dir}"
+        )
+        return code
     summary = [f"done: step {result.step}"]
     if result.world_size > 1:
         summary.append(f"{result.world_size} processes")
-    if result.final_val_loss is not None:
-        bpb = result.final_val_loss / math.log(2)
-        summary.append(f"val loss {result.final_val_loss:.4f} ({bpb:.4f} bits/byte)")
+    final = result.full_val_loss if result.full_val_loss is not None else result.final_val_loss
+    if final is not None:
+        which = "whole-split val loss" if result.full_val_loss is not None else "val loss"
+        summary.append(f"{which} {final:.4f} ({final / math.log(2):.4f} bits/byte)")
     if result.tokens_per_s:
         summary.append(
             f"{result.tokens_per_s:,.0f} tokens/s" + (" (all ranks)" if job.enabled else "")
         )
+    if result.mfu is not None:
+        summary.append(f"MFU {100 * result.mfu:.1f}%")
     if result.peak_mem_mb:
         summary.append(f"peak memory {result.peak_mem_mb:,.0f} MiB")
+    summary.append(f"wall time {wall}")
     print(" | ".join(summary) + f"\ncheckpoint: {result.checkpoint}")
     return 0
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+# --------------------------------------------------------------------------- sample / eval
+
+
+def _load_for_inference(run: str, device_flag: str, use_triton: bool, insist: bool):
+    """(model in eval mode, its Config, device, autocast factory) from a run or checkpoint."""
+    from triton_transformer.checkpoint import load_checkpoint, load_model
+    from triton_transformer.config import config_from_dict
+    from triton_transformer.run_setup import autocast_context, resolve_device, resolve_precision
+
+    device = resolve_device(device_flag)
+    saved = config_from_dict(load_checkpoint(run, mmap=True)["config"])
+    triton = _triton_policy(use_triton or saved.model.use_triton, device.type == "cpu", insist)
+    model, config = load_model(run, device=device, use_triton=triton)
+    dtype = resolve_precision("auto", device)
+    return model, config, device, lambda: autocast_context(device, dtype)
+
+
+def sample_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py sample",
+        description="Generate text from a trained run (KV cache). The text goes to stdout, "
+        "everything else to stderr.",
+    )
+    parser.add_argument("run", metavar="RUN_DIR|CHECKPOINT")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    prompt.add_argument("--prompt-file", type=Path, default=None, help="continue this file")
+    parser.add_argument("--length", type=int, default=256, help="bytes to generate (256)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (1.0)")
+    parser.add_argument(
+        "--filter-thres", type=float, default=0.9, help="top-k: keep the top 1 - F (0.9)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="random seed (default: a fresh one, printed)"
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--use-triton", action="store_true", help="run the Triton kernels")
+    _add_triton_flags(parser)
+    args = parser.parse_args(argv)
+    if args.length < 0:
+        return _error("--length must be >= 0")
+
+    from triton_transformer.evaluation import generate_text
+
+    if args.prompt_file is not None:
+        prompt = args.prompt_file.read_bytes()
+    else:
+        prompt = (args.prompt if args.prompt is not None else "\n").encode("utf-8")
+    if not prompt:
+        return _error("the prompt is empty: give at least one byte")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    model, _, device, autocast = _load_for_inference(
+        args.run, args.device, args.use_triton, args.triton_interpret
+    )
+    _note(
+        f"sampling {args.length} bytes from {args.run} ({device}, seed {seed}, "
+        f"temperature {args.temperature}, filter_thres {args.filter_thres})"
+    )
+    text = generate_text(
+        model,
+        prompt,
+        length=args.length,
+        temperature=args.temperature,
+        filter_thres=args.filter_thres,
+        seed=seed,
+        device=device,
+        autocast=autocast,
+    )
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py eval",
+        description="Loss and bits per byte of a trained run over a split of its corpus "
+        "(independent of --batch-size).",
+    )
+    parser.add_argument("run", metavar="RUN_DIR|CHECKPOINT")
+    parser.add_argument("--split", choices=["valid", "test"], default="valid")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="windows per forward (the run's)"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=0,
+        help="score at most this many bytes, spread over the split (0: all of it)",
+    )
+    parser.add_argument("--data", default=None, help="corpus (default: the run's data.source)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--use-triton", action="store_true", help="run the Triton kernels")
+    _add_triton_flags(parser)
+    args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        return _error("--batch-size must be >= 1")
+    if args.max_bytes < 0:
+        return _error("--max-bytes must be >= 0 (0: the whole split)")
+
+    from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
+    from triton_transformer.data import load_corpus
+    from triton_transformer.evaluation import evaluate_loss
+
+    model, config, device, autocast = _load_for_inference(
+        args.run, args.device, args.use_triton, args.triton_interpret
+    )
+    d = config.data
+    corpus = load_corpus(
+        args.data or d.source, data_dir=d.data_dir, download=d.download, fallback=d.fallback
+    )
+    data = getattr(corpus, args.split)
+    if data is None:
+        return _error(f"corpus {corpus.name} has no {args.split} split")
+    _note(f"evaluating {args.run} on the {args.split} split of {corpus.description}")
+    out = evaluate_loss(
+        AutoregressiveWrapper(model),
+        data,
+        seq_len=config.train.seq_len,
+        max_bytes=args.max_bytes,
+        batch_size=args.batch_size or config.train.batch_size,
+        device=device,
+        autocast=autocast,
+        progress=sys.stderr.isatty(),
+    )
+    if args.json:
+        record = {
+            "split": args.split,
+            "loss": out["val_loss"],
+            "bits_per_byte": out["val_bpb"],
+            "tokens": out["tokens"],
+        }
+        print(json.dumps(record))
+    else:
+        print(
+            f"{args.split}: loss {out['val_loss']:.4f} nats/byte, {out['val_bpb']:.4f} "
+            f"bits/byte over {out['tokens']:,} bytes"
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------- download / plot
 
 
 def download_main(argv: list[str]) -> int:
@@ -183,7 +413,7 @@ def download_main(argv: list[str]) -> int:
     try:
         path = download_enwik8(args.data_dir, url=args.url, timeout=args.timeout)
     except DownloadError as e:
-        return _error(str(e), code=1)
+        return _error(str(e), code=EXIT_ERROR)
     print(f"enwik8: {path}")
     return 0
 
@@ -208,16 +438,55 @@ def plot_main(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- main
+
+COMMANDS = {
+    "train": train_main,
+    "sample": sample_main,
+    "eval": eval_main,
+    "download": download_main,
+    "plot": plot_main,
+}
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (config, data, checkpoint, run directory, a missing
+    optional package), reported in a line; anything else is a bug and keeps its traceback."""
+    from triton_transformer.checkpoint import CheckpointError
+    from triton_transformer.config import ConfigError
+    from triton_transformer.data import DownloadError
+    from triton_transformer.run_dir import RunDirError
+
+    return (ConfigError, CheckpointError, RunDirError, DownloadError, ValueError, OSError,
+            ImportError)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "download":
-        return download_main(argv[1:])
-    if argv and argv[0] == "plot":
-        return plot_main(argv[1:])
-    if argv and argv[0] == "train":
-        argv = argv[1:]
-    return train_main(argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    command = train_main
+    if argv and argv[0] in COMMANDS:
+        command = COMMANDS[argv.pop(0)]
+    _setup_triton_interpreter(argv)
+    if not debug:
+        warnings.formatwarning = _format_warning
+    try:
+        return command(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C outside training (download, eval, sample, loading): nothing to save
+        _note("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if debug or not isinstance(e, _user_error_types()):
+            raise
+        msg = str(e).strip() or type(e).__name__
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
+        return _error(msg, code=EXIT_USAGE)
 
 
 if __name__ == "__main__":
+    # a SIGTERM before training installs its handler (or after it) stops quietly too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(EXIT_TERMINATED))
     sys.exit(main())

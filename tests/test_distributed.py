@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import triton_transformer.trainer as trainer_mod  # noqa: E402
 from triton_transformer.config import Config, apply_overrides  # noqa: E402
+from triton_transformer.data import eval_window_starts, load_corpus  # noqa: E402
 from triton_transformer.distributed import all_gather_object  # noqa: E402
 from triton_transformer.trainer import Trainer, load_checkpoint, train  # noqa: E402
 
@@ -59,7 +60,7 @@ def tiny_overrides(run_dir: Path, corpus_file: Path, **overrides) -> dict:
         "train.device": "cpu",
         "train.dist_timeout_s": 60.0,
         "eval.eval_every": 0,
-        "eval.eval_batches": 5,
+        "eval.max_bytes": 5 * 2 * 32,
         "eval.generate_every": 0,
         "eval.prime_len": 8,
         "eval.generate_len": 8,
@@ -297,7 +298,7 @@ def test_two_ranks_match_one_process_with_the_union_batch(tmp_path, corpus_file)
         run_dir,
         corpus_file,
         data__shard_global_batch=True,
-        eval__eval_every=2,  # 5 validation batches: rank 0 scores 3, rank 1 scores 2
+        eval__eval_every=2,  # 10 validation windows: 5 per rank, in batches of 2
         eval__generate_every=4,
     )
     launch = Launch(tmp_path, "launch", {"config": values})
@@ -337,16 +338,28 @@ def test_two_ranks_match_one_process_with_the_union_batch(tmp_path, corpus_file)
     for name, value in final["model"].items():
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
-    # validation: all-reduced over the ranks' shares == one process scoring every batch
+    # validation: all-reduced over the ranks' shares == one process scoring every window
     assert sorted(r0["val_losses"]) == [2, 4] and r0["val_losses"] == r1["val_losses"]
-    assert (r0["eval_forwards"], r1["eval_forwards"]) == (2 * 3, 2 * 2)  # disjoint shares
+    valid_bytes = len(load_corpus(str(corpus_file)).valid)
+
+    def batches(max_bytes: int, rank: int) -> int:
+        mine = len(eval_window_starts(valid_bytes, 32, max_bytes)[rank::2])
+        return -(-mine // 2)  # batch_size 2
+
+    # two periodic evaluations of the 10 windows, then the whole split after step 4; each
+    # rank scores its disjoint share
+    for r, rec in enumerate(records):
+        assert rec["eval_forwards"] == 2 * batches(320, r) + batches(0, r)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # resuming a 2-rank checkpoint in 1 process warns
         one = Trainer(
             make_config({**values, "log.run_dir": str(tmp_path / "eval")}), resume=run_dir
         )
     assert one.step == 4
-    assert one.evaluate()["val_loss"] == pytest.approx(r0["val_losses"][4], rel=1e-12)
+    # the same windows in other batches: equal up to float rounding
+    assert one.evaluate()["val_loss"] == pytest.approx(r0["val_losses"][4], rel=1e-6)
+    final = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    assert one.evaluate(max_bytes=0)["val_loss"] == pytest.approx(final["full_val_loss"], rel=1e-6)
 
     # rank 0 alone logs, samples, checkpoints and prints
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -76,7 +76,7 @@ def tiny_config(run_dir: Path, corpus_file: Path, **overrides) -> Config:
         "train.warmup_steps": 3,
         "train.device": "cpu",
         "eval.eval_every": 0,
-        "eval.eval_batches": 2,
+        "eval.max_bytes": 256,
         "eval.generate_every": 0,
         "eval.prime_len": 8,
         "eval.generate_len": 8,
@@ -398,7 +398,8 @@ def test_cli_config_errors(tmp_path, capsys):
 
 
 def test_cli_use_triton_on_cpu_warns(tmp_path, corpus_file):
-    """`--use-triton` without a GPU: train.py turns on the interpreter itself, and warns."""
+    """`--use-triton --triton-interpret` without a GPU: train.py turns on the interpreter
+    itself, and warns."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU interpreter path")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -408,6 +409,7 @@ def test_cli_use_triton_on_cpu_warns(tmp_path, corpus_file):
         "--config",
         "configs/tiny.toml",
         "--use-triton",
+        "--triton-interpret",
         "--max-steps",
         "1",
         "--data",

@@ -117,6 +117,10 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16", "fp32"
     compile: bool = False  # torch.compile the model
+    # run each optimizer step as one CUDA graph replay: "auto" (on for CUDA), "true", "false"
+    # (TOML booleans work too)
+    cuda_graph: str = "auto"
+    cuda_graph_warmup: int = 3  # eager steps before the capture (11 under DDP, at least)
     # multi-process runs: how long a collective waits for the other ranks before failing
     # (a hung rank then stops the job instead of blocking it forever)
     dist_timeout_s: float = 600.0
@@ -124,10 +128,17 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation (loss, bits per byte) and text samples; an interval of 0 turns it off."""
+    """Validation (loss, bits per byte) and text samples; an interval of 0 turns it off.
+
+    The validation set is a function of the data and these fields only (never of the batch
+    size or the number of processes): the split cut into consecutive train.seq_len windows,
+    of which every `eval_every` steps at most max_bytes // seq_len are scored, spread evenly
+    over the whole split. With `full_at_end` the run's last step also scores every window.
+    """
 
     eval_every: int = 100
-    eval_batches: int = 50  # fixed, deterministic windows of the validation split
+    max_bytes: int = 131_072  # labels scored per periodic validation; 0: the whole split
+    full_at_end: bool = True  # after the last step, score the whole validation split
     generate_every: int = 500
     prime_len: int = 128  # prompt taken from the validation split
     generate_len: int = 512
@@ -197,8 +208,14 @@ def _resolve_key(key: str) -> tuple[str, str, type]:
     return section, name, types[name]
 
 
+# str fields that also take a TOML boolean, stored as "true" / "false"
+_BOOL_OR_STR = {"train.cuda_graph"}
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     """Check a TOML value against the field type (ints are accepted for float fields)."""
+    if key in _BOOL_OR_STR and isinstance(value, bool):
+        return str(value).lower()
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is int and isinstance(value, float) and value.is_integer():
@@ -251,6 +268,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
     config = Config()
+    data = _upgrade_legacy_keys(data)
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '{section}' (valid: {', '.join(SECTIONS)})")
@@ -261,6 +279,23 @@ def config_from_dict(data: dict[str, Any]) -> Config:
             _, _, typ = _resolve_key(key)
             setattr(getattr(config, section), name, _coerce(key, value, typ))
     return config
+
+
+def _upgrade_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Configs (and checkpoints) from before eval.max_bytes had eval.eval_batches, a number
+    of batches whose bytes depended on the batch size: keep the same byte budget."""
+    ev = data.get("eval")
+    if not isinstance(ev, dict) or "eval_batches" not in ev:
+        return data
+    ev = dict(ev)
+    batches = ev.pop("eval_batches")
+    if "max_bytes" not in ev and isinstance(batches, int):
+        t = data.get("train") if isinstance(data.get("train"), dict) else {}
+        batch = t.get("batch_size", TrainConfig.batch_size)
+        seq = t.get("seq_len", TrainConfig.seq_len)
+        if isinstance(batch, int) and isinstance(seq, int):
+            ev["max_bytes"] = batches * batch * seq
+    return {**data, "eval": ev}
 
 
 def apply_overrides(config: Config, overrides: list[tuple[str, Any]] | None) -> Config:
@@ -380,6 +415,9 @@ def _check(c: Config) -> list[str]:
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         p.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     non_negative("train.warmup_steps", t.warmup_steps)
+    if t.cuda_graph.lower() not in ("auto", *_TRUE, *_FALSE):
+        p.append(f"train.cuda_graph={t.cuda_graph!r} must be auto, true or false")
+    positive("train.cuda_graph_warmup", t.cuda_graph_warmup)
     if t.warmup_steps > t.max_steps:
         p.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}")
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
@@ -400,7 +438,7 @@ def _check(c: Config) -> list[str]:
         p.append("train.precision='bf16' needs a CUDA device (train.device='cpu'); use 'fp32'")
 
     non_negative("eval.eval_every", e.eval_every)
-    positive("eval.eval_batches", e.eval_batches)
+    non_negative("eval.max_bytes", e.max_bytes)
     non_negative("eval.generate_every", e.generate_every)
     positive("eval.prime_len", e.prime_len)
     positive("eval.generate_len", e.generate_len)
@@ -451,6 +489,11 @@ class _Override(argparse.Action):
 CONVENIENCE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--use-triton": ("model.use_triton", True, "run every op as its Triton kernel"),
     "--compile": ("train.compile", True, "torch.compile the model"),
+    "--cuda-graph": (
+        "train.cuda_graph",
+        None,
+        "auto (default: on for CUDA), true or false: run each step as one CUDA graph replay",
+    ),
     "--wandb": ("log.wandb", True, "also log to Weights & Biases (offline without a key)"),
     "--device": ("train.device", None, "auto, cpu, cuda or cuda:N"),
     "--data": ("data.source", None, "enwik8, stdlib, hf:NAME[:CONFIG] or a file path"),

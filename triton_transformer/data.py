@@ -1,8 +1,9 @@
 """Byte-level corpora: enwik8, any local file, Hugging Face text datasets, or a built-in default.
 
 A corpus is a flat uint8 array (memory-mapped from a raw file, never a Python list) cut into
-train / valid / test splits. Training draws random windows (`random_batch`); evaluation walks
-the validation split once in order (`eval_batches`) so the loss and bits-per-byte are exact.
+train / valid / test splits. Training draws random windows (`random_batch`); evaluation scores
+fixed windows of a split (`eval_window_starts`: all of them, or a budget spread evenly over
+the split), so the loss and bits-per-byte do not depend on the batch size.
 
 Sources (`load_corpus(source)`):
     "enwik8"             data/enwik8, data/enwik8.zip or data/enwik8.gz; downloaded when missing
@@ -24,10 +25,12 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import sysconfig
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 import zipfile
@@ -133,6 +136,11 @@ def load_corpus(
     if path.name in ("enwik8.zip", "enwik8.gz") and path.is_file():
         # `--data data/enwik8.zip`: the archive cannot be memory-mapped, decompress it as enwik8.
         return _load_enwik8(path.parent, False, False, split, enwik8_url, enwik8_size, 0, False)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"corpus {source!r} is a directory; pass a file (--data path/to/file.txt), or "
+            "'enwik8', 'stdlib' or 'hf:NAME[:CONFIG]'"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"corpus file {source!r} not found; the source must be 'enwik8', 'stdlib', "
@@ -394,6 +402,44 @@ def _row_text(row: dict, column: str) -> str:
         ) from None
 
 
+def hf_hub_reachable(timeout: float = 2.0) -> str | None:
+    """None if the Hugging Face hub (HF_ENDPOINT, default huggingface.co) answers a TCP
+    connection within `timeout` seconds, else the reason. Without this, `load_dataset` on a
+    machine without network retries for half a minute before failing."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urllib.parse.urlsplit(endpoint)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{parsed.hostname}:{port} unreachable: {e.strerror or e}"
+
+
+def _hf_offline() -> bool:
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def _hf_load_dataset(datasets, source: str, name: str, config: str):
+    """`datasets.load_dataset`, failing within seconds (not after minutes of retries) when
+    the hub cannot be reached and the dataset is not in the local Hugging Face cache."""
+    reason = "HF_HUB_OFFLINE is set" if _hf_offline() else hf_hub_reachable()
+    if reason is None:
+        return datasets.load_dataset(name, config or None)
+    # offline: only the local cache can serve it
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        return datasets.load_dataset(name, config or None)
+    except Exception as e:
+        raise ConnectionError(
+            f"{source}: cannot download it ({reason}) and it is not in the local Hugging Face "
+            "cache; connect to the network once, or pass a local file with --data FILE"
+        ) from e
+
+
 def _load_hf(source: str, data_dir: Path, split: tuple[float, float, float]) -> Corpus:
     name, _, config = source[3:].partition(":")
     if not name:
@@ -402,7 +448,7 @@ def _load_hf(source: str, data_dir: Path, split: tuple[float, float, float]) -> 
     manifest = data_dir / f"{stem}.json"
     if not manifest.is_file():
         datasets = _import_datasets()
-        dataset = datasets.load_dataset(name, config or None)
+        dataset = _hf_load_dataset(datasets, source, name, config)
         sizes = {}
         for ours, theirs in _HF_SPLITS.items():
             found = next((s for s in theirs if s in dataset), None)
@@ -467,6 +513,32 @@ def eval_batches(
         torch.from_numpy(windows[b * batch_size : (b + 1) * batch_size].astype(np.int64))
         for b in range(n_batches)
     )
+
+
+def eval_window_starts(n_bytes: int, seq_len: int, max_bytes: int = 0) -> np.ndarray:
+    """Start offsets of the validation windows of a split of `n_bytes` bytes.
+
+    The split is cut into consecutive windows of seq_len + 1 bytes that share one byte at each
+    boundary (as in `eval_batches`), n = (n_bytes - 1) // seq_len of them. max_bytes = 0
+    keeps them all (every label scored once); otherwise k = max(1, max_bytes // seq_len) of
+    them (at most n), window floor(i * n / k) for i < k: spread evenly over the whole split,
+    and a function of (n_bytes, seq_len, max_bytes) alone, so any batch size or number of
+    processes scores the same set.
+    """
+    if seq_len < 1 or n_bytes < seq_len + 1:
+        raise ValueError(
+            f"seq_len={seq_len} needs windows of {seq_len + 1} bytes, but the split holds only "
+            f"{n_bytes:,} bytes; use a smaller seq_len or a larger corpus"
+        )
+    n = (n_bytes - 1) // seq_len
+    k = n if max_bytes <= 0 else max(1, min(n, max_bytes // seq_len))
+    return (np.arange(k, dtype=np.int64) * n // k) * seq_len
+
+
+def windows_at(data: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+    """The windows data[s : s + seq_len + 1] for s in starts: (len(starts), seq_len + 1) int64."""
+    windows = sliding_window_view(data, seq_len + 1)
+    return torch.from_numpy(windows[np.asarray(starts)].astype(np.int64))
 
 
 def num_eval_batches(
@@ -605,9 +677,12 @@ __all__ = [
     "download_enwik8",
     "encode_text",
     "eval_batches",
+    "eval_window_starts",
+    "hf_hub_reachable",
     "hf_texts_to_file",
     "load_corpus",
     "num_eval_batches",
     "random_batch",
     "stdlib_source_files",
+    "windows_at",
 ]

@@ -1,0 +1,273 @@
+"""Checkpoints and the run directory on disk: what a run writes, and how it reads it back.
+
+A run directory holds config.toml, metrics.jsonl, samples.jsonl and checkpoint.pt. The
+checkpoint is written atomically (temp file, fsync, rename) and holds everything needed to
+continue bit for bit: model, optimizer, scheduler, step and every RNG stream
+(`capture_rng_state` / `restore_rng_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from triton_transformer.config import Config, config_from_dict
+from triton_transformer.distributed import DistInfo
+from triton_transformer.transformer import Transformer
+from triton_transformer.utils import exists
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CHECKPOINT_VERSION",
+    "METRICS_NAME",
+    "SAMPLES_NAME",
+    "CheckpointError",
+    "atomic_save",
+    "capture_rng_state",
+    "check_model_matches",
+    "find_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "new_run_dir",
+    "rank_rng_state",
+    "restore_rng_state",
+    "truncate_logs",
+    "unwrap_model",
+]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+SAMPLES_NAME = "samples.jsonl"
+CHECKPOINT_VERSION = 1
+# model fields that change the parameters' shapes: a checkpoint only loads into the same ones
+SHAPE_FIELDS = ("num_tokens", "dim", "depth", "heads", "dim_head", "max_seq_len", "ff_mult")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: unreadable, truncated, foreign, or of another model."""
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip torch.compile (`_orig_mod`) and DDP (`module`) wrappers, for state dicts."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, or a run directory holding checkpoint.pt."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return path
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False
+) -> dict:
+    """Load a checkpoint dict (safe `weights_only` unpickling). mmap=True reads tensors
+    lazily: cheap when only the config or step is needed."""
+    path = find_checkpoint(path)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (a crash while it was copied?); no checkpoint")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint (truncated or not written by train.py: {first})"
+        ) from e
+    if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= set(ckpt):
+        raise CheckpointError(
+            f"{path} is not a triton-transformer checkpoint (got a {type(ckpt).__name__} "
+            "without model/config/step)"
+        )
+    if ckpt.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint version {ckpt.get('version')!r}")
+    return ckpt
+
+
+def check_model_matches(ckpt: dict, config: Config, source: str | Path) -> None:
+    """Raise CheckpointError naming every model field whose value differs from the
+    checkpoint's in a way that changes parameter shapes."""
+    saved = ckpt["config"].get("model", {})
+    diffs = [
+        f"model.{name}={getattr(config.model, name)} (checkpoint: {saved[name]})"
+        for name in SHAPE_FIELDS
+        if name in saved and saved[name] != getattr(config.model, name)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{source} holds a model of another shape: {', '.join(diffs)}. A resumed run keeps "
+            "its model: drop those overrides, or start a new run"
+        )
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", use_triton: bool | None = None
+) -> tuple[Transformer, Config]:
+    """Rebuild the trained Transformer from a checkpoint (eval mode) and its Config."""
+    ckpt = load_checkpoint(path)
+    try:
+        config = config_from_dict(ckpt["config"])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: its config is not valid: {e}") from e
+    kwargs = asdict(config.model)
+    if exists(use_triton):
+        kwargs["use_triton"] = use_triton
+    model = Transformer(**kwargs)
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), config
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp file in the same directory, fsync, then os.replace: a crash
+    mid-write never leaves a truncated checkpoint behind."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def new_run_dir(config: Config) -> Path:
+    """out_dir/<run_name>-<torch|triton>[-compile]-<timestamp>, with a suffix if taken."""
+    lg = config.log
+    backend = "triton" if config.model.use_triton else "torch"
+    if config.train.compile:
+        backend += "-compile"
+    base = f"{lg.run_name}-{backend}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = Path(lg.out_dir) / base, 1
+    while path.exists():
+        path, i = Path(lg.out_dir) / f"{base}-{i}", i + 1
+    return path
+
+
+def truncate_logs(run_dir: Path, step: int) -> None:
+    """Drop log lines past `step`: a crashed run may have logged steps after its last
+    checkpoint, which the resumed run will log again."""
+    for name in (METRICS_NAME, SAMPLES_NAME):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by a crash
+        path.write_text("".join(f"{line}\n" for line in keep))
+
+
+# --------------------------------------------------------------------------- RNG streams
+
+
+def capture_rng_state(device: torch.device, data_gen: torch.Generator) -> dict:
+    """Every RNG stream this process draws from: torch CPU, python, numpy, the data
+    sampler's generator and (on GPU) this process's CUDA device."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "data": data_gen.get_state(),
+    }
+    if device.type == "cuda":
+        # this process's GPU only: touching the others would create a CUDA context on
+        # every GPU in every rank
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng_state(
+    state: dict, device: torch.device, data_gen: torch.Generator, *, distributed: bool
+) -> None:
+    """Put back what `capture_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    npst = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            npst["keys"].numpy().astype(np.uint32),
+            npst["pos"],
+            npst["has_gauss"],
+            npst["cached_gaussian"],
+        )
+    )
+    data_gen.set_state(state["data"])
+    if "cuda_device" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif "cuda" in state and torch.cuda.is_available() and not distributed:
+        # checkpoints of the first version: every visible GPU's state
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            warnings.warn(
+                "checkpoint's CUDA RNG states do not match this machine's GPUs", stacklevel=2
+            )
+
+
+def rank_rng_state(
+    ckpt: dict, dist: DistInfo, *, seed: int, step: int, shared_data_stream: bool
+) -> dict:
+    """This rank's RNG states from a checkpoint. Every rank gets its own back when the
+    world size is unchanged; otherwise (a checkpoint of another world size) rank 0 gets
+    the saved rank 0 states and every new rank fresh streams seeded from (seed, rank,
+    step), so no two ranks draw the same windows: a correct but not bitwise continuation.
+    shared_data_stream: all ranks draw one global batch (data.shard_global_batch).
+    """
+    saved = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    rank, world = dist.rank, dist.world_size
+    if len(saved) == world:
+        return saved[rank]
+    if dist.is_main:
+        warnings.warn(
+            f"the checkpoint was written by {len(saved)} process(es), resuming with "
+            f"{world}: the random streams of the other ranks restart from fresh seeds, so "
+            "the data order differs from an uninterrupted run",
+            stacklevel=4,
+        )
+    if rank < len(saved):
+        state = dict(saved[rank])
+    else:
+        fresh = seed + 1_000_003 * rank + 7919 * step
+        state = dict(saved[0], torch=torch.Generator().manual_seed(fresh).get_state())
+        state["data"] = torch.Generator().manual_seed(fresh + 1).get_state()
+        state.pop("cuda_device", None)
+    if shared_data_stream:
+        state["data"] = saved[0]["data"]  # one shared global stream: keep its position
+    return state

@@ -1,0 +1,131 @@
+"""Evaluation (loss and bits per byte over a split) and text sampling of a model.
+
+Both run under a forked RNG state, so calling them during training never perturbs the
+training streams: a resumed run reproduces an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
+from triton_transformer.data import decode_tokens, eval_window_starts, windows_at
+from triton_transformer.distributed import DistInfo, all_reduce_sum
+
+__all__ = ["evaluate_loss", "fork_rng", "generate_text", "sample_from_split"]
+
+SINGLE_PROCESS = DistInfo()  # rank 0 of 1
+AutocastFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+def fork_rng(device: torch.device) -> contextlib.AbstractContextManager:
+    """Everything inside sees (and leaves) the caller's RNG streams untouched."""
+    devices = [device] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    data: np.ndarray,
+    *,
+    seq_len: int,
+    max_bytes: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: AutocastFactory,
+    dist: DistInfo = SINGLE_PROCESS,
+    progress: bool = False,
+) -> dict:
+    """Mean loss (nats/byte), bits per byte and label count over the windows of `data`
+    chosen by `eval_window_starts(len(data), seq_len, max_bytes)` (max_bytes 0: all).
+
+    The set of windows depends on neither `batch_size` nor the number of ranks: rank r scores
+    windows r, r + N, r + 2N, ... in batches of `batch_size`, and the summed losses and label
+    counts are all-reduced, so the result is the same up to float rounding. Pass the unwrapped
+    model: DDP would add collectives. Returns {"val_loss", "val_bpb", "tokens"}.
+    """
+    starts = eval_window_starts(len(data), seq_len, max_bytes)[dist.rank :: dist.world_size]
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss * n, n
+    bar = tqdm(
+        total=len(starts) * seq_len,
+        desc="eval",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        disable=not progress,
+    )
+    try:
+        with fork_rng(device), bar:
+            for i in range(0, len(starts), batch_size):
+                batch = windows_at(data, starts[i : i + batch_size], seq_len)
+                batch = batch.to(device, non_blocking=True)
+                with autocast():
+                    loss = model(batch)
+                n = batch.shape[0] * seq_len
+                sums[0] += loss.double() * n
+                sums[1] += n
+                bar.update(n)
+    finally:
+        model.train(was_training)
+    total, count = all_reduce_sum(sums).tolist()
+    val_loss = total / max(count, 1.0)
+    return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2), "tokens": int(count)}
+
+
+@torch.no_grad()
+def sample_from_split(
+    wrapper: AutoregressiveWrapper,
+    data: np.ndarray,
+    *,
+    seed: int,
+    prime_len: int,
+    length: int,
+    temperature: float,
+    filter_thres: float,
+    device: torch.device,
+    autocast: AutocastFactory,
+) -> dict:
+    """Generate `length` bytes after a prime of `prime_len` bytes of `data` chosen by `seed`
+    (the same seed gives the same prime and the same text). Returns {"prime", "sample"}."""
+    pick = torch.Generator().manual_seed(seed)
+    start = int(torch.randint(0, len(data) - prime_len, (1,), generator=pick))
+    prime = torch.from_numpy(np.array(data[start : start + prime_len]))
+    prime = prime.long().to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with fork_rng(device), autocast():
+        out = wrapper.generate(prime[None], length, temperature, filter_thres, generator=gen)
+    return {"prime": decode_tokens(prime.cpu()), "sample": decode_tokens(out[0].cpu())}
+
+
+@torch.no_grad()
+def generate_text(
+    model: nn.Module,
+    prompt: bytes,
+    *,
+    length: int,
+    temperature: float,
+    filter_thres: float,
+    seed: int,
+    device: torch.device,
+    autocast: AutocastFactory,
+) -> str:
+    """`length` bytes sampled after `prompt` (with the KV cache), decoded as UTF-8 (bad bytes
+    and control characters as U+FFFD). The same seed gives the same text on one machine."""
+    wrapper = model if isinstance(model, AutoregressiveWrapper) else AutoregressiveWrapper(model)
+    tokens = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with fork_rng(device), autocast():
+        out = wrapper.generate(
+            tokens[None], length, temperature, filter_thres, use_kv_cache=True, generator=gen
+        )
+    return decode_tokens(out[0].cpu())

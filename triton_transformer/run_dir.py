@@ -1,0 +1,132 @@
+"""The run directory's guard rails: never clobber a run, never share one between two runs.
+
+`RunDirLock.acquire(run_dir, resuming=..., overwrite=...)`, called by the main process
+before anything is written:
+    - refuses a run directory that is a file;
+    - refuses to start a new run in a directory that already holds files (offering --resume
+      or --overwrite); --overwrite deletes the previous run's files first;
+    - takes an exclusive lock (flock on <run_dir>/.lock, deleted at the end; the kernel
+      drops the flock when the process dies, so a killed run never leaves a stale lock); a
+      second run into the same directory is refused with the first one's process id;
+    - deletes temp files that a killed run left behind (`.checkpoint.pt.tmp-*`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from triton_transformer.checkpoint import CHECKPOINT_NAME, METRICS_NAME, SAMPLES_NAME
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no locking
+    fcntl = None
+
+__all__ = ["LOCK_NAME", "RunDirError", "RunDirLock"]
+
+LOCK_NAME = ".lock"
+# what a run writes: --overwrite deletes these (and nothing else)
+RUN_FILES = (CHECKPOINT_NAME, METRICS_NAME, SAMPLES_NAME, "config.toml")
+RUN_DIRS = ("wandb",)
+_TEMP_GLOBS = (f".{CHECKPOINT_NAME}.tmp-*",)
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (taken, not empty, in use, or not a directory)."""
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        pid = lock_path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid else "another process"
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory, held until `release` (or process exit)."""
+
+    def __init__(self, run_dir: Path, fd: int | None) -> None:
+        self.run_dir = run_dir
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, run_dir: Path, *, resuming: bool, overwrite: bool = False) -> RunDirLock:
+        """Check and lock `run_dir` for a run (see the module docstring)."""
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirError(f"run directory {run_dir} is a file; pass another --run-dir")
+        lock_path = run_dir / LOCK_NAME
+        # a running run is reported first (before "not empty"), and nothing is created yet
+        if lock_path.is_file():
+            cls._try_lock(lock_path, create=False).release(delete=False)
+        if not resuming and not overwrite:
+            taken = (
+                sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
+                if (run_dir.is_dir())
+                else []
+            )
+            if taken:
+                shown = ", ".join(taken[:4]) + (", ..." if len(taken) > 4 else "")
+                raise RunDirError(
+                    f"{run_dir} already holds files ({shown}); continue that run with "
+                    f"--resume {run_dir}, start over with --overwrite, or pick another --run-dir"
+                )
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"cannot create run directory {run_dir}: {e.strerror}") from e
+        lock = cls._try_lock(lock_path, create=True)
+        if overwrite and not resuming:
+            for name in RUN_FILES:
+                (run_dir / name).unlink(missing_ok=True)
+            for name in RUN_DIRS:
+                shutil.rmtree(run_dir / name, ignore_errors=True)
+        for pattern in _TEMP_GLOBS:
+            for stale in run_dir.glob(pattern):  # only the lock holder writes these
+                stale.unlink(missing_ok=True)
+        return lock
+
+    @classmethod
+    def _try_lock(cls, lock_path: Path, *, create: bool) -> RunDirLock:
+        if fcntl is None:  # pragma: no cover
+            return cls(lock_path.parent, None)
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(lock_path, flags, 0o644)
+        except FileNotFoundError:
+            return cls(lock_path.parent, None)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirError(
+                f"{lock_path.parent} is in use by another training run ({_holder(lock_path)}); "
+                "wait for it to finish, stop it, or pick another --run-dir"
+            ) from None
+        if not _same_file(fd, lock_path):
+            # the holder released and deleted the file between our open and flock: retry
+            os.close(fd)
+            return cls._try_lock(lock_path, create=create)
+        if create:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        return cls(lock_path.parent, fd)
+
+    def release(self, delete: bool = True) -> None:
+        """Unlock, deleting the lock file (a run that waits on it re-checks the inode)."""
+        if self._fd is not None:
+            if delete:
+                (self.run_dir / LOCK_NAME).unlink(missing_ok=True)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    return os.fstat(fd).st_ino == st.st_ino
