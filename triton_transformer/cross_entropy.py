@@ -69,6 +69,9 @@ from triton_transformer.utils import (
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 ROW_TILE = 4096
+# Warps per program; None: derived from the tile size (benchmarks sweep these).
+FWD_NUM_WARPS: int | None = None
+BWD_NUM_WARPS: int | None = None
 # Rows per program of the one-program reductions (loss sum, valid count).
 REDUCE_BLOCK = 1024
 
@@ -247,21 +250,25 @@ def _cross_entropy_reduce_kernel(
 
 
 @functools.cache
-def _launch_params(n_cols: int, max_block: int, row_tile: int) -> tuple[int, int, bool, int]:
+def _launch_params(
+    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
+) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols classes."""
     block_n = row_block_size(n_cols, max_block)
     single_pass = n_cols <= block_n
     block_m = max(1, row_tile // block_n) if single_pass else 1
     tile = block_m * block_n
-    return block_m, block_n, single_pass, calc_num_warps(tile) if tile <= 8192 else 32
+    if num_warps is None:
+        num_warps = calc_num_warps(tile) if tile <= 8192 else 32
+    return block_m, block_n, single_pass, num_warps
 
 
 def _fwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(n_cols, FWD_MAX_BLOCK, ROW_TILE)
+    return _launch_params(n_cols, FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS)
 
 
 def _bwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(n_cols, BWD_MAX_BLOCK, ROW_TILE)
+    return _launch_params(n_cols, BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS)
 
 
 def _strides_2level(t: torch.Tensor) -> tuple[int, int]:

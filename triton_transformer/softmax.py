@@ -40,6 +40,8 @@ MAX_BLOCK_N = 16384
 # Short rows are packed several per program so a tile holds about this many elements:
 # fewer, fatter programs (fewer launches of tiny programs on GPU, far faster in the interpreter).
 ROW_TILE = 2048
+# Warps per program; None: `calc_num_warps` of the tile size (benchmarks sweep this).
+NUM_WARPS: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,7 +137,9 @@ def _softmax_bwd_kernel(
 
 
 @functools.cache
-def _launch_params(n_q: int, n_cols: int, causal: bool, max_block: int) -> tuple:
+def _launch_params(
+    n_q: int, n_cols: int, causal: bool, max_block: int, row_tile: int, num_warps: int | None
+) -> tuple:
     """Shape-derived kernel arguments: (n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps).
 
     Causal query q sees keys j < q + diag, with diag = n_k - n_q + 1. Rows that fit one block
@@ -143,13 +147,16 @@ def _launch_params(n_q: int, n_cols: int, causal: bool, max_block: int) -> tuple
     """
     block_n = row_block_size(n_cols, max_block)
     single_pass = n_cols <= block_n
-    block_m = max(1, ROW_TILE // block_n) if single_pass else 1
+    block_m = max(1, row_tile // block_n) if single_pass else 1
     diag = n_cols - n_q + 1 if causal else 0
-    return n_q, diag, block_m, block_n, single_pass, calc_num_warps(block_m * block_n)
+    if num_warps is None:
+        num_warps = calc_num_warps(block_m * block_n)
+    return n_q, diag, block_m, block_n, single_pass, num_warps
 
 
 def _shape_params(shape: torch.Size, causal: bool) -> tuple:
-    return _launch_params(shape[-2] if causal else 1, shape[-1], causal, MAX_BLOCK_N)
+    n_q = shape[-2] if causal else 1
+    return _launch_params(n_q, shape[-1], causal, MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
 
 
 @triton_op("triton_transformer::softmax", mutates_args=())
