@@ -553,7 +553,8 @@ def cross_entropy(
 
     if use_triton:
         check_triton_tensor(logits, "logits")
-    if check_labels or torch.is_anomaly_enabled():
+    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
+    if check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled()):
         _check_labels_in_range(labels, logits.shape[-1], ignore_index)
     # No positions: the reference already gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:

@@ -11,8 +11,12 @@ Semantics (the PyTorch branch defines them, the Triton branch matches):
 
 The kernels mask causally from the row's query index (row % n_q): no mask tensor exists.
 Rows that fit one block are done in a single pass, several rows per program; longer rows use
-an online max/sum over blocks. The backward reads only the saved output:
-dx = y * (dy - sum(dy * y)).
+an online max/sum over blocks (`_jit_helpers.online_lse_update`, shared with cross-entropy).
+The backward reads only the saved output: dx = y * (dy - sum(dy * y)).
+
+Both directions are `torch.library.triton_op`s (`triton_transformer::softmax` and
+`triton_transformer::softmax_backward`), so torch.compile traces them and CUDA graphs capture
+them; the backward is once-differentiable (double backward raises).
 """
 
 from __future__ import annotations
