@@ -4,6 +4,8 @@ The reference is the PyTorch branch run on float64 copies of the same inputs; th
 branch itself is checked against `F.cross_entropy` in float64.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,8 @@ from triton_transformer.cross_entropy import (
     cross_entropy_inplace_op,
     cross_entropy_op,
 )
+
+ce_mod = importlib.import_module("triton_transformer.cross_entropy")
 
 # log(0) = -inf in the interpreter's numpy for rows with nothing to sum (ignored rows).
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
@@ -269,6 +273,18 @@ def test_ignored_rows_of_neg_inf_give_zero_grad(V, inplace, device):
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     assert (grad[[1, 3]] == 0).all()
     assert rel_err(grad[kept], ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_looped_reductions(inplace, device, monkeypatch):
+    # The one-program loss sum and valid count loop over blocks of rows when there are more
+    # rows than one block (16 here; 8192 by default).
+    monkeypatch.setattr(ce_mod, "MAX_REDUCE_BLOCK", 16)
+    logits = make_logits((3, 23, 37), device=device)
+    labels = make_labels((3, 23), 37, -100, device)
+    check_against_reference(logits, labels, -100, inplace_backward=inplace)
+    labels = make_labels((3, 23), 37, None, device)
+    check_against_reference(logits, labels, None, inplace_backward=inplace)
 
 
 def test_inplace_gradient_aliases_the_logits(device):

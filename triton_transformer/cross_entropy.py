@@ -72,8 +72,9 @@ ROW_TILE = 4096
 # Warps per program; None: derived from the tile size (benchmarks sweep these).
 FWD_NUM_WARPS: int | None = None
 BWD_NUM_WARPS: int | None = None
-# Rows per program of the one-program reductions (loss sum, valid count).
-REDUCE_BLOCK = 1024
+# Largest block of the one-program reductions (loss sum, valid count): up to 8192 rows are
+# summed in one iteration, so that step costs about one memory latency, not one per 1024 rows.
+MAX_REDUCE_BLOCK = 8192
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,13 +290,20 @@ def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_gra
     )  # fmt: skip
 
 
+@functools.cache
+def _reduce_params(n_rows: int, max_block: int) -> tuple[int, int]:
+    block = row_block_size(n_rows, max_block)
+    return block, 8 if block >= 4096 else 4
+
+
 def _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count):
     n_outer, n_inner = labels.shape
+    block, num_warps = _reduce_params(n_outer * n_inner, MAX_REDUCE_BLOCK)
     wrap_triton(_cross_entropy_reduce_kernel)[(1,)](
         loss_rows, labels, n_valid, loss, *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
-        BLOCK=REDUCE_BLOCK, num_warps=4,
+        BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
 
 
