@@ -273,6 +273,10 @@ def test_ignored_rows_of_neg_inf_give_zero_grad(V, inplace, device):
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     assert (grad[[1, 3]] == 0).all()
     assert rel_err(grad[kept], ref_grad) <= 1e-5
+    # The PyTorch branch agrees: zeros, not NaN, on the ignored rows.
+    ref_loss_all, ref_grad_all = run(logits.double(), labels, -100, use_triton=False)
+    assert ref_loss_all.item() == ref_loss.item()
+    assert (ref_grad_all[[1, 3]] == 0).all() and torch.equal(ref_grad_all[kept], ref_grad)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])

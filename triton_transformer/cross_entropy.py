@@ -65,7 +65,8 @@ from triton_transformer.utils import (
 # Longest row the forward holds in registers in one pass, and the backward's block; longer rows
 # loop over blocks of this size. Short rows are packed several per program, so that a tile
 # holds about ROW_TILE elements. Module-level so tests can reach the looped paths and
-# benchmarks can sweep them. (Measured on an H200: see benchmarks/bench_cross_entropy.py.)
+# benchmarks can sweep them (`benchmarks/bench_cross_entropy.py --sweep`; not yet tuned on an
+# H200: 16384 / 32 warps follows Liger-Kernel's H100 choice of 32768-element blocks, 32 warps).
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 ROW_TILE = 4096
@@ -469,7 +470,9 @@ def _cross_entropy_torch(
         nll = F.cross_entropy(rows, flat, reduction="none")
         return nll.sum() / max(flat.numel(), 1)
     valid = flat != ignore_index
-    # Ignored rows get a harmless label 0 and are then masked out, so they add 0 (and 0 grad).
+    # Ignored rows get harmless logits 0 and label 0 and are then masked out, so they add 0,
+    # and 0 gradient (never NaN: an ignored row of -inf logits would give NaN through softmax).
+    rows = torch.where(valid[:, None], rows, 0.0)
     nll = F.cross_entropy(rows, torch.where(valid, flat, 0), reduction="none")
     return torch.where(valid, nll, 0.0).sum() / valid.sum().clamp(min=1)
 

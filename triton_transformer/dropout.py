@@ -4,9 +4,11 @@ The Triton kernel draws keep/drop for each element from Philox: one `tl.randint4
 four 32-bit words, split into eight 16-bit uniforms, used for eight elements. An element is
 kept when its 16-bit draw r satisfies r >= round(p * 2**16), so the drop probability is p
 rounded to a multiple of 2**-16 (off by at most 2**-17; the kept values are scaled by exactly
-1 / (1 - p)). Eight elements per Philox call halve the integer work per element against four,
-which is what kept the kernel below copy speed in bf16. The mask is a pure function of
-(seed, element index).
+1 / (1 - p)). Eight elements per Philox call halve the Philox work per element against four:
+in bf16 the four-per-call kernel issued about as many integer instructions as the memory
+system could feed, so its backward (which, unlike eager's, regenerates the mask instead of
+reading it) trailed eager. The sm_90 PTX of this kernel has about 24 instructions per element.
+The mask is a pure function of (seed, element index).
 
 The seed is a 0-dim int64 *device* tensor drawn from torch's generator (`utils.draw_seed`) and
 loaded inside the kernel; nothing is read back on the host. So:
@@ -37,7 +39,7 @@ from torch.library import triton_op, wrap_triton
 from triton_transformer.utils import cdiv, check_triton_tensor, draw_seed
 
 # Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
-# Measured on an H200 with 2**26 elements (benchmarks/bench_dropout.py).
+# Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
 BLOCK = 4096
 NUM_WARPS = 4
 # Dims a strided input may have after merging adjacent dims (more: copied first).
