@@ -5,6 +5,10 @@ branch itself is checked against `F.cross_entropy` in float64.
 """
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -525,3 +529,19 @@ def test_gpu_compiles_without_graph_breaks(inplace, device):
     ref.backward()
     assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
     assert rel_err(h.grad, ref_h.grad) <= 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_compile_traces_without_graph_breaks_cpu():
+    # Dynamo (fullgraph: any graph break fails) and AOTAutograd's joint forward+backward trace
+    # of the Triton paths of cross_entropy (both modes), softmax and dropout, static and dynamic
+    # shapes, on CPU. A subprocess, because the kernels must be JITFunctions
+    # (TRITON_INTERPRET=0) for torch.library to trace them; no kernel runs.
+    script = Path(__file__).with_name("_compile_trace_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]

@@ -73,8 +73,9 @@ ROW_TILE = 4096
 # Warps per program; None: derived from the tile size (benchmarks sweep these).
 FWD_NUM_WARPS: int | None = None
 BWD_NUM_WARPS: int | None = None
-# Largest block of the one-program reductions (loss sum, valid count): up to 8192 rows are
-# summed in one iteration, so that step costs about one memory latency, not one per 1024 rows.
+# Block of the one-program reductions (loss sum, valid count): up to 8192 rows are summed in
+# one iteration, so that step costs about one memory latency, not one per 1024 rows. (Fixed,
+# not sized to the row count, so the row count may stay symbolic under torch.compile.)
 MAX_REDUCE_BLOCK = 8192
 
 
@@ -265,12 +266,14 @@ def _launch_params(
     return block_m, block_n, single_pass, num_warps
 
 
+# The vocabulary size picks the constexpr block sizes, so it is made concrete (int(): under
+# torch.compile's dynamic shapes, one compiled kernel per vocabulary size; rows stay symbolic).
 def _fwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(n_cols, FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS)
+    return _launch_params(int(n_cols), FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS)
 
 
 def _bwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(n_cols, BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS)
+    return _launch_params(int(n_cols), BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS)
 
 
 def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
@@ -291,20 +294,13 @@ def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_gra
     )  # fmt: skip
 
 
-@functools.cache
-def _reduce_params(n_rows: int, max_block: int) -> tuple[int, int]:
-    block = row_block_size(n_rows, max_block)
-    return block, 8 if block >= 4096 else 4
-
-
 def _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count):
     n_outer, n_inner = labels.shape
-    block, num_warps = _reduce_params(n_outer * n_inner, MAX_REDUCE_BLOCK)
     wrap_triton(_cross_entropy_reduce_kernel)[(1,)](
         loss_rows, labels, n_valid, loss, *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=MAX_REDUCE_BLOCK, num_warps=8,
     )  # fmt: skip
 
 

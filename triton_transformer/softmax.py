@@ -142,25 +142,27 @@ def _softmax_bwd_kernel(
 
 @functools.cache
 def _launch_params(
-    n_q: int, n_cols: int, causal: bool, max_block: int, row_tile: int, num_warps: int | None
-) -> tuple:
-    """Shape-derived kernel arguments: (n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps).
-
-    Causal query q sees keys j < q + diag, with diag = n_k - n_q + 1. Rows that fit one block
-    are packed BLOCK_M to a program; longer rows get a program each and loop over blocks.
-    """
+    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
+) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols entries. Rows that fit one
+    block are packed BLOCK_M to a program; longer rows get a program each and loop."""
     block_n = row_block_size(n_cols, max_block)
     single_pass = n_cols <= block_n
     block_m = max(1, row_tile // block_n) if single_pass else 1
-    diag = n_cols - n_q + 1 if causal else 0
     if num_warps is None:
         num_warps = calc_num_warps(block_m * block_n)
-    return n_q, diag, block_m, block_n, single_pass, num_warps
+    return block_m, block_n, single_pass, num_warps
 
 
 def _shape_params(shape: torch.Size, causal: bool) -> tuple:
+    """(n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for x of this shape. Causal query
+    q sees keys j < q + diag, diag = n_k - n_q + 1. n_q and diag stay symbolic under
+    torch.compile's dynamic shapes; the row length picks the constexpr block sizes, so it is
+    made concrete (int(): one compiled kernel per row length)."""
+    n_cols = shape[-1]
     n_q = shape[-2] if causal else 1
-    return _launch_params(n_q, shape[-1], causal, MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
+    diag = n_cols - n_q + 1 if causal else 0
+    return n_q, diag, *_launch_params(int(n_cols), MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
 
 
 @triton_op("triton_transformer::softmax", mutates_args=())
