@@ -70,7 +70,9 @@ def bench(args) -> list[dict]:
                 es = x.element_size()
                 nbytes = {"fwd": 2 * M * N * es, "fwd+bwd": 5 * M * N * es}
                 for name, f in fns.items():
-                    if name == "compile" and args.quick and N not in (1024, 16384):
+                    # compiles are slow: a few sizes, bf16 only
+                    compile_ns = (1024, 16384) if args.quick else (1024, 4096, 16384)
+                    if name == "compile" and (N not in compile_ns or dname != "bf16"):
                         continue
 
                     def fwd(f=f, x=x, mask=mask):
