@@ -306,7 +306,14 @@ class Transformer(nn.Module):
             return logits
         if labels.dtype != torch.int64:
             labels = labels.long()
-        return cross_entropy(logits, labels, ignore_index=ignore_index, use_triton=use_triton)
+        return cross_entropy(
+            logits,
+            labels,
+            ignore_index=ignore_index,
+            use_triton=use_triton,
+            check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
+            inplace_backward=True,  # nothing else keeps the logits: they take their gradient
+        )
 
     def _check_inputs(
         self,
