@@ -318,3 +318,159 @@ def test_gpu_deterministic(N, stable, device):
     second = _fwd_bwd(x, w, b, dy, stable=stable)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- op contract
+
+
+def test_strided_4d_input(device):
+    # A permuted 4-D input whose rows are not one reshape-able view: copied once into rows,
+    # y and dx still come back in x's logical shape.
+    base, _, _ = _inputs((3, 37, 2, 5), device=device)
+    x = base.permute(0, 2, 3, 1)  # (3, 2, 5, 37), last dim strided
+    _, w, b = _inputs((37,), device=device)
+    _check(x, w, b)
+    # ... and one whose last dim is unit-stride but whose rows are strided (no copy needed).
+    wide, w, b = _inputs((2, 3, 4, 50), device=device)
+    _check(wide[:, :, 1:, 5:42], w[5:42], b[5:42], stable=True)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_output_is_fresh_and_in_place_works(use_triton, device):
+    # The Triton op returns a new tensor, not a view of an internal buffer: in-place ops
+    # on it (as after the PyTorch branch) work, also under autograd.
+    x, w, b = _inputs((2, 3, 40), device=device)
+    x.requires_grad_()
+    y = layernorm(x, w, b, use_triton=use_triton)
+    assert y._base is None and y.is_contiguous()
+    expected = layernorm(x.detach().double(), w.double(), b.double())
+    y.mul_(2.0)
+    y.add_(1.0)
+    _assert_close(y.detach(), 2 * expected + 1, 1e-5, "in-place")
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_registered_custom_op(stable, bias, device):
+    # Schema and autograd registration of the torch.library ops; on a GPU also their
+    # fake-tensor behaviour and AOT tracing (the interpreter cannot run fake tensors).
+    x, w, b = _inputs((6, 33), device=device, bias=bias)
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_() if bias else None)
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(ln_mod.layernorm_fwd, (*args, 1e-5, stable), test_utils=tests)
+    _, stats = ln_mod.layernorm_fwd(*args, 1e-5, stable)
+    # Detached: the backward op has no autograd of its own (once-differentiable).
+    bwd_args = (torch.randn_like(x), x.detach(), w.detach(), b.detach() if bias else None, stats,
+                1e-5, stable)  # fmt: skip
+    torch.library.opcheck(ln_mod.layernorm_bwd, bwd_args, test_utils=tests)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_double_backward_raises(stable, device):
+    x, w, b = _inputs((4, 16), device=device)
+    x.requires_grad_()
+    y = layernorm(x, w, b, stable=stable, use_triton=True)
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_backward_is_deterministic(device):
+    # The dweight/dbias partials are summed in a fixed order: bitwise equal runs.
+    x, w, b = _inputs((70, 100), device=device)
+    dy = torch.randn(x.shape, device=device)
+    first = _fwd_bwd(x, w, b, dy)
+    second = _fwd_bwd(x, w, b, dy)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_cuda_graph_capture(stable, device):
+    # Forward + backward captured in one CUDA graph; replays on new data match eager.
+    x, w, b = _inputs((512, 768), dtype=torch.bfloat16, device=device)
+    x.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    dy = torch.randn(x.shape, device=device, dtype=x.dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels) outside the graph
+        for _ in range(2):
+            layernorm(x, w, b, stable=stable, use_triton=True).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = w.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layernorm(x, w, b, stable=stable, use_triton=True)
+        y.backward(dy)
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(-2.3 + 0.5 * torch.randn(x.shape, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _fwd_bwd(x.detach(), w.detach(), b.detach(), dy, stable=stable)
+        assert torch.equal(y, eager[0])
+        for got, want in zip((x.grad, w.grad, b.grad), eager[1:], strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_compiles_without_graph_breaks(stable, device):
+    def f(x, w, b, use_triton=True):
+        return layernorm(x.sin(), w, b, stable=stable, use_triton=use_triton).float().cos().sum()
+
+    x, w, b = _inputs((64, 1000), dtype=torch.bfloat16, device=device)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    explanation = torch._dynamo.explain(f)(*leaves)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(f)(*leaves)
+    grads = torch.autograd.grad(compiled, leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = f(*ref_leaves, use_triton=False)
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    torch.testing.assert_close(compiled.double(), ref, rtol=1e-2, atol=1e-2)
+    for got, want, name in zip(grads, ref_grads, ("dx", "dw", "db"), strict=True):
+        _assert_close(got, want, 3e-2, name)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_backward_variants_agree(looped, block_m, device, monkeypatch):
+    # The measured alternatives of the backward kernel: prefetching the next row tile (same
+    # arithmetic: bitwise-equal results) and the single-launch "last program reduces"
+    # reduction (the same partials summed in another fixed order), which must also reset its
+    # counter for the next call.
+    if looped:
+        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    x, w, b = _inputs((50, 100), device=device)
+    dy = torch.randn(x.shape, device=device)
+    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, False)
+    base = ln_mod._bwd_config(50, 100, ln_mod.MAX_BLOCK_N, x.device)
+    bm = block_m if base[3] else 1
+    rows_per_prog = 4 * bm  # several tiles per program
+    cfg = (bm, *base[1:4], ln_mod.cdiv(50, rows_per_prog), rows_per_prog)
+    outs = []
+    for prefetch, fused in ((False, False), (True, False), (False, True)):
+        counter = torch.zeros(1, dtype=torch.int32, device=device) if fused else None
+        # NaN-poisoned: every element must be written.
+        dx, dw, db = (torch.full_like(t, float("nan")) for t in (x, w, b))
+        ln_mod.launch_bwd(
+            dy, x, w, stats, dx, dw, db, 1e-5, False, cfg=(*cfg, prefetch), counter=counter
+        )
+        outs.append((dx, dw, db))
+        if fused:
+            assert counter.item() == 0
+    ref = _fwd_bwd(x, w, b, dy.double(), use_triton=False, dtype=torch.float64)
+    for out in outs:
+        for got, want, name in zip(out, ref[1:], ("dx", "dw", "db"), strict=True):
+            _assert_close(got, want, 1e-5, name)
+    for other in outs[1:]:
+        assert torch.equal(outs[0][0], other[0])
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][2], outs[1][2])

@@ -6,17 +6,32 @@ reference that defines the semantics:
     if stable: x = x / x.abs().amax(-1, keepdim=True).clamp(min=STABLE_CLAMP)
     y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias
 
+The Triton path is two `torch.library.triton_op`s, `triton_transformer::layernorm_fwd` and
+`triton_transformer::layernorm_bwd`, wired together with `register_autograd`, so torch.compile
+traces both (no graph break) and a CUDA graph can capture them (nothing is read on the host).
+The backward is once-differentiable: `create_graph=True` raises instead of silently dropping
+second-order terms. The output is a fresh tensor (not a view), so in-place ops on it work.
+
+The kernels here are shared with the fused residual + LayerNorm op
+(`triton_transformer/residual_layernorm.py`): with RESIDUAL the forward first forms
+x = h + dropout(branch), writes it, and normalises it; the backward adds the downstream
+gradient of that sum and writes the masked branch gradient too.
+
 Triton design:
 - Forward: each program normalises BLOCK_M rows held as a (BLOCK_M, BLOCK_N) tile (several
-  rows per program when N is small, to cut the program count). Statistics are fp32. A row
-  longer than MAX_BLOCK_N is processed in a loop over column blocks: one pass merges per-block
-  mean/M2 (Chan's parallel variance), one pass writes y (plus a first pass for the row's max
-  |x| when stable). Only mean and rstd per row (and the scale when stable) are saved.
+  rows per program when N is small). Rows up to MAX_BLOCK_N stay in registers (one read of x,
+  one write of y); statistics are fp32 and two-pass within the tile. A longer row is processed
+  in a loop over column blocks: one pass merges per-block mean/M2 (Chan's parallel variance),
+  one pass writes y (plus a first pass for the row's max |x| when stable). Only mean and rstd
+  per row (and the scale when stable) are saved.
 - Backward: with xhat = (u - mean) * rstd, u = x / scale (scale = 1 unless stable) and
-  g = dy * w, du = rstd * (g - c2 - xhat * c1) with c1 = mean(xhat * g), c2 = mean(g). Long
-  rows take two passes (reductions first, then dx). dweight/dbias use a deterministic two-stage
-  reduction: program p owns a fixed group of rows and writes its column sums into row p of a
-  (num_groups, N) fp32 buffer, which a column-sum kernel then reduces. No atomics, no locks.
+  g = dy * w, du = rstd * (g - c2 - xhat * c1) with c1 = mean(xhat * g), c2 = mean(g). One
+  pass over x and dy when the row fits a block (two when it does not). dweight/dbias: a fixed
+  number of programs (a small multiple of the SM count, tuned per N) each own a contiguous
+  range of rows, accumulate their column sums in registers and write them as one row of a
+  (programs, N) fp32 buffer; a tiny column-sum kernel then adds those rows in a fixed order.
+  No atomics, no locks, no waiting: deterministic, and it runs in the interpreter (which runs
+  programs one after another). See `_bwd_config` for why this is not a single launch.
 - Stable backward: dx = du / s plus the gradient through the scale s = max|x| (not detached,
   to match autograd of the PyTorch branch). LayerNorm ignores its input's scale except
   through eps, and indeed sum(du * u) = N * c1 * eps * rstd^2 exactly, so the kernel uses
@@ -28,16 +43,20 @@ Triton design:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import (
     as_rows,
     calc_num_warps,
+    cdiv,
     check_triton_tensor,
     exists,
     row_block_size,
@@ -49,29 +68,100 @@ from triton_transformer.utils import (
 STABLE_CLAMP = 2.0**-14
 
 # Widest column block one program holds in registers; longer rows loop over blocks.
-# Tests monkeypatch it small to exercise the looped path.
+# Tests monkeypatch it small to exercise the looped path. (16384 in registers was measured
+# 2-4x slower on an H200 than looping over 8192-wide blocks: register spills.)
 MAX_BLOCK_N = 8192
-# Target elements per tile when several short rows share a program.
-_TILE_ELEMS = 2048
-# Backward programs per SM: each owns a group of rows and one row of the partial buffer.
-_BWD_PROGRAMS_PER_SM = 4
+
+# Launch configurations keyed by the power-of-two column block. Forward: (rows per program,
+# warps). Backward: (rows per tile, warps, programs per SM, prefetch the next tile). Blocks not
+# listed fall back to the nearest entry. These are the configurations measured on an H200 at
+# revision 4b80779 (benchmarks/RESULTS.md: a 2048-element tile, `calc_num_warps` warps, 4
+# backward programs per SM); `benchmarks/bench_layernorm.py --tune` sweeps the alternatives
+# (kernel time from CUDA-graph replays) and prints a replacement table.
+_FWD_TABLE: dict[int, tuple[int, int]] = {
+    16: (128, 8),
+    32: (64, 8),
+    64: (32, 8),
+    128: (16, 8),
+    256: (8, 8),
+    512: (4, 8),
+    1024: (2, 8),
+    2048: (1, 8),
+    4096: (1, 16),
+    8192: (1, 16),
+}
+_BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
+    16: (128, 8, 4, False),
+    32: (64, 8, 4, False),
+    64: (32, 8, 4, False),
+    128: (16, 8, 4, False),
+    256: (8, 8, 4, False),
+    512: (4, 8, 4, False),
+    1024: (2, 8, 4, False),
+    2048: (1, 8, 4, False),
+    4096: (1, 16, 4, False),
+    8192: (1, 16, 4, False),
+}
+# Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
+# backward programs, so the few column programs are not latency-bound loops) and warps.
+_COLSUM_BLOCK_C = 32
+_COLSUM_BLOCK_G = 256
+_COLSUM_WARPS = 8
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
+def _keep_mask(SEED, rows, cols, N, p, INT64_IDX: tl.constexpr):
+    """Dropout keep mask of a tile: Philox uniform of the row-major index (row * N + col) >= p.
+
+    A pure function of (seed, index), so the backward regenerates the forward's mask.
+    """
+    seed = tl.load(SEED)
+    if INT64_IDX:
+        idx = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    else:
+        idx = rows[:, None] * N + cols[None, :]
+    return tl.rand(seed, idx) >= p
+
+
+@triton.jit
+def _load_x(
+    X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
+    RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
+    STORE_X: tl.constexpr,
+):  # fmt: skip
+    """The fp32 tile of x: loaded from X, or (RESIDUAL) formed as h + dropout(branch),
+    rounded to X's dtype exactly as the stored sum is (and stored into X when STORE_X)."""
+    r64 = rows.to(tl.int64)[:, None]
+    if RESIDUAL:
+        h = tl.load(H + r64 * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        br = tl.load(BR + r64 * stride_br + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            keep = _keep_mask(SEED, rows, cols, N, p, INT64_IDX)
+            br = tl.where(keep, br * drop_scale, 0.0)
+        xs = (h + br).to(X.dtype.element_ty)
+        if STORE_X:
+            tl.store(X + r64 * stride_x + cols[None, :], xs, mask=mask)
+        x = xs.to(tl.float32)
+    else:
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _ln_fwd_kernel(
-    X, W, B, Y, Stats,
-    M, N, inv_n, stride_x, stride_y, eps, clamp,
+    X, W, B, Y, Stats, H, BR, SEED,
+    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, clamp, p, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
+    RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # inv_n = 1/N comes from the host: fp32 division on the GPU is approximate (div.full),
     # so `sum / N` would not even reproduce x exactly for N = 1.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    x_rows = X + rows.to(tl.int64)[:, None] * stride_x
     y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
     cols = tl.arange(0, BLOCK_N)
 
@@ -79,7 +169,10 @@ def _ln_fwd_kernel(
         # The whole row fits one block: load once, everything stays in registers.
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_x(
+            X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
+            RESIDUAL, DROPOUT, INT64_IDX, True,
+        )  # fmt: skip
         if STABLE:
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), clamp)
             # x * (1/scale), never x / scale: the GPU's approximate division may be
@@ -95,11 +188,16 @@ def _ln_fwd_kernel(
             y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
+        # Passes before the last recompute x (RESIDUAL: from h and branch; the sum is stored
+        # only in the last pass, so no pass reads what another thread wrote).
         if STABLE:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
             for off in range(0, N, BLOCK_N):
                 mask = row_mask[:, None] & (off + cols < N)[None, :]
-                x = tl.load(x_rows + off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = _load_x(
+                    X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
+                    p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+                )  # fmt: skip
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
             scale = tl.maximum(amax, clamp)
         # One pass for mean and M2: exact two-pass statistics within each block, merged
@@ -108,7 +206,10 @@ def _ln_fwd_kernel(
         m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         for off in range(0, N, BLOCK_N):
             mask = row_mask[:, None] & (off + cols < N)[None, :]
-            x = tl.load(x_rows + off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_x(
+                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
+                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+            )  # fmt: skip
             if STABLE:
                 x = x * (1.0 / scale)[:, None]
             n_seen = off * 1.0  # as fp32 (`off` may be a Python int in the interpreter)
@@ -122,7 +223,10 @@ def _ln_fwd_kernel(
         for off in range(0, N, BLOCK_N):
             col_mask = off + cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_x(
+                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
+                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True,
+            )  # fmt: skip
             if STABLE:
                 x = x * (1.0 / scale)[:, None]
             w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -161,18 +265,52 @@ def _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE: tl.constexpr
 
 
 @triton.jit
-def _ln_bwd_kernel(
-    X, W, DY, DX, Partial, Stats,
-    M, N, inv_n, rows_per_group, stride_x, stride_dy, stride_dx, eps,
-    HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _store_dx(
+    DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr, p,
+    drop_scale,
+    HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
+    INT64_IDX: tl.constexpr,
 ):  # fmt: skip
-    group = tl.program_id(0)
-    row_start = group * rows_per_group
-    row_end = tl.minimum(row_start + rows_per_group, M)
+    """Store dx (+ the downstream gradient of the residual sum) and the branch gradient."""
+    r64 = rows.to(tl.int64)[:, None]
+    if HAS_DHN:
+        dx += tl.load(DHN + r64 * stride_dhn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if WRITE_DBR:
+        dbr = dx
+        if DROPOUT:
+            keep = _keep_mask(SEED, rows, cols, N, p, INT64_IDX)
+            dbr = tl.where(keep, dx * drop_scale, 0.0)
+        tl.store(DBR + r64 * stride_dbr + cols[None, :], dbr.to(DBR.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy):
+    """x and dy tiles of `rows` (masked past row_end), in their storage dtype."""
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED, DW, DB, Counter,
+    M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
+    eps, p, drop_scale,
+    HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
+    HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
+    INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr, FUSED_REDUCE: tl.constexpr, RED_G: tl.constexpr,
+    RED_C: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
     cols = tl.arange(0, BLOCK_N)
-    # This program's row of the (num_groups, N) partial sums; dbias partials follow dweight's.
-    dw_out = Partial + group.to(tl.int64) * N
+    # This program's row of the (programs, N) partial sums; dbias partials follow dweight's.
+    dw_out = Partial + pid.to(tl.int64) * N
     db_out = dw_out + tl.num_programs(0).to(tl.int64) * N
 
     if SINGLE:
@@ -180,14 +318,23 @@ def _ln_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            x_next, dy_next = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
         for r0 in range(row_start, row_end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows.to(tl.int64)[:, None]
-            x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            if PREFETCH:
+                # Issue the next tile's loads before this tile's reductions, so their memory
+                # latency overlaps this tile's work.
+                x, dy = x_next, dy_next
+                x_next, dy_next = _load_x_dy(
+                    X, DY, rows + BLOCK_M, row_end, cols, col_mask, stride_x, stride_dy
+                )
+            else:
+                x, dy = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
             x = x.to(tl.float32)
-            dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
             dy = dy.to(tl.float32)
             mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
             rstd = tl.load(Stats + M + rows, mask=row_mask, other=0.0)
@@ -202,9 +349,13 @@ def _ln_bwd_kernel(
                 count = tl.sum(((tl.abs(x) == scale[:, None]) & mask).to(tl.float32), axis=1)
                 tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
             dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
-            tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            _store_dx(
+                DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
+                p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+            )  # fmt: skip
             dw_acc += dy * xhat
-            db_acc += dy
+            if HAS_BIAS:
+                db_acc += dy
         tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if HAS_BIAS:
             tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
@@ -240,7 +391,7 @@ def _ln_bwd_kernel(
             tie_grad = c1  # unused unless STABLE
             if STABLE:
                 tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
-            # Pass 2: dx, and this row tile's share of the group's dweight/dbias partials
+            # Pass 2: dx, and this row tile's share of the program's dweight/dbias partials
             # (read-modify-write of the program's own buffer row; the first tile just writes).
             not_first = tl.full([BLOCK_N], r0, tl.int32) > row_start
             for off in range(0, N, BLOCK_N):
@@ -252,7 +403,10 @@ def _ln_bwd_kernel(
                 w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
                 xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
                 dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
-                tl.store(DX + rows64 * stride_dx + c, dx.to(DX.dtype.element_ty), mask=mask)
+                _store_dx(
+                    DX, DHN, DBR, SEED, dx, rows, off + cols, mask, N, stride_dx, stride_dhn,
+                    stride_dbr, p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                )  # fmt: skip
                 pmask = col_mask & not_first
                 dw = tl.load(dw_out + off + cols, mask=pmask, other=0.0)
                 tl.store(dw_out + off + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
@@ -260,13 +414,45 @@ def _ln_bwd_kernel(
                     db = tl.load(db_out + off + cols, mask=pmask, other=0.0)
                     tl.store(db_out + off + cols, db + tl.sum(dy, axis=0), mask=col_mask)
 
+    if FUSED_REDUCE:
+        # Measured alternative to the column-sum launch (off by default, see _bwd_config):
+        # the last program to take a ticket sums every program's partials, in a fixed order.
+        # Wait-free (no program waits for another) and deterministic; Counter must be 0 on
+        # entry and is reset to 0 by that last program.
+        tl.debug_barrier()  # all of this program's partial stores precede its ticket
+        ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            G = tl.num_programs(0)
+            for c0 in range(0, N, RED_C):
+                rc = c0 + tl.arange(0, RED_C)
+                cm = rc < N
+                dw = tl.zeros([RED_G, RED_C], dtype=tl.float32)
+                db = tl.zeros([RED_G, RED_C], dtype=tl.float32)
+                for g0 in range(0, G, RED_G):
+                    gs = g0 + tl.arange(0, RED_G)
+                    m = (gs < G)[:, None] & cm[None, :]
+                    offs = gs.to(tl.int64)[:, None] * N + rc[None, :]
+                    dw += tl.load(Partial + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        db += tl.load(
+                            Partial + G.to(tl.int64) * N + offs,
+                            mask=m,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                tl.store(DW + rc, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cm)
+                if HAS_BIAS:
+                    tl.store(DB + rc, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cm)
+            tl.atomic_xchg(Counter, 0)
+
 
 @triton.jit
 def _colsum_kernel(
-    Partial, DW, DB, G, N,
+    Partial, PartialB, DW, DB, G, N,
     HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Sum the (G, N) partials over G in a fixed order: dweight (and dbias) per column."""
+    """Sum the (G, N) partials over G in a fixed order: dweight (and dbias, from PartialB) per
+    column."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
@@ -277,7 +463,7 @@ def _colsum_kernel(
         offs = gs.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(Partial + offs, mask=mask, other=0.0)
         if HAS_BIAS:
-            db += tl.load(Partial + G * N + offs, mask=mask, other=0.0)
+            db += tl.load(PartialB + offs, mask=mask, other=0.0)
     tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
@@ -286,92 +472,205 @@ def _colsum_kernel(
 # ----------------------------------------------------------------------------- launch config
 
 
+def _nearest(table: dict, block_n: int):
+    if block_n in table:
+        return table[block_n]
+    return table[min(table, key=lambda k: abs(k.bit_length() - block_n.bit_length()))]
+
+
 @functools.cache
-def _row_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, single_block) for rows of `n_cols` elements."""
+def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, single_block) of the forward kernel for rows of `n_cols`."""
     block_n = row_block_size(n_cols, max_block)
-    block_m = max(1, _TILE_ELEMS // block_n) if n_cols <= block_n else 1
-    return block_m, block_n, calc_num_warps(block_m * block_n), n_cols <= block_n
+    if n_cols > block_n:  # looped long rows: one row per program
+        return 1, block_n, calc_num_warps(block_n), False
+    block_m, num_warps = _nearest(_FWD_TABLE, block_n)
+    return block_m, block_n, num_warps, True
 
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 2  # the interpreter runs programs one by one: few groups are cheapest
+        return 2  # the interpreter runs programs one by one: few programs are cheapest
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
-def _bwd_groups(n_rows: int, block_m: int, n_sms: int) -> tuple[int, int]:
-    """(num_groups, rows_per_group): a fixed split of the rows over the backward programs.
+def _bwd_block_config(n_cols: int, max_block: int, device: torch.device):
+    """The per-N part of the backward configuration (see `_bwd_config`)."""
+    block_n = row_block_size(n_cols, max_block)
+    single = n_cols <= block_n
+    if single:
+        block_m, num_warps, per_sm, prefetch = _nearest(_BWD_TABLE, block_n)
+    else:
+        block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 4, False
+    max_programs = per_sm * _num_sms(device)
+    return block_m, block_n, num_warps, single, max_programs, prefetch
 
-    Depends only on the shape and the device, so dweight/dbias sum in the same order every run.
+
+def _bwd_config(n_rows, n_cols: int, max_block: int, device: torch.device):
+    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog, prefetch): backward config.
+
+    The rows are split into `programs` contiguous ranges of `rows_per_prog` rows, a fixed
+    function of the shape and the device, so dweight/dbias sum in the same order every run.
+    `n_rows` may be symbolic (a SymInt while torch.compile traces with dynamic shapes): only
+    the per-N part is cached, the rest is plain (symbolic-safe) integer arithmetic.
+
+    Why two launches: finishing the column sums inside the same launch needs either a
+    program that waits for the others (a spin-wait: forbidden, and it hangs the interpreter)
+    or a "last program to arrive reduces" ticket (FUSED_REDUCE in the kernel), which is
+    wait-free and deterministic but makes one program read all (programs x N) partials alone
+    (MBs at large N), and needs a zeroed counter per call (an extra memset, or state mutated
+    behind torch.compile's back); see the measurements in benchmarks/bench_layernorm.py --tune.
     """
-    tiles = triton.cdiv(n_rows, block_m)
-    rows_per_group = triton.cdiv(tiles, min(tiles, _BWD_PROGRAMS_PER_SM * n_sms)) * block_m
-    return triton.cdiv(n_rows, rows_per_group), rows_per_group
+    block_m, block_n, num_warps, single, max_programs, prefetch = _bwd_block_config(
+        n_cols, max_block, device
+    )
+    tiles = cdiv(n_rows, block_m)
+    programs = torch.sym_min(tiles, max_programs)
+    rows_per_prog = cdiv(tiles, programs) * block_m
+    programs = cdiv(n_rows, rows_per_prog)
+    return block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch
 
 
-# ----------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------- launchers
+# Shared by the layernorm and residual_layernorm ops (and the benchmark's tuning sweep).
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, stable):
-        shape, N = x.shape, x.shape[-1]
-        ctx.eps, ctx.stable, ctx.has_bias = eps, stable, exists(bias)
-        ctx.bias_dtype = bias.dtype if exists(bias) else None
-        if x.numel() == 0:
-            ctx.save_for_backward(None, weight, None)
-            return x.new_empty(shape)
+def launch_fwd(
+    x2, weight, bias, y2, stats, eps, stable, *, h2=None, br2=None, p=0.0, seed=None, cfg=None
+) -> None:
+    """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
-        x2 = as_rows(x)
-        M = x2.shape[0]
-        weight = weight.contiguous()
-        bias = bias.contiguous() if exists(bias) else None
-        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        # One fp32 buffer for the per-row stats: mean, rstd (and scale when stable).
-        stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
-        block_m, block_n, num_warps, single = _row_config(N, MAX_BLOCK_N)
-        _ln_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x2, weight, bias if exists(bias) else weight, y, stats,
-            M, N, 1.0 / N, x2.stride(0), y.stride(0), eps, STABLE_CLAMP,
-            HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x2, weight, stats)
-        return y.view(shape)
+    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
+    M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
+    if M == 0 or N == 0:
+        return
+    block_m, block_n, num_warps, single = cfg or _fwd_config(N, MAX_BLOCK_N)
+    residual = h2 is not None
+    dropout = residual and p > 0.0
+    wrap_triton(_ln_fwd_kernel)[(cdiv(M, block_m),)](
+        x2, weight, bias if exists(bias) else weight, y2, stats,
+        h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
+        M, N, 1.0 / N, x2.stride(0), y2.stride(0),
+        h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
+        eps, STABLE_CLAMP, p, 1.0 / (1.0 - p) if dropout else 1.0,
+        HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single, RESIDUAL=residual,
+        DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, stats = ctx.saved_tensors
-        has_bias = ctx.has_bias
-        if x2 is None:  # zero-size input
-            dw = torch.zeros_like(weight)
-            db = torch.zeros(weight.shape, dtype=ctx.bias_dtype, device=weight.device)
-            return dy.new_empty(dy.shape), dw, db if has_bias else None, None, None
 
-        M, N = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
-        block_m, block_n, num_warps, single = _row_config(N, MAX_BLOCK_N)
-        groups, rows_per_group = _bwd_groups(M, block_m, _num_sms(x2.device))
-        partial = torch.empty(
-            (2 if has_bias else 1, groups, N), dtype=torch.float32, device=x2.device
-        )
-        _ln_bwd_kernel[(groups,)](
-            x2, weight, dy2, dx, partial, stats,
-            M, N, 1.0 / N, rows_per_group, x2.stride(0), dy2.stride(0), dx.stride(0), ctx.eps,
-            HAS_BIAS=has_bias, STABLE=ctx.stable, SINGLE=single,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
-        dweight = torch.empty_like(weight)
-        dbias = torch.empty(N, dtype=ctx.bias_dtype, device=x2.device) if has_bias else None
-        _colsum_kernel[(triton.cdiv(N, 64),)](
-            partial, dweight, dbias if has_bias else dweight, groups, N,
-            HAS_BIAS=has_bias, BLOCK_G=32, BLOCK_C=64,
-        )  # fmt: skip
-        return dx.view(dy.shape), dweight, dbias, None, None
+def launch_bwd(
+    dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
+    dhn2=None, dbr2=None, p=0.0, seed=None, cfg=None, counter=None,
+) -> None:  # fmt: skip
+    """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
+    when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2.
+
+    `counter` (a zeroed int32 tensor) selects the single-launch "last program reduces"
+    variant, kept for measurements (benchmarks/bench_layernorm.py --tune)."""
+    M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
+    if N == 0:
+        return
+    if M == 0:
+        dweight.zero_()
+        if exists(dbias):
+            dbias.zero_()
+        return
+    block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch = cfg or _bwd_config(
+        M, N, MAX_BLOCK_N, x2.device
+    )
+    has_bias = exists(dbias)
+    partial = torch.empty((2 if has_bias else 1, programs, N), dtype=torch.float32,
+                          device=x2.device)  # fmt: skip
+    dropout = exists(dbr2) and p > 0.0
+    wrap_triton(_ln_bwd_kernel)[(programs,)](
+        x2, weight, dy2, dx2, partial, stats,
+        dhn2 if exists(dhn2) else dy2, dbr2 if exists(dbr2) else dx2,
+        seed if dropout else stats, dweight, dbias if has_bias else dweight,
+        counter if exists(counter) else stats,
+        M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
+        dhn2.stride(0) if exists(dhn2) else 0, dbr2.stride(0) if exists(dbr2) else 0,
+        eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
+        HAS_BIAS=has_bias, STABLE=stable, SINGLE=single, HAS_DHN=exists(dhn2),
+        WRITE_DBR=exists(dbr2), DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        PREFETCH=prefetch, FUSED_REDUCE=exists(counter), RED_G=32, RED_C=128,
+    )  # fmt: skip
+    if exists(counter):
+        return
+    block_c, block_g = _COLSUM_BLOCK_C, _COLSUM_BLOCK_G
+    wrap_triton(_colsum_kernel)[(cdiv(N, block_c),)](
+        partial[0], partial[-1], dweight, dbias if has_bias else dweight, programs, N,
+        HAS_BIAS=has_bias, BLOCK_G=block_g, BLOCK_C=block_c, num_warps=_COLSUM_WARPS,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """`utils.as_rows`, also for empty tensors (which launch nothing)."""
+    if x.numel() == 0:
+        return x.new_empty((math.prod(x.shape[:-1]), x.shape[-1]))
+    return as_rows(x)
+
+
+@triton_op("triton_transformer::layernorm_fwd", mutates_args=())
+def layernorm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, stable: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, stats): y a new contiguous tensor shaped like x; stats (2 or 3, rows) fp32 holds
+    each row's mean, rstd (and scale when stable) for the backward."""
+    N = x.shape[-1]
+    x2 = rows_of(x)
+    M = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
+    launch_fwd(x2, weight.contiguous(), bias, y.view(M, N), stats, eps, stable)
+    return y, stats
+
+
+@triton_op("triton_transformer::layernorm_bwd", mutates_args=())
+def layernorm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor,
+    eps: float,
+    stable: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias); dbias is an empty (0,) tensor when bias is None."""
+    N = x.shape[-1]
+    x2, dy2 = rows_of(x), rows_of(dy)
+    M = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
+                        else bias.dtype, device=x.device)  # fmt: skip
+    launch_bwd(dy2, x2, weight.contiguous(), stats, dx.view(M, N), dweight,
+               dbias if exists(bias) else None, eps, stable)  # fmt: skip
+    return dx, dweight, dbias
+
+
+def _ln_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, ctx.eps, ctx.stable = inputs
+    _, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.has_bias = exists(bias)
+    ctx.save_for_backward(x, weight, bias, stats)
+
+
+@once_differentiable
+def _ln_backward(ctx, dy, _dstats):
+    x, weight, bias, stats = ctx.saved_tensors
+    dx, dweight, dbias = layernorm_bwd(dy, x, weight, bias, stats, ctx.eps, ctx.stable)
+    return dx, dweight, dbias if ctx.has_bias else None, None, None
+
+
+layernorm_fwd.register_autograd(_ln_backward, setup_context=_ln_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -406,6 +705,19 @@ def _layernorm_torch(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).to(dtype)
 
 
+def check_layernorm_args(x: object, weight: object, bias: object, use_triton: bool) -> None:
+    """Validate layernorm's tensors (shared with residual_layernorm)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim to normalise over, got a scalar")
+    if use_triton:
+        check_triton_tensor(x, "x")
+    _check_param(weight, "weight", x, use_triton)
+    if exists(bias):
+        _check_param(bias, "bias", x, use_triton)
+
+
 def layernorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -426,20 +738,12 @@ def layernorm(
         use_triton: run the Triton kernels instead of the PyTorch reference.
 
     Returns:
-        (..., N) tensor in x's dtype.
+        (..., N) tensor in x's dtype: a new tensor, never a view (in-place ops on it work).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dim to normalise over, got a scalar")
-    if use_triton:
-        check_triton_tensor(x, "x")
-    _check_param(weight, "weight", x, use_triton)
-    if exists(bias):
-        _check_param(bias, "bias", x, use_triton)
+    check_layernorm_args(x, weight, bias, use_triton)
     if not use_triton:
         return _layernorm_torch(x, weight, bias, eps, stable)
-    return _LayerNormFunction.apply(x, weight, bias, float(eps), bool(stable))
+    return layernorm_fwd(x, weight, bias, float(eps), bool(stable))[0]
 
 
 class LayerNorm(nn.Module):

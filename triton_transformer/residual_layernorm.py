@@ -1,0 +1,226 @@
+"""Fused residual add (+ optional dropout) + LayerNorm: the pre-norm block boundary in one kernel.
+
+`residual_layernorm(h, branch, weight, bias, dropout_p=..., eps=..., stable=...)` returns
+
+    h_new = h + dropout(branch, dropout_p, training)
+    y     = layernorm(h_new, weight, bias, eps, stable)
+
+`use_triton=False` runs exactly that in PyTorch (F.dropout, then `layernorm.layernorm`'s
+reference) and defines the semantics. With `use_triton=True` one kernel reads h and branch
+once and writes h_new and y (4 tensor passes instead of 7 for add + LayerNorm as two ops), and
+one backward kernel reads h_new, dy and the downstream gradient of h_new and writes
+dh = dh_new_total and d(branch) (the same tensor when there is no dropout and the dtypes
+agree: no extra write), plus dweight/dbias through the deterministic partial-sum scheme of
+`layernorm.py` (whose kernels this op shares).
+
+Dropout draws its mask in the kernel from Philox, keyed by a seed that is a 0-dim device
+tensor from torch's generator (`utils.draw_seed`) and by the row-major element index; the
+backward regenerates the mask from the saved seed (the mask is never stored). So CUDA graph
+replays draw fresh masks, `torch.manual_seed` reproduces them, and torch.compile sees no
+`.item()`. The Triton mask is not the one `F.dropout` draws (different generators).
+
+dtypes: h_new (and y) take torch's promoted dtype of (h, branch) (e.g. an fp32 residual
+stream plus a bf16 branch under autocast gives fp32, as `h + branch` would); the gradients
+take the dtypes of h and branch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op
+
+from triton_transformer.layernorm import (
+    _layernorm_torch,
+    check_layernorm_args,
+    launch_bwd,
+    launch_fwd,
+    rows_of,
+)
+from triton_transformer.utils import check_triton_tensor, draw_seed, exists
+
+
+@triton_op("triton_transformer::residual_layernorm_fwd", mutates_args=())
+def residual_layernorm_fwd(
+    h: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    stable: bool,
+    p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h_new, y, stats) with h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64
+    device tensor; unused when p == 0), y = layernorm(h_new); both new contiguous tensors
+    shaped like h. stats (2 or 3, rows) fp32 as in `layernorm_fwd`."""
+    N = h.shape[-1]
+    h2, br2 = rows_of(h), rows_of(branch)
+    M = h2.shape[0]
+    dtype = torch.promote_types(h.dtype, branch.dtype)
+    h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
+    y = torch.empty(h.shape, dtype=dtype, device=h.device)
+    stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=h.device)
+    launch_fwd(h_new.view(M, N), weight.contiguous(), bias, y.view(M, N), stats, eps, stable,
+               h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
+    return h_new, y, stats
+
+
+@triton_op("triton_transformer::residual_layernorm_bwd", mutates_args=())
+def residual_layernorm_bwd(
+    dy: torch.Tensor,
+    dh_new: torch.Tensor | None,
+    h_new: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor,
+    eps: float,
+    stable: bool,
+    p: float,
+    seed: torch.Tensor,
+    h_dtype: torch.dtype,
+    branch_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh, dbranch, dweight, dbias): dh = layernorm's dx + dh_new (None: zero);
+    dbranch = dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and
+    the same dtype: the caller reuses dh); dbias empty (0,) when bias is None."""
+    N = h_new.shape[-1]
+    x2, dy2 = rows_of(h_new), rows_of(dy)
+    M = x2.shape[0]
+    dh = torch.empty(h_new.shape, dtype=h_dtype, device=h_new.device)
+    separate = p > 0.0 or branch_dtype != h_dtype
+    dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
+                          device=h_new.device)  # fmt: skip
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
+                        else bias.dtype, device=h_new.device)  # fmt: skip
+    launch_bwd(
+        dy2, x2, weight.contiguous(), stats, dh.view(M, N), dweight,
+        dbias if exists(bias) else None, eps, stable,
+        dhn2=rows_of(dh_new) if exists(dh_new) else None,
+        dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
+    )  # fmt: skip
+    return dh, dbranch, dweight, dbias
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed = inputs
+    h_new, _, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.has_bias = exists(bias)
+    ctx.h_dtype, ctx.branch_dtype = h.dtype, branch.dtype
+    ctx.save_for_backward(h_new, weight, bias, stats, seed)
+
+
+@once_differentiable
+def _backward(ctx, dh_new, dy, _dstats):
+    h_new, weight, bias, stats, seed = ctx.saved_tensors
+    dh, dbranch, dweight, dbias = residual_layernorm_bwd(
+        dy, dh_new, h_new, weight, bias, stats, ctx.eps, ctx.stable, ctx.p, seed,
+        ctx.h_dtype, ctx.branch_dtype,
+    )  # fmt: skip
+    if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
+        dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
+    return dh, dbranch, dweight, dbias if ctx.has_bias else None, None, None, None, None
+
+
+residual_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_p(p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {p!r}")
+    p = float(p)
+    if math.isnan(p) or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
+
+
+def residual_layernorm(
+    h: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    eps: float = 1e-5,
+    stable: bool = False,
+    use_triton: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_new, y): h_new = h + dropout(branch), y = layernorm(h_new) over the last dim.
+
+    Args:
+        h: (..., N) residual stream, any strides.
+        branch: the block's output, same shape as h (dtype may differ: h_new is promoted).
+        weight, bias: (N,) LayerNorm scale and optional shift (see `layernorm.layernorm`).
+        dropout_p: dropout probability on `branch`, in [0, 1); applied only when `training`.
+        eps, stable: as in `layernorm.layernorm` (stable: PB-relax max-abs rescale).
+        use_triton: one fused Triton kernel each way instead of the PyTorch reference.
+
+    Returns:
+        (h_new, y), new tensors shaped like h in the promoted dtype of (h, branch).
+    """
+    check_layernorm_args(h, weight, bias, use_triton)
+    if not isinstance(branch, torch.Tensor):
+        raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
+    if branch.shape != h.shape:
+        raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
+    p = _check_p(dropout_p) if training else 0.0
+    if not use_triton:
+        h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
+        return h_new, _layernorm_torch(h_new, weight, bias, eps, stable)
+    check_triton_tensor(branch, "branch")
+    if branch.device != h.device:
+        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
+    # The seed tensor is drawn only when there is dropout (no RNG advance, no launch otherwise);
+    # the op needs a tensor argument either way, and weight stands in (never read).
+    seed = draw_seed(h.device) if p > 0.0 else weight
+    h_new, y, _ = residual_layernorm_fwd(h, branch, weight, bias, float(eps), bool(stable), p, seed)
+    return h_new, y
+
+
+class ResidualLayerNorm(nn.Module):
+    """`residual_layernorm` as a module: (h, branch) -> (h + dropout(branch), layernorm(...)).
+
+    Parameters are named `weight`/`bias` like `LayerNorm` and torch.nn.LayerNorm, so a block's
+    LayerNorm state dict loads into it unchanged.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        bias: bool = True,
+        stable: bool = False,
+        eps: float = 1e-5,
+        dropout: float = 0.0,
+        use_triton: bool = False,
+    ):
+        super().__init__()
+        self.dim, self.stable, self.eps, self.use_triton = dim, stable, eps, use_triton
+        self.dropout = _check_p(dropout)
+        self.weight = nn.Parameter(torch.ones(dim))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, h: torch.Tensor, branch: torch.Tensor, use_triton: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        use_triton = self.use_triton if use_triton is None else use_triton
+        return residual_layernorm(
+            h, branch, self.weight, self.bias, dropout_p=self.dropout, training=self.training,
+            eps=self.eps, stable=self.stable, use_triton=use_triton,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.dim}, bias={self.bias is not None}, stable={self.stable}, eps={self.eps}, "
+            f"dropout={self.dropout}"
+        )
