@@ -83,7 +83,7 @@ from triton_transformer.distributed import (
     is_main_process,
 )
 from triton_transformer.evaluation import evaluate_loss, fork_rng, sample_from_split
-from triton_transformer.metrics import LossWindow, RunLogger
+from triton_transformer.metrics import LossWindow, RunLogger, flops_per_token, mfu, peak_bf16_flops
 from triton_transformer.run_dir import RunDirError, RunDirLock
 from triton_transformer.run_setup import (
     autocast_context,
@@ -257,6 +257,8 @@ class Trainer:
         self._stop_agreed = False  # ... and, with several ranks, known to all of them
         self.global_batch = t.batch_size * t.grad_accum_steps * self.dist.world_size
         self.tokens_per_step = self.global_batch * t.seq_len
+        self.flops_per_token = flops_per_token(self.model, m.depth, m.heads, m.dim_head, t.seq_len)
+        self.peak_flops = peak_bf16_flops(self.device)  # None: MFU not reported
 
         self.log = RunLogger(self.run_dir, self.is_main)
         if self.is_main:
@@ -533,6 +535,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size)
+
     def _log_record(self, info: dict, mean_loss: float, tokens_per_s: float) -> None:
         """One metrics.jsonl line (and wandb row) for the step in `info`."""
         record = {
@@ -544,6 +549,8 @@ class Trainer:
             "tokens": self.tokens_seen,
             "train_time_s": self.train_time_s,
         }
+        if exists(self._mfu(tokens_per_s)):
+            record["mfu"] = self._mfu(tokens_per_s)
         for key in ("val_loss", "val_bpb", "full_val_loss", "full_val_bpb"):
             if key in info:
                 record[key] = info[key]
@@ -570,6 +577,17 @@ class Trainer:
                 f"ranks = {self.global_batch} sequences | tokens/s count all ranks"
                 + (" | shared global batch" if self.config.data.shard_global_batch else "")
             )
+
+    def _print_first_step(self, info: dict) -> None:
+        """A line as soon as the first step of this call is done: proof of life, and what
+        the whole run will take at this pace."""
+        left = self.config.train.max_steps - self.step
+        eta = info["time_s"] * left
+        self._print(
+            f"step {info['step']}: loss {info['loss']:.4f} | first step {info['time_s']:.2f} s "
+            f"(compilation and warm-up included) | {left} steps left: about "
+            f"{eta / 60:.0f} min at this pace"
+        )
 
     def fit(self) -> TrainResult:
         """Train until train.max_steps (or Ctrl-C); returns what happened."""
@@ -611,13 +629,14 @@ class Trainer:
                     call_time += info["time_s"]
                     call_steps += 1
                 tok_s = self.window.tokens_per_s(self.tokens_per_step)
-                pbar.set_postfix(
-                    loss=f"{info['loss']:.3f}",
-                    lr=f"{info['lr']:.2e}",
-                    tok_s=f"{tok_s:,.0f}",
-                    refresh=False,
-                )
+                postfix = {"loss": f"{info['loss']:.3f}", "lr": f"{info['lr']:.2e}"}
+                postfix["tok_s"] = f"{tok_s:,.0f}"
+                if exists(self._mfu(tok_s)):
+                    postfix["mfu"] = f"{100 * self._mfu(tok_s):.1f}%"
+                pbar.set_postfix(postfix, refresh=False)
                 pbar.update(1)
+                if len(result.losses) == 1:
+                    self._print_first_step(info)
 
                 last = step == t.max_steps
                 do_eval = e.eval_every > 0 and (step % e.eval_every == 0 or last)
@@ -667,6 +686,8 @@ class Trainer:
             result.tokens_per_s = self.tokens_per_step / max(first_time, 1e-9)
         if self.device.type == "cuda":
             result.peak_mem_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if exists(result.tokens_per_s):
+            result.mfu = self._mfu(result.tokens_per_s)
         return result
 
 
