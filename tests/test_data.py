@@ -556,3 +556,28 @@ def test_decode_replaces_bad_bytes_and_controls():
         D.decode_tokens(torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="integers"):
         D.decode_tokens(np.array([1.5]))
+
+
+def test_download_of_a_forged_enwik8_is_refused(server, tmp_path):
+    """A zip whose member has enwik8's exact size and a correct CRC, but is not enwik8: the
+    published SHA-256 of the archive refuses it (size and CRC alone would accept it)."""
+    buf = io.BytesIO()
+    with (
+        zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf,
+        zf.open("enwik8", "w", force_zip64=False) as member,
+    ):
+        chunk = b"\0" * (1 << 20)
+        for _ in range(D.ENWIK8_SIZE // len(chunk)):
+            member.write(chunk)
+        member.write(b"\0" * (D.ENWIK8_SIZE % len(chunk)))
+    forged = buf.getvalue()
+    server.routes["/enwik8.zip"] = (200, forged, len(forged))
+    with pytest.raises(D.DownloadError, match=r"published enwik8\.zip"):
+        D.download_enwik8(tmp_path, url=server.url + "/enwik8.zip", progress=False)
+    assert listing(tmp_path) == []
+    # the check itself: the right size but other bytes
+    fake = tmp_path / "same_size.zip"
+    with fake.open("wb") as f:
+        f.truncate(36_445_475)
+    with pytest.raises(ValueError, match="SHA-256"):
+        D._check_sha256(fake, D.ENWIK8_ZIP_SHA256, 36_445_475)
