@@ -12,7 +12,8 @@ import pytest
 import torch
 import triton
 
-from triton_transformer.dropout import BLOCK, _dropout_kernel, dropout
+from triton_transformer.dropout import BLOCK, _dropout_kernel, dropout, dropout_op
+from triton_transformer.utils import draw_seed
 
 # Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
 RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -121,7 +122,8 @@ def test_int64_offsets_path(device):
     for int64 in (False, True):
         out = torch.empty_like(x)
         grid = (triton.cdiv(x.numel(), BLOCK),)
-        _dropout_kernel[grid](x, out, x.numel(), 0.5, 2.0, 987, BLOCK=BLOCK, INT64=int64)
+        seed = torch.tensor(987, device=device)
+        _dropout_kernel[grid](x, out, x.numel(), 0.5, 2.0, seed, BLOCK=BLOCK, INT64=int64)
         check_is_dropout_of(out, x, 0.5)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -196,3 +198,82 @@ def test_gpu_over_2_31_elements(device):
         kept = check_is_dropout_of(out[part], x[part], 0.5)
         check_kept_fraction(kept, 0.5)
     assert not torch.equal(out[: 3 * BLOCK] != 0, out[2**31 : 2**31 + 3 * BLOCK] != 0)
+
+
+# ---- capture and compile safety ----------------------------------------------------------------
+
+
+def test_seed_is_a_device_tensor_from_torchs_generator(device):
+    # The op takes its seed as a tensor on x's device (never a host int baked into the launch),
+    # drawn from torch's generator: re-seeding torch replays the seed, hence the mask.
+    torch.manual_seed(7)
+    s1 = draw_seed(device)
+    torch.manual_seed(7)
+    s2 = draw_seed(device)
+    assert s1.device.type == torch.device(device).type and s1.dtype == torch.int64
+    assert s1.dim() == 0 and torch.equal(s1, s2)
+    x = make_x((30, 40), device=device)
+    assert torch.equal(dropout_op(x, 0.5, s1), dropout_op(x, 0.5, s2))
+    assert not torch.equal(dropout_op(x, 0.5, s1), dropout_op(x, 0.5, s1 + 1))
+
+
+def test_registered_custom_op(device):
+    # Schema and autograd registration of the torch.library op; on a GPU also its fake-tensor
+    # (meta) behaviour and AOT tracing, which the interpreter cannot run (it would execute the
+    # kernel on fake tensors).
+    x = make_x((8, 33), device=device).requires_grad_()
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(dropout_op, (x, 0.5, draw_seed(device)), test_utils=tests)
+
+
+def test_double_backward_raises(device):
+    # The backward is itself not differentiable: create_graph=True must fail loudly, never
+    # return a second derivative with terms silently missing.
+    x = make_x((8, 16), device=device).requires_grad_()
+    out = dropout(x, 0.5, use_triton=True)
+    (g,) = torch.autograd.grad((out * out).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_draw_fresh_masks(device):
+    # A captured forward+backward: each replay draws a new seed on the device (a new mask),
+    # and each replay's backward applies that replay's forward mask.
+    x = make_x((256, 512), device=device).requires_grad_()
+    dy = make_x(x.shape, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, as torch.cuda.graphs asks
+        for _ in range(2):
+            dropout(x, 0.5, use_triton=True).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dropout(x, 0.5, use_triton=True)
+        out.backward(dy)
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        kept = check_is_dropout_of(out, x.detach(), 0.5)
+        torch.testing.assert_close(x.grad, torch.where(kept, dy * 2, 0.0), rtol=0, atol=0)
+        masks.append(kept)
+    assert not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.gpu
+def test_gpu_compiles_without_graph_breaks(device):
+    def f(x):
+        return dropout(x.sin(), 0.3, use_triton=True).cos().sum()
+
+    x = make_x((64, 96), device=device).requires_grad_()
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.manual_seed(3)
+    compiled = torch.compile(f)(x)
+    compiled.backward()
+    assert torch.isfinite(x.grad).all()

@@ -117,6 +117,10 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16", "fp32"
     compile: bool = False  # torch.compile the model
+    # run each optimizer step as one CUDA graph replay: "auto" (on for CUDA), "true", "false"
+    # (TOML booleans work too)
+    cuda_graph: str = "auto"
+    cuda_graph_warmup: int = 3  # eager steps before the capture (11 under DDP, at least)
     # multi-process runs: how long a collective waits for the other ranks before failing
     # (a hung rank then stops the job instead of blocking it forever)
     dist_timeout_s: float = 600.0
@@ -204,8 +208,14 @@ def _resolve_key(key: str) -> tuple[str, str, type]:
     return section, name, types[name]
 
 
+# str fields that also take a TOML boolean, stored as "true" / "false"
+_BOOL_OR_STR = {"train.cuda_graph"}
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
     """Check a TOML value against the field type (ints are accepted for float fields)."""
+    if key in _BOOL_OR_STR and isinstance(value, bool):
+        return str(value).lower()
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is int and isinstance(value, float) and value.is_integer():
@@ -405,6 +415,9 @@ def _check(c: Config) -> list[str]:
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         p.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     non_negative("train.warmup_steps", t.warmup_steps)
+    if t.cuda_graph.lower() not in ("auto", *_TRUE, *_FALSE):
+        p.append(f"train.cuda_graph={t.cuda_graph!r} must be auto, true or false")
+    positive("train.cuda_graph_warmup", t.cuda_graph_warmup)
     if t.warmup_steps > t.max_steps:
         p.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}")
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
@@ -476,6 +489,11 @@ class _Override(argparse.Action):
 CONVENIENCE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--use-triton": ("model.use_triton", True, "run every op as its Triton kernel"),
     "--compile": ("train.compile", True, "torch.compile the model"),
+    "--cuda-graph": (
+        "train.cuda_graph",
+        None,
+        "auto (default: on for CUDA), true or false: run each step as one CUDA graph replay",
+    ),
     "--wandb": ("log.wandb", True, "also log to Weights & Biases (offline without a key)"),
     "--device": ("train.device", None, "auto, cpu, cuda or cuda:N"),
     "--data": ("data.source", None, "enwik8, stdlib, hf:NAME[:CONFIG] or a file path"),

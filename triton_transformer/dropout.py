@@ -2,15 +2,17 @@
 
 The Triton kernel draws keep/drop for each element from Philox (`tl.rand4x`: one call gives four
 uniforms, used for four elements), so the mask is a pure function of (seed, element index).
-The seed is a Python int drawn from torch's default CPU generator (no device sync;
-`torch.manual_seed` makes runs reproducible) and saved for backward, which regenerates the same
-mask: no mask tensor is kept, only one int.
 
-Notes:
-- Each Triton call advances torch's CPU generator by one draw.
-- The seed is a host value baked into the launch, so a captured CUDA graph replays one mask.
-- The mask follows the row-major (logical) element order: a non-contiguous input is copied to
-  a contiguous one first, and so is a non-contiguous upstream gradient.
+The seed is a 0-dim int64 *device* tensor drawn from torch's generator (`utils.draw_seed`) and
+loaded inside the kernel; nothing is read back on the host. So:
+- a captured CUDA graph draws a fresh seed, hence a fresh mask, on every replay;
+- `torch.manual_seed` makes runs reproducible;
+- torch.compile traces the op without a graph break (it is a `torch.library.triton_op`).
+The op saves the seed tensor for backward, which regenerates the same mask: no mask tensor is
+kept, only 8 bytes.
+
+The mask follows the row-major (logical) element order: a non-contiguous input is copied to a
+contiguous one first, and so is a non-contiguous upstream gradient.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import check_triton_tensor
+from triton_transformer.utils import cdiv, check_triton_tensor, draw_seed
 
 # Elements per program (measured on an H200 with 2**26 elements: 2048 elements and 4 warps run at
 # copy speed in fp32; one Philox call per element instead of per 4 ran about 1.5x slower).
@@ -40,16 +44,15 @@ def _masked_scale(X, Y, offs, N, r, p, scale):
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-# The seed changes on every call: don't let Triton specialize on its value (e.g. == 1 or
-# divisible by 16), which would compile more than one variant.
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_kernel(X, Y, N, p, scale, seed, BLOCK: tl.constexpr, INT64: tl.constexpr):
+@triton.jit
+def _dropout_kernel(X, Y, N, p, scale, SEED, BLOCK: tl.constexpr, INT64: tl.constexpr):
     # One Philox call yields 4 random numbers: counter pid * Q + j drives elements
     # pid * BLOCK + k * Q + j, k = 0..3, so each element has its own (counter, k) pair.
     Q: tl.constexpr = BLOCK // 4
     pid = tl.program_id(0)
     if INT64:  # >= 2**31 elements: 64-bit offsets (and the Philox counter's high word)
         pid = pid.to(tl.int64)
+    seed = tl.load(SEED)
     idx = tl.arange(0, Q)
     r0, r1, r2, r3 = tl.rand4x(seed, pid * Q + idx)
     offs = pid * BLOCK + idx
@@ -59,35 +62,37 @@ def _dropout_kernel(X, Y, N, p, scale, seed, BLOCK: tl.constexpr, INT64: tl.cons
     _masked_scale(X, Y, offs + 3 * Q, N, r3, p, scale)
 
 
-def _apply_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """x * keep(seed) / (1 - p), elementwise in row-major order; used by forward and backward."""
+@triton_op("triton_transformer::dropout", mutates_args=())
+def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """x * keep(seed) / (1 - p) elementwise in row-major order, for 0 <= p < 1.
+
+    x: any shape, fp32/fp16/bf16. seed: 0-dim int64 tensor on x's device. Returns a new
+    contiguous tensor shaped like x. Backward applies the same mask to the gradient.
+    """
     x = x.contiguous()  # no-op when already contiguous
     out = torch.empty_like(x)
     n = x.numel()
-    _dropout_kernel[(triton.cdiv(n, BLOCK),)](
-        x, out, n, p, 1.0 / (1.0 - p), seed,
-        BLOCK=BLOCK, INT64=n >= 2**31, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    if n:
+        wrap_triton(_dropout_kernel)[(cdiv(n, BLOCK),)](
+            x, out, n, p, 1.0 / (1.0 - p), seed,
+            BLOCK=BLOCK, INT64=n >= 2**31, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return out
 
 
-class _Dropout(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-        ctx.p = p
-        ctx.seed = seed
-        return _apply_mask(x, p, seed)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        # d(x * keep * scale)/dx = keep * scale: the same mask, regenerated from the seed.
-        return _apply_mask(dy, ctx.p, ctx.seed), None, None
+def _dropout_setup_context(ctx, inputs, output) -> None:
+    _, ctx.p, seed = inputs
+    ctx.save_for_backward(seed)
 
 
-def _draw_seed() -> int:
-    # From the CPU default generator even for CUDA tensors: .item() on a CPU tensor is no
-    # device sync. 31 bits keep the kernel argument an int32.
-    return int(torch.randint(2**31 - 1, (), device="cpu"))
+@once_differentiable
+def _dropout_backward(ctx, dy: torch.Tensor):
+    # d(x * keep * scale)/dx = keep * scale: the same mask, regenerated from the seed.
+    (seed,) = ctx.saved_tensors
+    return dropout_op(dy, ctx.p, seed), None, None
+
+
+dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
 
 
 def dropout(
@@ -126,4 +131,4 @@ def dropout(
     # p == 1 (all zeros) and empty tensors need no kernel; F.dropout keeps them in the graph.
     if not use_triton or p == 1.0 or x.numel() == 0:
         return F.dropout(x, p=p, training=True)
-    return _Dropout.apply(x, p, _draw_seed())
+    return dropout_op(x, p, draw_seed(x.device))

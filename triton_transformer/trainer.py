@@ -66,6 +66,7 @@ from triton_transformer.checkpoint import (
     unwrap_model,
 )
 from triton_transformer.config import Config, config_to_toml
+from triton_transformer.cuda_graph import capture_stream
 from triton_transformer.data import Corpus, random_batch
 from triton_transformer.distributed import (
     DistInfo,
@@ -98,6 +99,7 @@ from triton_transformer.train_step import (
     NonFiniteLossError,
     TrainStep,
     lr_multiplier,
+    lr_to_device_tensors,
     make_optimizer,
     make_scheduler,
 )
@@ -216,12 +218,18 @@ class Trainer:
             # and Dynamo splits the graph at DDP's bucket boundaries (DDPOptimizer)
             self.wrapper.compile()
         self.train_model: nn.Module = self.wrapper
+        self.cuda_graph, self.cuda_graph_note = self._resolve_cuda_graph()
         if self.dist.enabled:
-            self.train_model = nn.parallel.DistributedDataParallel(
-                self.wrapper,
-                device_ids=[self.device] if self.device.type == "cuda" else None,
-            )
-        self.optimizer = make_optimizer(self.model, t, self.device)
+            # a graph-captured DDP step needs DDP built on the capture stream
+            stream = capture_stream(self.device) if self.cuda_graph else None
+            with torch.cuda.stream(stream) if exists(stream) else contextlib.nullcontext():
+                self.train_model = nn.parallel.DistributedDataParallel(
+                    self.wrapper,
+                    device_ids=[self.device] if self.device.type == "cuda" else None,
+                )
+            if exists(stream):
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.optimizer = make_optimizer(self.model, t, self.device, capturable=self.cuda_graph)
         self.scheduler = make_scheduler(self.optimizer, t)
         self.step_runner = TrainStep(
             self.train_model,
@@ -250,6 +258,14 @@ class Trainer:
         self.window = LossWindow()  # the steps since the last metrics record
         if exists(ckpt):
             self._load_state(ckpt)  # restores the RNG streams last
+        if self.cuda_graph:
+            lr_to_device_tensors(self.optimizer, self.device)  # a loaded state brings floats
+            # DDP rebuilds its gradient buckets after the first steps: capture after that
+            warmup = max(t.cuda_graph_warmup, 11 if self.dist.enabled else 1)
+            self.step_runner.enable_cuda_graph(warmup)
+        # (loss, grad norm) device tensors of graph-replayed steps not yet read on the host
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._late_losses: dict[int, float] = {}  # the last read, for an interrupted fit
 
         self._step_rng: dict | None = None
         self._stop_signal: str | None = None  # SIGINT / SIGTERM that asked to stop
@@ -266,6 +282,21 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(config_to_toml(config))
             truncate_logs(self.run_dir, self.step)
             self._wandb_id = self.log.start_wandb(config, self._wandb_id)
+
+    def _resolve_cuda_graph(self) -> tuple[bool, str]:
+        """Whether steps run as CUDA graph replays (train.cuda_graph), and a note saying why."""
+        t = self.config.train
+        mode = t.cuda_graph.lower()
+        if mode in ("false", "0", "no", "off"):
+            return False, "off (train.cuda_graph=false)"
+        if self.device.type != "cuda":
+            return False, f"off (CUDA graphs need a CUDA device, this run is on {self.device})"
+        if self.dist.enabled and t.compile:
+            # Dynamo's DDPOptimizer splits the compiled graph at bucket boundaries and runs
+            # the all-reduces from Python hooks between the pieces; capturing that whole is
+            # not a combination PyTorch supports, so these steps stay eager
+            return False, "off (DDP with torch.compile: steps run eagerly)"
+        return True, "on"
 
     def close(self) -> None:
         """Unlock the run directory; leave the process group if this trainer created it
@@ -367,7 +398,12 @@ class Trainer:
     def save_checkpoint(self, rng: dict | None = None) -> Path:
         """Atomically write the full training state (rng: this rank's RNG states to store,
         default now). With several ranks every rank must call it: rank 0 gathers all ranks'
-        RNG states and writes the file; the others wait until it is on disk."""
+        RNG states and writes the file; the others wait until it is on disk.
+
+        Steps whose loss was not read yet (CUDA graphs) are checked first: a checkpoint is
+        written only after a finite check (NonFiniteLossError otherwise)."""
+        late = self._read_pending()  # steps already counted in the window, losses not yet
+        self.window.loss += sum(loss for loss, _ in late.values())
         states = all_gather_object(rng if exists(rng) else self.rng_state())
         if self.is_main:
             state = self.state_dict(states[0])
@@ -384,8 +420,14 @@ class Trainer:
     def _phase(self) -> str:
         return self.step_runner.phase
 
-    def train_step(self) -> dict:
-        """One optimizer step over grad_accum_steps micro-batches; returns its stats."""
+    def train_step(self, sync: bool = True) -> dict:
+        """One optimizer step over grad_accum_steps micro-batches; returns its stats.
+
+        `losses` maps step -> loss for every step whose loss is known now: this one for an
+        eager step; with CUDA graphs, the steps since the last `sync=True` call (the others
+        return an empty map and leave the GPU running ahead of the host)."""
+        if self.step_runner.graphed:
+            return self._graphed_train_step(sync)
         self._step_rng = self.rng_state()  # to rewind to if interrupted mid-step
         start = time.perf_counter()
         # a single process stops between micro-batches; ranks agree at the step's end
@@ -404,17 +446,7 @@ class Trainer:
         self._stop_agreed = bool(stop[0]) if stop else self._stop_requested
         if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
             self.step_runner.discard()
-            where = (
-                f"the last good checkpoint ({self.checkpoint_path}, step "
-                f"{self.last_checkpoint_step}) is kept"
-                if exists(self.last_checkpoint_step)
-                else "no checkpoint was written yet"
-            )
-            raise NonFiniteLossError(
-                f"non-finite loss ({loss_val}) or gradient norm ({norm_val}) at step "
-                f"{self.step + 1}; stopping the run, {where}. Try a lower train.lr, more "
-                "train.warmup_steps or train.grad_clip."
-            )
+            raise self._non_finite(self.step + 1, loss_val, norm_val)
         lr = self.optimizer.param_groups[0]["lr"]
         self.step_runner.update()
         self.step += 1
@@ -424,10 +456,68 @@ class Trainer:
         return {
             "step": self.step,
             "loss": loss_val,
+            "losses": {self.step: loss_val},
             "lr": lr,
             "grad_norm": norm_val,
             "time_s": elapsed,
         }
+
+    def _non_finite(self, step: int, loss: float, norm: float) -> NonFiniteLossError:
+        where = (
+            f"the last good checkpoint ({self.checkpoint_path}, step "
+            f"{self.last_checkpoint_step}) is kept"
+            if exists(self.last_checkpoint_step)
+            else "no checkpoint was written yet"
+        )
+        return NonFiniteLossError(
+            f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; stopping the "
+            f"run, {where}. Try a lower train.lr, more train.warmup_steps or train.grad_clip."
+        )
+
+    def _graphed_train_step(self, sync: bool) -> dict:
+        """A step as one CUDA graph replay; the host reads its loss only when `sync`."""
+        t = self.config.train
+        start = time.perf_counter()
+        # the rate this step uses, as LambdaLR set it (the tensor itself stays on the device)
+        lr = t.lr * lr_multiplier(self.scheduler.last_epoch, t.warmup_steps, t.max_steps,
+                                  t.min_lr_ratio)  # fmt: skip
+        loss, grad_norm = self.step_runner(self._next_batch)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        # the next replay overwrites the outputs: keep a copy (a tiny device-side kernel)
+        self._pending.append((self.step, torch.stack([loss, grad_norm])))
+        info = {"step": self.step, "loss": None, "losses": {}, "lr": lr, "grad_norm": None}
+        if sync:
+            values = self._read_pending()
+            info.update(losses={s: v[0] for s, v in values.items()})
+            info.update(loss=values[self.step][0], grad_norm=values[self.step][1])
+        info["time_s"] = time.perf_counter() - start  # with the wait for the GPU when synced
+        self.train_time_s += info["time_s"]
+        return info
+
+    def _read_pending(self) -> dict[int, tuple[float, float]]:
+        """Read the unread steps' (loss, grad norm) on the host: step -> values.
+
+        Raises NonFiniteLossError for the first non-finite one. With several ranks every rank
+        calls this at the same steps: the losses are averaged over the ranks in one
+        all-reduce, which also carries whether any rank saw Ctrl-C (`_stop_agreed`)."""
+        if not self._pending:
+            return {}
+        self._late_losses.clear()
+        steps = [s for s, _ in self._pending]
+        stats = torch.stack([v for _, v in self._pending])  # (k, 2)
+        self._pending.clear()
+        if self.dist.enabled:
+            flag = torch.full((1, 2), float(self._stop_requested), device=self.device)
+            # every rank holds the same (all-reduced) gradient norm: the mean keeps it
+            shared = all_reduce_sum(torch.cat([stats, flag])) / self.dist.world_size
+            stats, self._stop_agreed = shared[:-1], bool(shared[-1, 0] > 0)
+        values = dict(zip(steps, map(tuple, stats.tolist()), strict=True))
+        for step, (loss, norm) in values.items():
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise self._non_finite(step, loss, norm)
+        self._late_losses.update({step: loss for step, (loss, _) in values.items()})
+        return values
 
     def _next_batch(self) -> torch.Tensor:
         """This rank's micro-batch (batch_size, seq_len + 1): its own random windows, or with
@@ -538,6 +628,20 @@ class Trainer:
     def _mfu(self, tokens_per_s: float) -> float | None:
         return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size)
 
+    def _is_sync_step(self, step: int) -> bool:
+        """Whether the host reads step `step`'s loss right after it (CUDA graphs read only
+        at steps that log, evaluate, sample or checkpoint, and the last; the same steps on
+        every rank, since reading all-reduces)."""
+        if not self.step_runner.graphed:
+            return True
+        t, e, lg = self.config.train, self.config.eval, self.config.log
+        every = [lg.log_every, e.eval_every, e.generate_every, lg.checkpoint_every]
+        return (
+            step >= t.max_steps
+            or any(n > 0 and step % n == 0 for n in every)
+            or (self._stop_requested and not self.dist.enabled)
+        )
+
     def _log_record(self, info: dict, mean_loss: float, tokens_per_s: float) -> None:
         """One metrics.jsonl line (and wandb row) for the step in `info`."""
         record = {
@@ -566,7 +670,7 @@ class Trainer:
         self._print(
             f"run {self.run_dir} | {n_params / 1e6:.2f}M params | {backend} | {self.device} "
             f"{precision}{' | compiled' if t.compile else ''} | corpus {self.corpus.name} | "
-            f"{self.tokens_per_step} tokens/step"
+            f"{self.tokens_per_step} tokens/step | CUDA graph {self.cuda_graph_note}"
             + (f" | resuming at step {self.step}" if self.step else "")
         )
         if self.dist.enabled:
@@ -583,8 +687,10 @@ class Trainer:
         the whole run will take at this pace."""
         left = self.config.train.max_steps - self.step
         eta = info["time_s"] * left
+        # with CUDA graphs the loss of a step that is not logged is read later
+        loss = f"loss {info['loss']:.4f}" if exists(info["loss"]) else "done"
         self._print(
-            f"step {info['step']}: loss {info['loss']:.4f} | first step {info['time_s']:.2f} s "
+            f"step {info['step']}: {loss} | first step {info['time_s']:.2f} s "
             f"(compilation and warm-up included) | {left} steps left: about "
             f"{eta / 60:.0f} min at this pace"
         )
@@ -619,23 +725,25 @@ class Trainer:
             while self.step < t.max_steps:
                 if self._stop_agreed or (self._stop_requested and not self.dist.enabled):
                     raise KeyboardInterrupt
-                info = self.train_step()
+                info = self.train_step(sync=self._is_sync_step(self.step + 1))
                 step = self.step
-                result.losses[step] = info["loss"]
-                self.window.add(info["loss"], info["time_s"])
+                result.losses.update(info["losses"])
+                # with CUDA graphs the losses arrive at sync steps, in time for the record
+                self.window.add(sum(info["losses"].values()), info["time_s"])
                 if first_time is None:
                     first_time = info["time_s"]  # warm-up: kept out of the mean
                 else:
                     call_time += info["time_s"]
                     call_steps += 1
                 tok_s = self.window.tokens_per_s(self.tokens_per_step)
-                postfix = {"loss": f"{info['loss']:.3f}", "lr": f"{info['lr']:.2e}"}
-                postfix["tok_s"] = f"{tok_s:,.0f}"
-                if exists(self._mfu(tok_s)):
-                    postfix["mfu"] = f"{100 * self._mfu(tok_s):.1f}%"
-                pbar.set_postfix(postfix, refresh=False)
+                if exists(info["loss"]):  # with CUDA graphs, known at sync steps only
+                    postfix = {"loss": f"{info['loss']:.3f}", "lr": f"{info['lr']:.2e}"}
+                    postfix["tok_s"] = f"{tok_s:,.0f}"
+                    if exists(self._mfu(tok_s)):
+                        postfix["mfu"] = f"{100 * self._mfu(tok_s):.1f}%"
+                    pbar.set_postfix(postfix, refresh=False)
                 pbar.update(1)
-                if len(result.losses) == 1:
+                if call_steps == 0:  # the first step of this call
                     self._print_first_step(info)
 
                 last = step == t.max_steps
@@ -669,6 +777,7 @@ class Trainer:
             result.interrupted = True
             result.stop_signal = self._stop_signal or "SIGINT"
             result.checkpoint = self._on_interrupt()
+            result.losses.update(self._late_losses)  # read while saving (CUDA graphs)
         except Exception as exc:
             if self.dist.enabled and is_comm_error(exc):
                 raise self._comm_error(exc) from exc

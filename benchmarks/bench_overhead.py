@@ -1,0 +1,98 @@
+"""Host cost of one op call on the eager path: µs per call at shapes whose GPU time is tiny.
+
+Each op is called `--calls` times back to back without synchronising (the GPU work is far
+shorter than the host's), then the device is synchronised: wall time / calls is what the host
+pays per call (Python wrapper, validation, autograd, dispatcher, Triton's launcher). Forward
+alone and forward+backward. Run it against two checkouts to compare before/after:
+
+    python3 benchmarks/bench_overhead.py --out DIR --label after
+    PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_overhead.py --out DIR --label before
+
+(the package is imported from PYTHONPATH first, so the second line measures the old code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def cases(ops) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
+    w = torch.randn(512, device=dev, requires_grad=True)
+    wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
+    s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
+    q = torch.randn(2, 8, 32, 64, device=dev, dtype=dt, requires_grad=True)
+    logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
+    labels = torch.randint(0, 256, (64,), device=dev)
+    return {
+        "layernorm": lambda: ops.layernorm(x, w, use_triton=True),
+        "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=True),
+        "linear": lambda: ops.linear(x, wl, use_triton=True),
+        "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=True),
+        "bmm": lambda: ops.bmm(s, q, use_triton=True),
+        "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=True),
+        "dropout": lambda: ops.dropout(x, 0.1, use_triton=True),
+        "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=True),
+    }
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+
+    import triton_transformer.attention as attention_mod
+    import triton_transformer.bmm as bmm_mod
+    import triton_transformer.cross_entropy as ce_mod
+    import triton_transformer.dropout as dropout_mod
+    import triton_transformer.layernorm as ln_mod
+    import triton_transformer.softmax as softmax_mod
+
+    class ops:
+        layernorm, softmax = ln_mod.layernorm, softmax_mod.softmax
+        linear, bmm = bmm_mod.linear, bmm_mod.bmm
+        cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
+        attention = attention_mod.attention
+
+    rows = []
+    for name, fwd in cases(ops).items():
+
+        def fwd_bwd(fwd=fwd):
+            out = fwd()
+            out.float().sum().backward()
+
+        try:
+            row = {"op": name, "fwd_us": per_call_us(fwd, args.calls)}
+            row["fwd+bwd_us"] = per_call_us(fwd_bwd, args.calls // 3)
+        except Exception as e:  # an op the old checkout lacks must not stop the rest
+            row = {"op": name, "error": repr(e)[:200]}
+        rows.append(row)
+        print(args.label, json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"overhead_{args.label}.json").write_text(
+        json.dumps({"package": ln_mod.__file__, "rows": rows}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()

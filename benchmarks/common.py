@@ -1,0 +1,168 @@
+"""Shared pieces of the op benchmarks: ceilings, timing, providers and reports.
+
+Every benchmark in this folder measures in one process, on one GPU:
+- the ceilings it reports against (`ceilings()`: device-to-device copy bandwidth, counting bytes
+  read plus bytes written, and the bf16 matmul rate of torch.mm on random data);
+- each provider's GPU kernel time (`time_op`: `triton.testing.do_bench`'s median, which
+  flushes L2 before every repetition) and its host wall time per call (synchronised loop);
+- one row per (provider, size), written by `report` as a markdown table and a PNG plot in the
+  style of `triton.testing.perf_report` (the metric against size, one line per provider).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+PROVIDER_ORDER = ("ours", "torch", "compile", "liger", "sdpa", "sdpa-flash", "sdpa-cudnn", "naive")
+
+
+def env_info() -> dict[str, str]:
+    """Device, library versions and date, for the header of every report."""
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": dev,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _copy_gbps(n: int = 1 << 30) -> float:
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()  # far larger than L2
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * n / ms / 1e6
+
+
+def _bf16_tflops(m: int = 8192) -> float:
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: torch.mm(a, b), return_mode="median")
+    return 2 * m**3 / ms / 1e9
+
+
+@functools.cache
+def ceilings() -> dict[str, float]:
+    """Measured ceilings: copy bandwidth (GB/s, read + write) and bf16 matmul (TFLOP/s)."""
+    return {"copy_gbps": _copy_gbps(), "bf16_tflops": _bf16_tflops()}
+
+
+def time_op(fn: Callable[[], Any], wall_iters: int = 50) -> dict[str, float]:
+    """GPU kernel time (ms, median, L2 flushed) and host wall time per call (µs).
+
+    Wall time is what the host pays to issue one call and have it finish: a synchronised
+    loop, so launch overhead shows when the kernels are short.
+    """
+    kernel_ms = triton.testing.do_bench(fn, return_mode="median")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(wall_iters):
+        fn()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) / wall_iters * 1e6
+    return {"ms": kernel_ms, "wall_us": wall_us}
+
+
+def liger() -> Any | None:
+    """The liger_kernel package if importable (an optional benchmark dependency), else None."""
+    try:
+        import liger_kernel
+        import liger_kernel.ops  # the kernels live here
+    except Exception:
+        return None
+    return liger_kernel
+
+
+def compiled(fn: Callable, **kwargs: Any) -> Callable:
+    """torch.compile with a fresh cache per function (benchmarks compare many shapes)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    return torch.compile(fn, **kwargs)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.0f}"
+    return str(v)
+
+
+def report(
+    out_dir: str | Path,
+    op: str,
+    rows: Sequence[dict],
+    *,
+    x: str,
+    y: str,
+    group: Sequence[str] = ("dtype", "mode"),
+    title: str | None = None,
+) -> Path:
+    """Write `<op>.md` (a table) and `<op>.png` (y against x per provider, a panel per group).
+
+    rows: dicts holding at least "provider", `x`, `y`, "ms", "wall_us" and optionally
+    "frac" (y over its ceiling) plus the `group` keys. Also writes `<op>.json` (raw rows).
+    Returns the markdown path.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(rows)
+    (out / f"{op}.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+
+    keys = [
+        k for k in (*group, x, "provider", y, "frac", "ms", "wall_us") if any(k in r for r in rows)
+    ]
+    env = env_info()
+    lines = [
+        f"# {title or op}",
+        "",
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}. "
+        f"ms = GPU kernel time (median, L2 flushed); wall_us = host time per call; "
+        f"frac = {y} over its measured ceiling.",
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+    ]
+    lines += ["| " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    md = out / f"{op}.md"
+    md.write_text("\n".join(lines) + "\n")
+    _plot(out / f"{op}.png", rows, x=x, y=y, group=group, title=title or op)
+    return md
+
+
+def _plot(path: Path, rows: list[dict], *, x: str, y: str, group: Sequence[str], title: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = sorted({tuple(r.get(g, "") for g in group) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        sel = [r for r in rows if tuple(r.get(g, "") for g in group) == panel]
+        providers = sorted(
+            {r["provider"] for r in sel},
+            key=lambda p: PROVIDER_ORDER.index(p) if p in PROVIDER_ORDER else 99,
+        )
+        for prov in providers:
+            pts = sorted((r[x], r[y]) for r in sel if r["provider"] == prov and y in r)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=prov)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(" ".join(str(p) for p in panel))
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{title} ({env_info()['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,110 @@
+"""Run a whole training step as one CUDA graph: warm up eagerly, capture once, then replay.
+
+At this model's size the host, not the GPU, sets the pace of an eager step: hundreds of kernel
+launches, each paying Python, autograd and launcher overhead. A CUDA graph records the step's
+kernels once and replays them with one launch, so the GPU runs back to back.
+
+What a captured step may do (PyTorch's "whole network capture" rules):
+- read its inputs from *static* tensors the caller refills before each call (`StaticInputs`);
+- keep its outputs on the device (replays overwrite the same tensors; read them when needed);
+- draw random numbers from torch's CUDA generator (replays draw fresh ones), never host values
+  that change per step (a baked-in host value would replay stale);
+- update an optimizer that is capturable (fused/capturable AdamW whose learning rate is a
+  device tensor the scheduler fills before each replay).
+
+`GraphedStep(step_fn, warmup_steps)` runs `step_fn` eagerly (on a side stream, as capture
+requires) for the warm-up calls, which are real training steps, captures it on the next call and
+replays it from then on; the call that captures also replays, so every call is one step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@functools.cache
+def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """The side stream on which warm-up and capture run (one per device).
+
+    Whatever must be set up on the stream a graph is captured on uses it too: DDP, for one,
+    is constructed under it, so that the gradient-accumulation nodes it keeps belong to the
+    capture stream.
+    """
+    return torch.cuda.Stream(device)
+
+
+class GraphedStep(Generic[T]):
+    """Call `step_fn` eagerly `warmup_steps` times, then capture it and replay the graph.
+
+    `step_fn()` takes no arguments (it reads static input buffers) and returns device tensors
+    (or a structure of them); after capture every call returns the same captured outputs,
+    refreshed by the replay. Gradients should be set to None by `step_fn` before its first
+    backward, so that capture allocates them inside the graph's memory pool.
+    """
+
+    def __init__(self, step_fn: Callable[[], T], warmup_steps: int = 3) -> None:
+        if warmup_steps < 1:
+            raise ValueError(
+                f"warmup_steps must be >= 1 (cuBLAS and autotuning warm up), got {warmup_steps}"
+            )
+        self.step_fn = step_fn
+        self.warmup_steps = warmup_steps
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: T | None = None
+        self._side = capture_stream(torch.cuda.current_device())
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self) -> T:
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self._outputs  # type: ignore[return-value]
+        if self.calls <= self.warmup_steps:
+            # Warm-up on a side stream: lazily created handles (cuBLAS workspaces, NCCL
+            # communicators, autotuned kernels) then belong to a stream capture can follow.
+            self._side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side):
+                out = self.step_fn()
+            torch.cuda.current_stream().wait_stream(self._side)
+            return out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self._side):
+            self._outputs = self.step_fn()
+        self.graph = graph
+        graph.replay()  # capture records the kernels without running them: run this step
+        return self._outputs
+
+
+class StaticInputs:
+    """A device buffer that a captured step reads, refilled from pinned host memory.
+
+    `load(cpu_tensor)` copies into one of two pinned staging buffers (alternating), then into the
+    device buffer with `non_blocking=True`: the host never waits for the GPU, except to reuse a
+    staging buffer whose previous copy has not finished (an event per buffer guards that).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.device_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self._staging = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self._next = 0
+
+    def load(self, host: torch.Tensor) -> torch.Tensor:
+        """Stage `host` (same shape) and enqueue its copy to the device; returns the buffer."""
+        i = self._next
+        self._next = 1 - i
+        self._copied[i].synchronize()  # the copy that last used this staging buffer is done
+        self._staging[i].copy_(host)
+        self.device_buffer.copy_(self._staging[i], non_blocking=True)
+        self._copied[i].record()
+        return self.device_buffer
