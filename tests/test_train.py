@@ -440,6 +440,8 @@ def test_cli_use_triton_on_cpu_warns(tmp_path, corpus_file):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "interpreter" in proc.stderr and "slow" in proc.stderr
+    # one "warning: ..." line, without the source line Python would print under it
+    assert "warning: model.use_triton" in proc.stderr and "warnings.warn(" not in proc.stderr
     assert "Triton kernels" in proc.stdout
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt["step"] == 1 and ckpt["config"]["model"]["use_triton"] is True

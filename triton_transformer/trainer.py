@@ -686,13 +686,14 @@ class Trainer:
         """A line as soon as the first step of this call is done: proof of life, and what
         the whole run will take at this pace."""
         left = self.config.train.max_steps - self.step
-        eta = info["time_s"] * left
+        eta = info["time_s"] * left  # an upper bound: the first step pays for warm-up
         # with CUDA graphs the loss of a step that is not logged is read later
         loss = f"loss {info['loss']:.4f}" if exists(info["loss"]) else "done"
+        pace = f"{eta / 60:.0f} min" if eta >= 60 else f"{eta:.0f} s"
+        rest = f" | {left} steps left: about {pace} at this pace" if left else ""
         self._print(
-            f"step {info['step']}: {loss} | first step {info['time_s']:.2f} s "
-            f"(compilation and warm-up included) | {left} steps left: about "
-            f"{eta / 60:.0f} min at this pace"
+            f"step {info['step']}: {loss} | first step {info['time_s']:.2f} s (warm-up "
+            f"included){rest}"
         )
 
     def fit(self) -> TrainResult:
