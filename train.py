@@ -419,7 +419,7 @@ def download_main(argv: list[str]) -> int:
 
 
 def plot_main(argv: list[str]) -> int:
-    from triton_transformer.plotting import X_AXES, plot_runs
+    from triton_transformer.plotting import X_AXES, plot_runs, read_metrics
 
     parser = argparse.ArgumentParser(
         prog="train.py plot", description="Train/validation loss curves of runs into a PNG."
@@ -431,6 +431,9 @@ def plot_main(argv: list[str]) -> int:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     try:
+        for run_dir in args.run_dirs:
+            if not read_metrics(run_dir):
+                _note(f"{run_dir}: no records yet (its first log line comes at log.log_every)")
         path = plot_runs(args.run_dirs, args.output, labels=args.labels, x=args.x, title=args.title)
     except (FileNotFoundError, ValueError) as e:
         return _error(str(e))

@@ -1,6 +1,9 @@
-"""attention (bmm -> softmax -> dropout -> bmm): Triton path against a float64 reference.
+"""attention: the fused FlashAttention kernels, the PyTorch reference and the naive composition,
+all against an independent float64 implementation written here.
 
-The reference is the same function with use_triton=False on float64 copies of the inputs.
+On CPU the kernels run in Triton's interpreter (small shapes, fixed 16/32 tiles that put tile
+edges, the causal diagonal and the ragged last block at different places for queries and
+keys); `gpu` tests repeat the checks at real shapes with the autotuned tiles.
 """
 
 import math
@@ -8,170 +11,481 @@ import math
 import pytest
 import torch
 
-from triton_transformer.attention import attention
+from triton_transformer.attention import (
+    attention,
+    attention_naive,
+    attention_packed,
+    flash_attention_op,
+    flash_attention_packed_op,
+)
+from triton_transformer.utils import draw_seed
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-# dq and dk pass through the softmax backward, y * (dy - sum(dy * y)), where dy = dO v^T has a
-# large common part (v is not centred at zero) that cancels: in bf16 even the PyTorch branch
-# is ~2e-2 off float64 here, and the interpreter, which truncates fp32 -> bf16 instead of
-# rounding to nearest, roughly triples that. A real bug (a missing scale, a wrong mask) is O(1).
-TOL_DQK = {**TOL, torch.bfloat16: 1e-1}
+# dq and dk go through dS = P ∘ (dP - Δ) with Δ = rowsum(dO ∘ O) computed from the *stored*
+# output, as in FlashAttention-2. dP_ij - Δ_i = dO_i · (v_j - O_i) cancels the large common part
+# of v (-2.3 here), so O's rounding to bf16 (8-bit mantissa) becomes a few per cent of dq and dk;
+# the interpreter, which truncates fp32 -> bf16 instead of rounding, doubles that (measured
+# ~9e-2, PyTorch's bf16 math ~2e-2). fp16 stays under 1e-2. A real bug (a missing scale, a
+# wrong mask, a stale tile) is O(1).
+TOL_DQK = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1.5e-1}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
+    """Relative error; `floor` (an RMS) judges a vanishing reference against the size of
+    its terms instead (n_k = 1: dq and dk are 0 up to rounding of cancelling terms)."""
     out, ref = out.double(), ref.double()
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite values"
+    return ((out - ref).norm() / ref.norm().clamp_min(floor * ref.numel() ** 0.5)).item()
 
 
 def make_qkv(b, h, n_q, n_k, d, dtype, device):
-    # Not centred at zero; q/k spread enough that the softmax is far from uniform.
-    q = (0.3 + 1.0 * torch.randn(b, h, n_q, d, device=device)).to(dtype)
-    k = (-0.2 + 1.0 * torch.randn(b, h, n_k, d, device=device)).to(dtype)
+    # off-centre, spread enough that the softmax is far from uniform
+    q = (0.3 + torch.randn(b, h, n_q, d, device=device)).to(dtype)
+    k = (-0.2 + torch.randn(b, h, n_k, d, device=device)).to(dtype)
     v = (-2.3 + 0.5 * torch.randn(b, h, n_k, d, device=device)).to(dtype)
     return q, k, v
 
 
-def naive_attention(q, k, v, causal=False, key_padding_mask=None):
-    """Textbook attention, written independently of the package, for rows that see a key."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+def visible_mask(n_q, n_k, causal, key_padding_mask, device):
+    vis = torch.ones(1, 1, n_q, n_k, dtype=torch.bool, device=device)
     if causal:
-        visible = visible.tril(n_k - n_q)  # query i sees keys j <= i + n_k - n_q
+        vis = vis & torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
     if key_padding_mask is not None:
-        visible = visible & key_padding_mask[:, None, None, :]
-    return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
+        vis = vis & key_padding_mask[:, None, None, :]
+    return vis
 
 
-def check_attention(q, k, v, dtype, **kwargs):
+def ref_attention(q, k, v, causal=False, key_padding_mask=None, scale=None, keep=None, p=0.0):
+    """Textbook float64 attention; rows that see no key are zeros; `keep` a dropout mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    vis = visible_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+    w = s.masked_fill(~vis, float("-inf")).softmax(-1)
+    w = torch.where(vis.any(-1, keepdim=True), w, 0.0)  # NaN rows (no key) -> 0
+    if keep is not None:
+        w = w * keep / (1 - p)
+    return w @ v
+
+
+def check_attention(q, k, v, **kwargs):
+    """Triton forward and dq/dk/dv vs float64; the PyTorch branch vs float64 as well."""
+    dtype = q.dtype
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = attention(q, k, v, use_triton=True, **kwargs)
-    grad = (0.7 + torch.randn(out.shape, device=out.device)).to(dtype)
-    out.backward(grad)
+    assert out.dtype == dtype and out.shape == (*q.shape[:3], v.shape[-1])
+    # written as (b, n, h, d): the head merge for the out-projection is a view
+    assert out.transpose(1, 2).is_contiguous()
+    dout = (0.7 + torch.randn(out.shape, device=out.device)).to(dtype)
+    out.backward(dout)
 
-    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = attention(*ref_inputs, use_triton=False, **kwargs)
-    ref.backward(grad.double())
-    naive = naive_attention(*ref_inputs, **kwargs)
-    seen = torch.isfinite(naive)  # rows that see no key are NaN here
-    assert torch.allclose(ref[seen], naive[seen], rtol=1e-10, atol=1e-10)
-
-    assert out.dtype == dtype and out.shape == ref.shape
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, **kwargs)
+    ref.backward(dout.double())
     assert rel_err(out, ref) < TOL[dtype]
-    assert rel_err(q.grad, ref_inputs[0].grad) < TOL_DQK[dtype]
-    assert rel_err(k.grad, ref_inputs[1].grad) < TOL_DQK[dtype]
-    assert rel_err(v.grad, ref_inputs[2].grad) < TOL[dtype]
-    return out
+    for name, t, rt in zip("qkv", (q, k, v), r, strict=True):
+        assert t.grad.shape == t.shape and t.grad.dtype == dtype
+        tol = TOL[dtype] if name == "v" else TOL_DQK[dtype]
+        assert rel_err(t.grad, rt.grad, floor=0.1) < tol, name
+
+    # the PyTorch branch has the same semantics (float64, so to rounding)
+    torch_out = attention(*(t.detach().double() for t in (q, k, v)), **kwargs)
+    assert rel_err(torch_out, ref) < 1e-12
+    return out, ref
 
 
-def padding_mask(b, n_k, device):
-    # Row 0 keeps its first 9 keys (ragged), row 1 is entirely padding.
-    mask = torch.zeros(b, n_k, dtype=torch.bool, device=device)
-    mask[0, :9] = True
-    return mask
+# --- forward and backward against float64 ------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_square(causal, dtype, device):
-    check_attention(*make_qkv(2, 2, 37, 37, 16, dtype, device), dtype, causal=causal)
+@pytest.mark.parametrize("n, d", [(1, 16), (17, 48), (64, 64), (65, 16), (200, 16)])
+def test_lengths_and_head_dims(n, d, causal, device):
+    check_attention(*make_qkv(1, 2, n, n, d, torch.float32, device), causal=causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_q", [1, 5])
-def test_attention_causal_kv_cache_step(n_q, dtype, device):
-    # n_q < n_k: the queries are the last n_q positions (bottom-right aligned causal mask).
-    q, k, v = make_qkv(2, 2, n_q, 37, 16, dtype, device)
-    out = check_attention(q, k, v, dtype, causal=True)
-    # The last query sees every key, so it matches a non-causal step on that query alone.
-    full = attention(q[:, :, -1:], k, v, causal=False, use_triton=True)
-    assert rel_err(out[:, :, -1:], full) < TOL[dtype]
+@pytest.mark.parametrize("n_q, n_k", [(1, 45), (5, 37), (40, 71), (70, 30)])
+def test_causal_rectangular(n_q, n_k, device):
+    # Bottom-right aligned: a KV-cache step (n_q < n_k). n_q > n_k: the first n_q - n_k
+    # queries see no key and output zeros (no NaN), with zero gradients.
+    out, _ = check_attention(*make_qkv(2, 1, n_q, n_k, 16, torch.float32, device), causal=True)
+    if n_q > n_k:
+        assert (out[:, :, : n_q - n_k] == 0).all()
+    # the last query sees every key: it equals a non-causal attention of that query alone
+    q, k, v = make_qkv(2, 1, n_q, n_k, 16, torch.float32, device)
+    last = attention(q, k, v, causal=True, use_triton=True)[:, :, -1:]
+    full = attention(q[:, :, -1:], k, v, use_triton=True)
+    assert rel_err(last, full) < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_key_padding_mask(causal, dtype, device):
-    q, k, v = make_qkv(2, 2, 21, 21, 16, dtype, device)
-    mask = padding_mask(2, 21, device)
-    out = check_attention(q, k, v, dtype, causal=causal, key_padding_mask=mask)
-    if not causal:
-        # Padded keys carry no weight: dropping them from k and v changes nothing.
-        short = attention(q[:1], k[:1, :, :9], v[:1, :, :9], use_triton=True)
-        assert rel_err(out[:1], short) < TOL[dtype]
-        # A fully padded row falls back to uniform weights over the keys (finite, no NaN).
-        assert rel_err(out[1], v[1].double().mean(dim=-2, keepdim=True).expand_as(out[1])) < 1e-2
+def test_key_padding_mask_and_fully_padded_rows(causal, device):
+    b, n = 3, 50
+    q, k, v = make_qkv(b, 2, n, n, 32, torch.float32, device)
+    mask = torch.rand(b, n, device=device) > 0.4
+    mask[1] = False  # a fully padded sequence: every row sees no key
+    mask[2, :20] = False  # causal: the first 20 rows of batch 2 see only padded keys
+    mask[0, 0] = True
+    out, _ = check_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    assert (out[1] == 0).all()
+    if causal:
+        assert (out[2, :, :20] == 0).all()
+    # padded keys get no gradient; changing them changes nothing
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, 2, n, n, 32, torch.float32, device))
+    out = attention(q, k, v, causal=causal, key_padding_mask=mask, use_triton=True)
+    out.sum().backward()
+    pad = ~mask[:, None, :, None]
+    assert (k.grad.masked_select(pad) == 0).all() and (v.grad.masked_select(pad) == 0).all()
+    k2 = torch.where(pad, 5 * torch.randn_like(k), k.detach())
+    out2 = attention(q, k2, v, causal=causal, key_padding_mask=mask, use_triton=True)
+    assert torch.equal(out, out2)
 
 
-def test_attention_transposed_inputs_and_head_dims(device):
-    # q/k/v as (b, n, h, d) tensors viewed as (b, h, n, d), as a model's split of heads gives.
-    q = (0.3 + torch.randn(2, 19, 3, 24, device=device)).transpose(1, 2)
-    k = (-0.2 + torch.randn(2, 23, 3, 24, device=device)).transpose(1, 2)
-    v = (-2.3 + 0.5 * torch.randn(2, 23, 3, 24, device=device)).transpose(1, 2)
-    check_attention(q, k, v, torch.float32, causal=True)
-
-
-def test_attention_dropout(device):
-    # Uniform attention (q = 0) over ones-valued v: each output is (#kept keys) / (n_k (1 - p)).
-    b, h, n_q, n_k, d, p = 2, 2, 32, 64, 16, 0.25
-    q = torch.zeros(b, h, n_q, d, device=device)
-    k = torch.randn(b, h, n_k, d, device=device)
-    v = torch.ones(b, h, n_k, d, device=device)
-    out = attention(q, k, v, dropout_p=p, use_triton=True)
-    assert out.shape == (b, h, n_q, d)
-    kept = out * n_k * (1 - p)
-    assert torch.allclose(kept, kept.round(), atol=1e-3)  # whole numbers of kept keys
-    assert abs(out.mean().item() - 1.0) < 0.05  # E[mask / (1 - p)] = 1
-    assert (kept.round() < n_k).any()  # something was dropped
-
-    # Deterministic under a seed; identity when not training.
-    torch.manual_seed(1)
-    a = attention(q, k, v, dropout_p=p, use_triton=True)
-    torch.manual_seed(1)
-    assert torch.equal(a, attention(q, k, v, dropout_p=p, use_triton=True))
-    assert torch.equal(
-        attention(q, k, v, dropout_p=p, training=False, use_triton=True),
-        attention(q, k, v, use_triton=True),
+def test_explicit_scale(device):
+    q, k, v = make_qkv(2, 2, 33, 40, 16, torch.float32, device)
+    check_attention(q, k, v, scale=0.5)
+    check_attention(q, k, v, scale=0.05, causal=True)
+    # scale <= 0 takes the unfolded path (a row max does not commute with a negative scale)
+    check_attention(q, k, v, scale=-0.3, causal=True)
+    check_attention(
+        q[:, :, :5], k, v, scale=0.0, key_padding_mask=torch.rand(2, 40, device=device) > 0.5
     )
 
 
-def test_attention_dropout_backward_is_finite(device):
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 9, 9, 16, torch.float32, device))
-    attention(q, k, v, causal=True, dropout_p=0.5, use_triton=True).sum().backward()
-    for t in (q, k, v):
-        assert t.grad.shape == t.shape and torch.isfinite(t.grad).all()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision(dtype, device):
+    check_attention(*make_qkv(2, 2, 70, 70, 48, dtype, device), causal=True)
+    check_attention(*make_qkv(1, 2, 9, 45, 64, dtype, device), causal=True)
 
 
-def test_attention_bad_inputs(device):
-    q, k, v = make_qkv(2, 2, 5, 7, 16, torch.float32, device)
-    with pytest.raises(ValueError, match="q must be 4-D"):
-        attention(q[0], k, v)
-    with pytest.raises(ValueError, match="head dim"):
-        attention(q, k[..., :8], v)
-    with pytest.raises(ValueError, match="n_k"):
-        attention(q, k, v[:, :, :3])
-    with pytest.raises(ValueError, match=r"same \(b, h\)"):
-        attention(q, k[:1], v[:1])
-    with pytest.raises(TypeError, match="one dtype"):
-        attention(q, k.half(), v)
-    with pytest.raises(TypeError, match="bool"):
-        attention(q, k, v, key_padding_mask=torch.ones(2, 7, device=device))
-    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
-        attention(q, k, v, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device=device))
+def test_arbitrary_strides(device):
+    # q and k: (b, n, h, d) seen as (b, h, n, d); v: every other element of its last dim
+    b, h, n_q, n_k, d = 2, 3, 19, 23, 32
+    q = (0.3 + torch.randn(b, n_q, h, d, device=device)).transpose(1, 2)
+    k = (-0.2 + torch.randn(b, n_k, h, d, device=device)).transpose(1, 2)
+    v = (-2.3 + 0.5 * torch.randn(b, h, n_k, 2 * d, device=device))[..., ::2]
+    assert v.stride(-1) == 2
+    check_attention(q, k, v, causal=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_qkv(dtype, device):
+    # The model's layout: q, k, v are views of one (b, n, 3·h·d) projection output.
+    b, n, h, d = 2, 37, 2, 48
+    qkv = torch.randn(b, n, 3 * h * d, device=device)
+    qkv = (qkv + torch.tensor([0.3, -0.2, -2.3], device=device).repeat_interleave(h * d)).to(dtype)
+    qkv.requires_grad_()
+    out = attention_packed(qkv, h, causal=True, use_triton=True)
+    assert out.shape == (b, n, h * d) and out.is_contiguous() and out.dtype == dtype
+    dout = torch.randn(out.shape, device=device).to(dtype)
+    out.backward(dout)
+
+    r = qkv.detach().double().requires_grad_()
+    q, k, v = r.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    ref = ref_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, n, h * d)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < TOL[dtype]
+    assert qkv.grad.shape == qkv.shape and qkv.grad.is_contiguous()
+    assert rel_err(qkv.grad, r.grad) < TOL_DQK[dtype]
+    # the PyTorch branch agrees
+    torch_out = attention_packed(qkv.detach().double(), h, causal=True)
+    assert rel_err(torch_out, ref) < 1e-12
+    # and so do the views handed to `attention` (same kernel, different op)
+    q, k, v = qkv.detach().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    view_out = attention(q, k, v, causal=True, use_triton=True).transpose(1, 2).reshape(b, n, -1)
+    assert torch.equal(view_out, out.detach())
+
+
+def test_naive_composition_matches(device):
+    # attention_naive (bmm -> softmax -> dropout -> bmm) has the same semantics, fully padded
+    # rows included (zeros, the issue's rule; it used to average v).
+    q, k, v = make_qkv(2, 2, 21, 21, 16, torch.float32, device)
+    mask = torch.rand(2, 21, device=device) > 0.3
+    mask[1] = False
+    for causal in (False, True):
+        ref = ref_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        for use_triton in (False, True):
+            out = attention_naive(
+                q, k, v, causal=causal, key_padding_mask=mask, use_triton=use_triton
+            )
+            assert rel_err(out, ref) < 1e-5
+            assert (out[1] == 0).all()
+    out = attention_naive(q[:, :, :9], k[:, :, :3], v[:, :, :3], causal=True, scale=0.3)
+    ref = ref_attention(q[:, :, :9], k[:, :, :3], v[:, :, :3], causal=True, scale=0.3)
+    assert rel_err(out, ref) < 1e-6
+
+
+# --- dropout ----------------------------------------------------------------------------------
+
+
+def dropout_mask(shape, p, seed, causal=False, device="cpu"):
+    """The keep mask the kernel draws for (b, h, n_q, n_k) under torch seed `seed`, read off
+    with q = 0 (uniform weights) and v = identity (n_k <= d): out[i, j] = keep_ij / (n_k (1-p)).
+    The mask depends on the seed and positions only, never on the data."""
+    b, h, n_q, n_k = shape
+    d = max(16, 16 * math.ceil(n_k / 16))
+    q = torch.zeros(b, h, n_q, d, device=device)
+    k = torch.zeros(b, h, n_k, d, device=device)
+    v = torch.eye(n_k, d, device=device).expand(b, h, n_k, d)
+    torch.manual_seed(seed)
+    out = attention(q, k, v, dropout_p=p, use_triton=True)[..., :n_k]
+    scaled = out.double() * n_k * (1 - p)
+    keep = scaled.round()
+    assert torch.allclose(scaled, keep, atol=1e-5)  # every weight is 0 or 1 / (n_k (1 - p))
+    assert ((keep == 0) | (keep == 1)).all()
+    return keep.bool()
+
+
+def test_dropout_keep_rate_and_reproducibility(device):
+    p = 0.3
+    shape = (2, 2, 150, 48)
+    keep = dropout_mask(shape, p, seed=11, device=device)
+    n = keep.numel()
+    rate = keep.double().mean().item()
+    assert abs(rate - (1 - p)) < 3 * math.sqrt(p * (1 - p) / n), rate
+    assert torch.equal(keep, dropout_mask(shape, p, seed=11, device=device))
+    assert not torch.equal(keep, dropout_mask(shape, p, seed=12, device=device))
+    # heads and batches draw different masks
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_gpu(causal, dtype, device):
-    q, k, v = make_qkv(4, 8, 512, 512, 64, dtype, device)
-    check_attention(q, k, v, dtype, causal=causal)
+def test_dropout_forward_and_backward_use_one_mask(causal, device):
+    # Same torch seed -> the same mask; the output and all three gradients match float64
+    # attention with that mask applied to the weights.
+    p, shape = 0.25, (1, 2, 37, 45)
+    keep = dropout_mask(shape, p, seed=5, device=device)
+    q, k, v = (t.requires_grad_() for t in make_qkv(*shape, 32, torch.float32, device))
+    torch.manual_seed(5)
+    out = attention(q, k, v, causal=causal, dropout_p=p, use_triton=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, causal=causal, keep=keep, p=p)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < 1e-5
+    for t, rt in zip((q, k, v), r, strict=True):
+        assert rel_err(t.grad, rt.grad) < 1e-5
+    # two calls draw two masks; eval mode (training=False) has no dropout
+    again = attention(q, k, v, causal=causal, dropout_p=p, use_triton=True)
+    assert not torch.equal(out, again)
+    plain = attention(q, k, v, causal=causal, use_triton=True)
+    assert torch.equal(attention(q, k, v, causal=causal, dropout_p=p, training=False,
+                                 use_triton=True), plain)  # fmt: skip
+
+
+def test_empty_sizes(device):
+    # no queries or no keys: empty outputs, or zeros (a row with no key), and zero gradients
+    for n_q, n_k in ((0, 5), (5, 0), (0, 0)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n_q, n_k, 16, torch.float32, device))
+        for use_triton in (False, True):
+            out = attention(q, k, v, causal=True, use_triton=use_triton)
+            assert out.shape == (1, 2, n_q, 16) and (out == 0).all()
+            out.sum().backward()
+            assert all(t.grad.shape == t.shape and (t.grad == 0).all() for t in (q, k, v))
+            q.grad = k.grad = v.grad = None
+
+
+def test_64_bit_offsets_and_grid_spill(device, monkeypatch):
+    # The paths for huge problems, forced on small ones: 64-bit row offsets and Philox
+    # counters, and batch·head spilling from grid dim 1 into dim 2 (past 65535 on CUDA).
+    import triton_transformer.attention as A
+
+    launch_meta = A._launch_meta
+
+    def forced(q, k, v):
+        return {**launch_meta(q, k, v), "DROP_INT64": True, "INT64_ROWS": True}
+
+    monkeypatch.setattr(A, "_launch_meta", forced)
+    monkeypatch.setattr(A, "_MAX_GRID_Y", 3)  # b·h = 8 -> a (.., 3, 3) grid
+    check_attention(*make_qkv(2, 4, 37, 37, 16, torch.float32, device), causal=True)
+    # dropout with 64-bit counters: still one mask for forward and backward
+    p, shape = 0.25, (1, 2, 21, 30)
+    keep = dropout_mask(shape, p, seed=3, device=device)
+    q, k, v = (t.requires_grad_() for t in make_qkv(*shape, 16, torch.float32, device))
+    torch.manual_seed(3)
+    out = attention(q, k, v, dropout_p=p, use_triton=True)
+    out.backward(torch.ones_like(out))
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, keep=keep, p=p)
+    ref.backward(torch.ones_like(ref))
+    assert rel_err(out, ref) < 1e-5
+    assert all(rel_err(t.grad, rt.grad) < 1e-5 for t, rt in zip((q, k, v), r, strict=True))
+
+
+# --- the registered ops ----------------------------------------------------------------------
+
+
+def test_registered_ops(device):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 17, 17, 16, torch.float32, device))
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    seed = draw_seed(device)
+    mask = torch.ones(1, 17, dtype=torch.bool, device=device)
+    torch.library.opcheck(
+        flash_attention_op, (q, k, v, mask, seed, True, 0.25, 0.1, True), test_utils=tests
+    )
+    qkv = torch.randn(1, 17, 3, 2, 16, device=device, requires_grad=True)
+    torch.library.opcheck(
+        flash_attention_packed_op, (qkv, None, None, False, 0.25, 0.0, True), test_utils=tests
+    )
+
+
+def test_no_lse_without_grad(device):
+    q, k, v = make_qkv(1, 2, 17, 17, 16, torch.float32, device)
+    out, lse = flash_attention_op(q, k, v, None, None, True, 0.25, 0.0, False)
+    assert lse.numel() == 0
+    out2, lse2 = flash_attention_op(q, k, v, None, None, True, 0.25, 0.0, True)
+    assert lse2.shape == (2, 17) and torch.equal(out, out2)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            attention(q.requires_grad_(), k, v, causal=True, scale=0.25, use_triton=True),
+            out2.transpose(1, 2),
+        )
+
+
+def test_double_backward_raises(device):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 9, 9, 16, torch.float32, device))
+    out = attention(q, k, v, use_triton=True)
+    (g,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_bad_inputs(device):
+    q, k, v = make_qkv(2, 2, 5, 7, 16, torch.float32, device)
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="q must be 4-D"):
+            attention(q[0], k, v, use_triton=use_triton)
+        with pytest.raises(TypeError, match=r"k must be a torch\.Tensor"):
+            attention(q, k.tolist(), v, use_triton=use_triton)
+        with pytest.raises(ValueError, match="head dim"):
+            attention(q, k[..., :8], v, use_triton=use_triton)
+        with pytest.raises(ValueError, match="n_k"):
+            attention(q, k, v[:, :, :3], use_triton=use_triton)
+        with pytest.raises(ValueError, match=r"same \(b, h\)"):
+            attention(q, k[:1], v[:1], use_triton=use_triton)
+        with pytest.raises(TypeError, match="one dtype"):
+            attention(q, k.half(), v, use_triton=use_triton)
+        with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
+            attention(q, k, v, key_padding_mask=torch.ones(2, 7, device=device))
+        bad = torch.ones(2, 5, dtype=torch.bool, device=device)
+        with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+            attention(q, k, v, key_padding_mask=bad, use_triton=use_triton)
+        meta_mask = torch.ones(2, 7, dtype=torch.bool, device="meta")
+        with pytest.raises(ValueError, match="key_padding_mask is on"):
+            attention(q, k, v, key_padding_mask=meta_mask, use_triton=use_triton)
+        with pytest.raises(ValueError, match="dropout_p"):
+            attention(q, k, v, dropout_p=1.0, use_triton=use_triton)
+        with pytest.raises(TypeError, match="scale"):
+            attention(q, k, v, scale="0.5", use_triton=use_triton)
+    # the kernel takes head dims 16, 32, ..., 128; the PyTorch branch takes any
+    for d in (8, 24, 144):
+        q, k, v = make_qkv(1, 1, 5, 5, d, torch.float32, device)
+        with pytest.raises(ValueError, match=f"head dim {d} is not supported"):
+            attention(q, k, v, use_triton=True)
+        assert attention(q, k, v).shape == (1, 1, 5, d)
+    with pytest.raises(TypeError, match=r"q has dtype torch\.float64"):
+        attention(*make_qkv(1, 1, 5, 5, 16, torch.float64, device), use_triton=True)
+    with pytest.raises(ValueError, match="3 · heads"):
+        attention_packed(torch.randn(1, 4, 96, device=device), 5, use_triton=True)
+
+
+# --- GPU: real shapes, the tutorial's check, capture and compile -----------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_attention_gpu_kv_cache_and_padding(dtype, device):
-    q, k, v = make_qkv(4, 8, 16, 1000, 64, dtype, device)
-    mask = torch.rand(4, 1000, device=device) > 0.2
-    check_attention(q, k, v, dtype, causal=True, key_padding_mask=mask)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, d", [(1024, 64), (777, 128), (513, 80), (300, 96)])
+def test_gpu_real_shapes(n, d, causal, dtype, device):
+    check_attention(*make_qkv(2, 4, n, n, d, dtype, device), causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_and_padding_and_kv_cache(device):
+    check_attention(*make_qkv(2, 4, 300, 300, 64, torch.float32, device), causal=True)
+    q, k, v = make_qkv(4, 8, 256, 256, 64, torch.bfloat16, device)
+    mask = torch.rand(4, 256, device=device) > 0.2
+    mask[3] = False
+    check_attention(q, k, v, key_padding_mask=mask)
+    # decode: a few queries against a KV cache in a (b, h, max_len, d) buffer
+    cache = torch.randn(2, 4, 8, 1024, 64, device=device, dtype=torch.bfloat16)
+    for n_q in (1, 3):
+        q = torch.randn(4, 8, n_q, 64, device=device, dtype=torch.bfloat16)
+        check_attention(q, cache[0, ..., :999, :], cache[1, ..., :999, :], causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_tutorial_check(device):
+    # Triton's 06-fused-attention test: (1, 2, 1024, 64) fp16, causal, sm_scale 0.5,
+    # against fp32-softmax attention in fp16, atol 1e-2 forward and backward.
+    torch.manual_seed(20)
+    shape = (1, 2, 1024, 64)
+    q, k, v = (
+        torch.empty(shape, dtype=torch.float16, device=device).normal_(0.0, 0.5).requires_grad_()
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+    mask = torch.tril(torch.ones(1024, 1024, device=device))
+    p = torch.matmul(q, k.transpose(2, 3)) * 0.5
+    p = torch.softmax(p.masked_fill(mask == 0, float("-inf")).float(), dim=-1).half()
+    ref = torch.matmul(p, v)
+    ref.backward(dout)
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = attention(q, k, v, causal=True, scale=0.5, use_triton=True)
+    out.backward(dout)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=0)
+    for t, rg in zip((q, k, v), ref_grads, strict=True):
+        torch.testing.assert_close(t.grad, rg, atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(device):
+    # forward + backward with dropout, captured: each replay draws a new mask on the device
+    qkv = torch.randn(2, 256, 3 * 4 * 64, device=device, dtype=torch.bfloat16)
+    qkv.requires_grad_()
+    dout = torch.randn(2, 256, 4 * 64, device=device, dtype=torch.bfloat16)
+
+    def step():
+        qkv.grad = None
+        out = attention_packed(qkv, 4, causal=True, dropout_p=0.2, use_triton=True)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    results = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+        results.append((out.clone(), qkv.grad.clone()))
+    assert not torch.equal(results[0][0], results[1][0])
+    assert not torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.gpu
+def test_gpu_compiles_without_graph_breaks(device):
+    def f(qkv, q, k, v):
+        a = attention_packed(qkv, 4, causal=True, dropout_p=0.1, use_triton=True)
+        b = attention(q, k, v, causal=True, use_triton=True)
+        return a.float().sum() + b.float().sum()
+
+    qkv = torch.randn(2, 128, 3 * 4 * 64, device=device, dtype=torch.bfloat16)
+    qkv.requires_grad_()
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 64, 100, 64, torch.bfloat16, device))
+    explanation = torch._dynamo.explain(f)(qkv, q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.compile(f)(qkv, q, k, v).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (qkv, q, k, v))

@@ -212,3 +212,16 @@ def test_missing_config_file(tmp_path):
 def test_config_from_dict_rejects_non_tables():
     with pytest.raises(ConfigError, match=r"\[model\] must be a table"):
         config_from_dict({"model": 3})
+
+
+def test_legacy_eval_batches_keeps_its_byte_budget():
+    """Configs and checkpoints from before eval.max_bytes had eval.eval_batches (batches of
+    train.batch_size windows): they still load, with the same number of bytes scored."""
+    config = config_from_dict(
+        {"train": {"batch_size": 8, "seq_len": 64}, "eval": {"eval_batches": 5}}
+    )
+    assert config.eval.max_bytes == 5 * 8 * 64
+    explicit = config_from_dict({"eval": {"eval_batches": 5, "max_bytes": 100}})
+    assert explicit.eval.max_bytes == 100
+    with pytest.raises(ConfigError, match=r"eval\.max_bytes"):
+        config_from_dict({"eval": {"max_bytes": -1}}).validate()

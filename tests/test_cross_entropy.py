@@ -4,11 +4,30 @@ The reference is the PyTorch branch run on float64 copies of the same inputs; th
 branch itself is checked against `F.cross_entropy` in float64.
 """
 
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_transformer.cross_entropy import BWD_MAX_BLOCK, FWD_MAX_BLOCK, cross_entropy
+from triton_transformer.cross_entropy import (
+    BWD_MAX_BLOCK,
+    FWD_MAX_BLOCK,
+    cross_entropy,
+    cross_entropy_backward_op,
+    cross_entropy_inplace_backward_op,
+    cross_entropy_inplace_op,
+    cross_entropy_op,
+)
+
+ce_mod = importlib.import_module("triton_transformer.cross_entropy")
+
+# log(0) = -inf in the interpreter's numpy for rows with nothing to sum (ignored rows).
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
 BIG = max(FWD_MAX_BLOCK, BWD_MAX_BLOCK)  # rows this long loop in both kernels
 
@@ -37,18 +56,23 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
-def run(logits, labels, ignore_index, use_triton, dloss=1.7):
-    """Loss and d(dloss * loss)/d(logits); dloss != 1 checks the upstream-gradient scaling."""
-    x = logits.detach().requires_grad_()  # keeps the strides (clone might not)
-    loss = cross_entropy(x, labels, ignore_index=ignore_index, use_triton=use_triton)
+def run(logits, labels, ignore_index, use_triton, dloss=1.7, **kwargs):
+    """Loss and d(dloss * loss)/d(logits); dloss != 1 checks the upstream-gradient scaling.
+
+    The logits are copied first (keeping their strides), since inplace_backward overwrites
+    them."""
+    x = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device)
+    x.copy_(logits)
+    x.requires_grad_()
+    loss = cross_entropy(x, labels, ignore_index=ignore_index, use_triton=use_triton, **kwargs)
     loss.backward(torch.tensor(dloss, dtype=loss.dtype, device=loss.device))
     return loss.detach(), x.grad
 
 
-def check_against_reference(logits, labels, ignore_index=None):
+def check_against_reference(logits, labels, ignore_index=None, dloss=1.7, **kwargs):
     dtype = logits.dtype
-    loss, grad = run(logits, labels, ignore_index, use_triton=True)
-    ref_loss, ref_grad = run(logits.double(), labels, ignore_index, use_triton=False)
+    loss, grad = run(logits, labels, ignore_index, use_triton=True, dloss=dloss, **kwargs)
+    ref_loss, ref_grad = run(logits.double(), labels, ignore_index, use_triton=False, dloss=dloss)
     assert loss.shape == () and loss.dtype == torch.float32
     assert grad.shape == logits.shape and grad.dtype == dtype
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -72,20 +96,22 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("ignore_index", [None, -100])
-def test_matches_reference_fp32(shape, ignore_index, device):
+def test_matches_reference_fp32(shape, ignore_index, inplace, device):
     logits = make_logits(shape, device=device)
     labels = make_labels(shape[:-1], shape[-1], ignore_index, device)
-    check_against_reference(logits, labels, ignore_index)
+    check_against_reference(logits, labels, ignore_index, inplace_backward=inplace)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(7, 37), (3, 2 * BIG + 808)], ids=str)
-def test_matches_reference_half(shape, dtype, device):
+def test_matches_reference_half(shape, dtype, inplace, device):
     logits = make_logits(shape, dtype, device)
     labels = make_labels(shape[:-1], shape[-1], -100, device)
-    check_against_reference(logits, labels, -100)
+    check_against_reference(logits, labels, -100, inplace_backward=inplace)
 
 
 def test_ignore_index_inside_vocabulary(device):
@@ -211,19 +237,171 @@ def test_out_of_range_label_triton(bad, device):
     labels = make_labels((4,), 37, device=device)
     labels[2] = bad
     labels[0] = -100  # ignored, so not an error
-    # Fast path: no host sync; the bad row makes the loss (and its gradient row) NaN.
-    loss, grad = run(logits, labels, -100, use_triton=True)
-    assert torch.isnan(loss)
-    assert torch.isnan(grad[2]).all() and torch.isfinite(grad[[0, 1, 3]]).all()
-    # Debug path: anomaly detection turns on the host check.
-    with torch.autograd.set_detect_anomaly(True), pytest.raises(ValueError, match="found label"):
+    # Fast path (check_labels=False): no host sync; the bad row makes the loss (and its
+    # gradient row) NaN, in both modes.
+    for inplace in (False, True):
+        loss, grad = run(
+            logits, labels, -100, use_triton=True, check_labels=False, inplace_backward=inplace
+        )
+        assert torch.isnan(loss)
+        assert torch.isnan(grad[2]).all() and torch.isfinite(grad[[0, 1, 3]]).all()
+    # The default checks on the host; so does the debug path (anomaly detection).
+    with pytest.raises(ValueError, match="found label"):
         cross_entropy(logits, labels, ignore_index=-100, use_triton=True)
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(ValueError, match="found label"):
+        cross_entropy(logits, labels, ignore_index=-100, use_triton=True, check_labels=False)
 
 
 def test_triton_rejects_float64(device):
     logits = make_logits((4, 37), torch.float64, device)
     with pytest.raises(TypeError, match="dtype"):
         cross_entropy(logits, make_labels((4,), 37, device=device), use_triton=True)
+
+
+# ---- ignored rows, in-place gradient, registration --------------------------------------------
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+@pytest.mark.parametrize("V", [37, 2 * BIG + 808], ids=["single", "looped"])
+def test_ignored_rows_of_neg_inf_give_zero_grad(V, inplace, device):
+    # An ignored row is never read: even all -inf (or NaN) logits give 0 gradient, and the
+    # row is left out of the loss.
+    logits = make_logits((4, V), device=device)
+    labels = make_labels((4,), V, device=device)
+    labels[[1, 3]] = -100
+    logits[1] = float("-inf")
+    logits[3] = float("nan")
+    loss, grad = run(logits, labels, -100, use_triton=True, inplace_backward=inplace)
+    kept = [0, 2]
+    ref_loss, ref_grad = run(logits[kept].double(), labels[kept], -100, use_triton=False)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    assert (grad[[1, 3]] == 0).all()
+    assert rel_err(grad[kept], ref_grad) <= 1e-5
+    # The PyTorch branch agrees: zeros, not NaN, on the ignored rows.
+    ref_loss_all, ref_grad_all = run(logits.double(), labels, -100, use_triton=False)
+    assert ref_loss_all.item() == ref_loss.item()
+    assert (ref_grad_all[[1, 3]] == 0).all() and torch.equal(ref_grad_all[kept], ref_grad)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_looped_reductions(inplace, device, monkeypatch):
+    # The one-program loss sum and valid count loop over blocks of rows when there are more
+    # rows than one block (16 here; 8192 by default).
+    monkeypatch.setattr(ce_mod, "MAX_REDUCE_BLOCK", 16)
+    logits = make_logits((3, 23, 37), device=device)
+    labels = make_labels((3, 23), 37, -100, device)
+    check_against_reference(logits, labels, -100, inplace_backward=inplace)
+    labels = make_labels((3, 23), 37, None, device)
+    check_against_reference(logits, labels, None, inplace_backward=inplace)
+
+
+def test_inplace_gradient_aliases_the_logits(device):
+    # The gradient handed to the producer of the logits is the logits' own storage.
+    h = make_logits((6, 5), device=device).requires_grad_()
+    w = make_logits((5, 37), device=device)
+    labels = make_labels((6,), 37, -100, device)
+    logits = h @ w
+    seen = []
+    logits.register_hook(lambda g: seen.append((g.data_ptr(), g.clone())))
+    loss = cross_entropy(logits, labels, -100, use_triton=True, inplace_backward=True)
+    (2.5 * loss).backward()
+    assert seen[0][0] == logits.data_ptr()
+    ref_logits = (h.detach() @ w).double().requires_grad_()
+    (2.5 * cross_entropy(ref_logits, labels, -100)).backward()
+    assert rel_err(seen[0][1], ref_logits.grad) <= 1e-5
+    assert rel_err(h.grad, ref_logits.grad @ w.double().t()) <= 1e-5
+
+
+def test_inplace_unit_upstream_gradient_is_left_as_written(device):
+    # loss.backward() (upstream gradient exactly 1): the scale kernel exits without writing.
+    logits = make_logits((5, 37), device=device)
+    labels = make_labels((5,), 37, -100, device)
+    check_against_reference(logits, labels, -100, dloss=1.0, inplace_backward=True)
+
+
+def test_inplace_fp16_keeps_small_gradients_under_a_loss_scale(device):
+    # fp16 stores softmax - onehot unnormalised, so 1 / n_valid and a GradScaler-sized
+    # upstream gradient are applied together in fp32, not after an fp16 underflow.
+    logits = make_logits((64, 37), torch.float16, device) * 4
+    labels = make_labels((64,), 37, -100, device)
+    check_against_reference(logits, labels, -100, dloss=65536.0, inplace_backward=True)
+
+
+def test_inplace_is_pure_without_grad(device):
+    # Without autograd (no requires_grad, or no_grad) the logits are left untouched.
+    logits = make_logits((5, 37), device=device)
+    labels = make_labels((5,), 37, device=device)
+    before = logits.clone()
+    cross_entropy(logits, labels, use_triton=True, inplace_backward=True)
+    with torch.no_grad():
+        cross_entropy(logits.requires_grad_(), labels, use_triton=True, inplace_backward=True)
+    assert torch.equal(logits.detach(), before)
+
+
+def test_inplace_errors(device):
+    labels = make_labels((5,), 37, device=device)
+    # A node that saved the logits would read a gradient: autograd's version check catches it.
+    x = make_logits((5, 37), device=device).requires_grad_()
+    logits = x.exp()  # exp saves its output
+    loss = cross_entropy(logits, labels, use_triton=True, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # The buffer is scaled in place: a second backward through the same graph is refused.
+    x = make_logits((5, 37), device=device).requires_grad_()
+    loss = cross_entropy(x * 1.0, labels, use_triton=True, inplace_backward=True)
+    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_double_backward_raises(inplace, device):
+    x = make_logits((4, 37), device=device).requires_grad_()
+    labels = make_labels((4,), 37, device=device)
+    loss = cross_entropy(x * 1.0, labels, use_triton=True, inplace_backward=inplace)
+    # loss**2: the upstream gradient 2 * loss itself depends on x, so second-order terms exist
+    (g,) = torch.autograd.grad(loss * loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_registered_custom_ops(device):
+    # Schema and autograd registration; on a GPU also fake tensors and AOT tracing (the
+    # interpreter cannot run kernels on fake tensors).
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    logits = make_logits((2, 3, 37), device=device)
+    labels = make_labels((2, 3), 37, -100, device)
+    x = logits.clone().requires_grad_()
+    torch.library.opcheck(cross_entropy_op, (x, labels, -100), test_utils=tests)
+    torch.library.opcheck(cross_entropy_op, (x, labels, None), test_utils=tests)
+    _, lse, n_valid = cross_entropy_op(logits, labels, -100)
+    dloss = torch.tensor(1.3, device=device)
+    args = (dloss, logits, labels, lse, n_valid, -100)
+    torch.library.opcheck(cross_entropy_backward_op, args, test_utils=tests)
+    # The in-place pair: no autograd of their own (the autograd.Function wraps them).
+    mutable_tests = [t for t in tests if t != "test_autograd_registration"]
+    torch.library.opcheck(
+        cross_entropy_inplace_op, (logits.clone(), labels, -100), test_utils=mutable_tests
+    )
+    torch.library.opcheck(
+        cross_entropy_inplace_backward_op, (logits.clone(), dloss, n_valid),
+        test_utils=mutable_tests,
+    )  # fmt: skip
+
+
+def test_label_check_refuses_stream_capture(device, monkeypatch):
+    # The host check would replay a stale answer in a CUDA graph: it raises instead.
+    import triton_transformer.utils as utils_mod
+
+    monkeypatch.setattr(utils_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(utils_mod.torch.cuda, "is_current_stream_capturing", lambda: True)
+    logits = make_logits((4, 37), device=device)
+    labels = make_labels((4,), 37, device=device)
+    for use_triton in (False, True):
+        with pytest.raises(RuntimeError, match="check_labels=False"):
+            cross_entropy(logits, labels, use_triton=use_triton)
 
 
 # ---- realistic shapes on a GPU ---------------------------------------------------------------
@@ -244,3 +422,126 @@ def test_gpu_lm_batch_3d(device):
     logits = make_logits((8, 1025, 50257), torch.bfloat16, device)[:, :-1]
     labels = make_labels((8, 1025), 50257, -100, device)[:, 1:]
     check_against_reference(logits, labels, -100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 256), (4096, 32000), (512, 131072)], ids=str)
+def test_gpu_realistic_inplace(shape, dtype, device):
+    logits = make_logits(shape, dtype, device)
+    labels = make_labels(shape[:-1], shape[-1], -100, device)
+    labels[:7] = -100
+    logits[3] = float("-inf")  # an ignored row of -inf logits
+    check_against_reference(logits, labels, -100, inplace_backward=True, check_labels=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [256, 32000])
+def test_gpu_inplace_peak_memory(V, device):
+    # In place, forward + backward allocate only per-row buffers; the pure mode allocates a
+    # logits-sized gradient (checked too, so the measurement can fail).
+    n_rows = 16384
+    labels = make_labels((n_rows,), V, -100, device)
+    logits_bytes = n_rows * V * 2
+    extra = {}
+    for inplace in (False, True):
+        x = make_logits((n_rows, V), torch.bfloat16, device).requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = cross_entropy(
+            x.view(n_rows, V), labels, -100, use_triton=True, check_labels=False,
+            inplace_backward=inplace,
+        )  # fmt: skip
+        loss.backward()
+        torch.cuda.synchronize()
+        extra[inplace] = torch.cuda.max_memory_allocated() - base
+        if inplace:
+            assert x.grad.data_ptr() == x.data_ptr()
+        del x, loss
+    assert extra[False] >= logits_bytes
+    assert extra[True] <= 64 * n_rows + (1 << 20), extra  # a few fp32 per row + 1 MiB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_gpu_cuda_graph_capture(inplace, device):
+    # A captured forward+backward replays with fresh logits and labels in the static buffers.
+    V, n_rows = 1000, 512
+    h = make_logits((n_rows, 64), device=device).requires_grad_()
+    w = make_logits((64, V), device=device) * 0.1
+    labels = make_labels((n_rows,), V, -100, device)
+
+    def step():
+        loss = cross_entropy(
+            h @ w, labels, -100, use_triton=True, check_labels=False, inplace_backward=inplace
+        )
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    h.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    for _ in range(2):
+        h.data.copy_(make_logits(h.shape, device=device))
+        labels.copy_(make_labels((n_rows,), V, -100, device))
+        h.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_h = h.detach().double().requires_grad_()
+        ref = cross_entropy(ref_h @ w.double(), labels, -100)
+        ref.backward()
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+        assert rel_err(h.grad, ref_h.grad) <= 1e-5
+    # The host label check refuses to be captured.
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="check_labels=False"), torch.cuda.graph(graph):
+        cross_entropy(h @ w, labels, -100, use_triton=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_gpu_compiles_without_graph_breaks(inplace, device):
+    w = make_logits((64, 512), device=device) * 0.1
+    labels = make_labels((256,), 512, -100, device)
+
+    def f(h):
+        logits = (h.sin() @ w).float()
+        return cross_entropy(
+            logits, labels, -100, use_triton=True, check_labels=False, inplace_backward=inplace
+        )
+
+    h = make_logits((256, 64), device=device).requires_grad_()
+    explanation = torch._dynamo.explain(f)(h)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    loss = torch.compile(f)(h)
+    loss.backward()
+    ref_h = h.detach().double().requires_grad_()
+    ref = cross_entropy(ref_h.sin() @ w.double(), labels, -100)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    assert rel_err(h.grad, ref_h.grad) <= 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_compile_traces_without_graph_breaks_cpu():
+    # Dynamo (fullgraph: any graph break fails) and AOTAutograd's joint forward+backward trace
+    # of the Triton paths of cross_entropy (both modes), softmax and dropout, static and dynamic
+    # shapes, on CPU. A subprocess, because the kernels must be JITFunctions
+    # (TRITON_INTERPRET=0) for torch.library to trace them; no kernel runs.
+    script = Path(__file__).with_name("_compile_trace_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]

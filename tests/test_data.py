@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import io
+import os
 import socket
 import sys
 import sysconfig
@@ -328,6 +329,13 @@ def test_stdlib_corpus_deterministic(tmp_path):
 # Hugging Face
 
 
+@pytest.fixture(autouse=True)
+def _hub_never_online(monkeypatch):
+    """No test may reach the real hub: it 'answers' unless a test points HF_ENDPOINT at a
+    closed local port and asks for the real probe."""
+    monkeypatch.setattr(D, "hf_hub_reachable", lambda timeout=2.0: None)
+
+
 def test_hf_needs_datasets(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ImportError, match="pip install datasets"):
@@ -382,6 +390,29 @@ def test_hf_without_validation_split(tmp_path, monkeypatch):
     corpus = D.load_corpus("hf:someone/stories", tmp_path)
     text = "".join(f"story {i}\n" for i in range(100)).encode()
     assert joined(corpus) == text and len(corpus.valid) == round(len(text) * 0.05)
+
+
+def test_hf_offline_is_detected_before_load_dataset(tmp_path, monkeypatch, closed_port_url):
+    """A hub that refuses connections: the probe says so at once, and load_dataset only runs
+    in offline mode (the local cache), failing with a message instead of minutes of retries."""
+    monkeypatch.undo()  # the real probe, against 127.0.0.1 only
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url.rsplit("/", 1)[0])
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "0")  # restored after the test, whatever the loader sets
+    assert "unreachable" in D.hf_hub_reachable(timeout=2.0)
+
+    seen = []
+
+    def load_dataset(name, config):
+        seen.append(os.environ.get("HF_HUB_OFFLINE"))
+        raise FileNotFoundError("not in the cache")
+
+    fake = types.SimpleNamespace(load_dataset=load_dataset)
+    monkeypatch.setattr(D, "_import_datasets", lambda: fake)
+    with pytest.raises(ConnectionError, match="not in the local Hugging Face cache"):
+        D.load_corpus("hf:wikitext", tmp_path)
+    assert seen == ["1"]  # called once, offline
+    assert listing(tmp_path) == []
 
 
 def test_hf_texts_to_file_missing_column(tmp_path):
@@ -454,6 +485,27 @@ def test_eval_batches_cover_split_once(n, batch_size, seq_len):
     assert n - 1 - n_windows * seq_len < seq_len  # only a tail shorter than a window is left
 
 
+@pytest.mark.parametrize(
+    ("n", "seq_len", "max_bytes"), [(1000, 16, 0), (1000, 16, 160), (5001, 7, 50)]
+)
+def test_eval_window_starts(n, seq_len, max_bytes):
+    starts = D.eval_window_starts(n, seq_len, max_bytes)
+    n_windows = (n - 1) // seq_len
+    k = n_windows if max_bytes == 0 else max_bytes // seq_len
+    assert len(starts) == k and len(set(starts.tolist())) == k
+    assert (starts % seq_len == 0).all() and (starts + seq_len + 1 <= n).all()
+    assert (np.diff(starts) > 0).all()
+    if max_bytes:  # spread over the split, not its start
+        assert starts[-1] >= (n_windows - n_windows // k - 1) * seq_len
+    data = windows_data(n)
+    rows = D.windows_at(data, starts, seq_len)
+    assert rows.shape == (k, seq_len + 1) and rows.dtype == torch.int64
+    assert (rows[1, :].numpy() == data[starts[1] : starts[1] + seq_len + 1]).all()
+    # a budget larger than the split is the whole split; too small still scores a window
+    assert len(D.eval_window_starts(n, seq_len, 10 * n)) == n_windows
+    assert len(D.eval_window_starts(n, seq_len, 1)) == 1
+
+
 def test_eval_batches_max_batches():
     data = windows_data(1000)
     full = list(D.eval_batches(data, 4, 16))
@@ -504,3 +556,28 @@ def test_decode_replaces_bad_bytes_and_controls():
         D.decode_tokens(torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(TypeError, match="integers"):
         D.decode_tokens(np.array([1.5]))
+
+
+def test_download_of_a_forged_enwik8_is_refused(server, tmp_path):
+    """A zip whose member has enwik8's exact size and a correct CRC, but is not enwik8: the
+    published SHA-256 of the archive refuses it (size and CRC alone would accept it)."""
+    buf = io.BytesIO()
+    with (
+        zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf,
+        zf.open("enwik8", "w", force_zip64=False) as member,
+    ):
+        chunk = b"\0" * (1 << 20)
+        for _ in range(D.ENWIK8_SIZE // len(chunk)):
+            member.write(chunk)
+        member.write(b"\0" * (D.ENWIK8_SIZE % len(chunk)))
+    forged = buf.getvalue()
+    server.routes["/enwik8.zip"] = (200, forged, len(forged))
+    with pytest.raises(D.DownloadError, match=r"published enwik8\.zip"):
+        D.download_enwik8(tmp_path, url=server.url + "/enwik8.zip", progress=False)
+    assert listing(tmp_path) == []
+    # the check itself: the right size but other bytes
+    fake = tmp_path / "same_size.zip"
+    with fake.open("wb") as f:
+        f.truncate(36_445_475)
+    with pytest.raises(ValueError, match="SHA-256"):
+        D._check_sha256(fake, D.ENWIK8_ZIP_SHA256, 36_445_475)

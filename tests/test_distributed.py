@@ -172,6 +172,8 @@ def worker(spec_path: str) -> None:
             shutil.copy(trainer.checkpoint_path, dest / "checkpoint.pt")
         if step == spec.get("sigint_at") and rank == spec.get("sigint_rank"):
             os.kill(os.getpid(), signal.SIGINT)  # like torchrun passing on a Ctrl-C
+        if step == spec.get("sigterm_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's SIGTERM, passed to every rank
         if step == spec.get("fail_at") and rank == 1:
             if spec["how"] == "die":
                 os._exit(3)  # no cleanup at all, like a segfault or the OOM killer
@@ -183,6 +185,7 @@ def worker(spec_path: str) -> None:
         val_losses=result.val_losses,
         step=result.step,
         interrupted=result.interrupted,
+        stop_signal=result.stop_signal,
         world_size=result.world_size,
         tokens_per_s=result.tokens_per_s,
     )
@@ -434,6 +437,20 @@ def test_ctrl_c_on_one_rank_and_exact_resume_with_torchrun(tmp_path, corpus_file
     assert sorted(resumed) == [3, 4, 5, 6]  # the snapshot dir held only the checkpoint
     assert resumed[3] == r0["losses"][3] and resumed[4] == r0["losses"][4]
     assert load_checkpoint(snapshot)["step"] == 6
+
+
+def test_sigterm_on_every_rank_saves_and_stops_cleanly(tmp_path, corpus_file):
+    """SIGTERM (a scheduler preempting the job; torchrun passes it to every worker): all ranks
+    agree through the next step's all-reduce, save one checkpoint and exit cleanly."""
+    run_dir = tmp_path / "ddp"
+    values = tiny_overrides(run_dir, corpus_file, train__max_steps=6)
+    r0, r1 = Launch(tmp_path, "launch", {"config": values, "sigterm_at": 2}).results()
+    assert r0["interrupted"] and r1["interrupted"]
+    assert r0["stop_signal"] == r1["stop_signal"] == "SIGTERM"
+    assert r0["step"] == r1["step"] == 3  # the flag travels with step 3's all-reduce
+    ckpt = load_checkpoint(run_dir)
+    assert ckpt["step"] == 3 and len(ckpt["rng_ranks"]) == 2
+    _check_in_sync([r0, r1], [1, 2, 3])
 
 
 @pytest.mark.parametrize("how", ["die", "hang"])

@@ -12,7 +12,13 @@ import pytest
 import torch
 import triton
 
-from triton_transformer.dropout import BLOCK, _dropout_kernel, dropout, dropout_op
+from triton_transformer.dropout import (
+    BLOCK,
+    _dropout_kernel,
+    _strided_layout,
+    dropout,
+    dropout_op,
+)
 from triton_transformer.utils import draw_seed
 
 # Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
@@ -90,6 +96,36 @@ def test_non_contiguous_input(dtype, device):
         check_backward_uses_mask(x, 0.3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_upstream_gradients(dtype, device):
+    # Backward reads a non-contiguous gradient through its strides: expanded (stride 0, as
+    # from .sum() or a broadcast), transposed, and a 6-D one with too many dims (copied).
+    x = make_x((6, 7, 9), dtype, device).requires_grad_()
+    out = dropout(x, 0.4, use_triton=True)
+    kept = check_is_dropout_of(out.detach(), x.detach(), 0.4)
+    for dy in (
+        make_x((9,), dtype, device).expand(6, 7, 9),
+        make_x((9, 7, 6), dtype, device).permute(2, 1, 0),
+        make_x((6, 1, 9), dtype, device).expand(6, 7, 9),
+    ):
+        assert not dy.is_contiguous()
+        (dx,) = torch.autograd.grad(out, x, dy, retain_graph=True)
+        expected = torch.where(kept, dy.double() / 0.6, 0.0)
+        torch.testing.assert_close(dx.double(), expected, rtol=RTOL[dtype], atol=0)
+    x6 = make_x((2, 3, 4, 5, 6, 7), dtype, device)[:, ::2, :, ::2, :, ::2]
+    assert _strided_layout(x6) is None
+    check_backward_uses_mask(x6, 0.3)
+
+
+def test_strided_layout_merges_dims():
+    t = torch.empty(4, 5, 6)
+    assert _strided_layout(t[:, 1:3]) == ([1, 1, 4, 12], [0, 0, 30, 1])
+    assert _strided_layout(torch.empty(3).expand(2, 5, 3)) == ([1, 1, 10, 3], [0, 0, 0, 1])
+    assert _strided_layout(t.permute(2, 0, 1)) == ([1, 1, 6, 20], [0, 0, 1, 6])
+    assert _strided_layout(t.permute(2, 1, 0)) == ([1, 6, 5, 4], [0, 1, 6, 30])
+    assert _strided_layout(t[:, :, None, :]) == ([1, 1, 1, 120], [0, 0, 0, 1])
+
+
 def test_reproducible_under_manual_seed(device):
     x = make_x((64, 100), device=device)
     torch.manual_seed(1234)
@@ -123,7 +159,10 @@ def test_int64_offsets_path(device):
         out = torch.empty_like(x)
         grid = (triton.cdiv(x.numel(), BLOCK),)
         seed = torch.tensor(987, device=device)
-        _dropout_kernel[grid](x, out, x.numel(), 0.5, 2.0, seed, BLOCK=BLOCK, INT64=int64)
+        _dropout_kernel[grid](
+            x, seed, out, x.numel(), 32768, 2.0, 1, 1, 1, 0, 0, 0, 0,
+            STRIDED=False, BLOCK=BLOCK, INT64=int64,
+        )  # fmt: skip
         check_is_dropout_of(out, x, 0.5)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -226,6 +265,8 @@ def test_registered_custom_op(device):
     if device == "cuda":
         tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
     torch.library.opcheck(dropout_op, (x, 0.5, draw_seed(device)), test_utils=tests)
+    xt = make_x((33, 8), device=device).t().requires_grad_()  # the strided path
+    torch.library.opcheck(dropout_op, (xt, 0.5, draw_seed(device)), test_utils=tests)
 
 
 def test_double_backward_raises(device):

@@ -206,8 +206,10 @@ def test_generate_uses_eval_mode_and_no_grad_and_restores_mode(device):
     assert not model.net.training
 
 
-def test_generate_with_triton_matches_pytorch(device):
-    model = make_wrapper(device, depth=1, max_seq_len=8)
+@pytest.mark.parametrize("attn_impl", ["flash", "naive"])
+def test_generate_with_triton_matches_pytorch(device, attn_impl):
+    # the cache steps go through the fused kernel's decode path (flash) or the composition
+    model = make_wrapper(device, depth=1, max_seq_len=8, attn_impl=attn_impl)
     prompt = tokens(device, n=3)
     ref = model.generate(prompt, 7, temperature=0.0, use_triton=False)
     out = model.generate(prompt, 7, temperature=0.0, use_triton=True)

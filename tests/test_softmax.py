@@ -292,3 +292,80 @@ def test_gpu_transposed_and_neg_inf(device, dtype):
     y, dx, y64, dx64 = run_both(x, causal=True)
     assert_matches(y, y64, TOL[dtype])
     assert_matches(dx, dx64, TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration, double backward, capture and compile
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_registered_custom_ops(device, causal):
+    # Schema and autograd registration; on a GPU also fake tensors and AOT tracing (the
+    # interpreter cannot run kernels on fake tensors).
+    tests = ["test_schema", "test_autograd_registration"]
+    if device == "cuda":
+        tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    x = scores((2, 5, 7), device).requires_grad_()
+    torch.library.opcheck(softmax_mod.softmax_op, (x, causal), test_utils=tests)
+    y = softmax_mod.softmax_op(x.detach(), causal)
+    dy = torch.randn(7, device=device).expand(2, 5, 7)  # broadcast: read in place
+    torch.library.opcheck(softmax_mod.softmax_backward_op, (dy, y, causal), test_utils=tests)
+
+
+def test_double_backward_raises(device):
+    x = scores((4, 9), device).requires_grad_()
+    y = softmax(x, use_triton=True)
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cuda_graph_capture(device, causal):
+    x = scores((4, 8, 256, 256), device, torch.bfloat16).requires_grad_()
+    dy = scores(x.shape, device, torch.bfloat16)
+
+    def step():
+        softmax(x, causal=causal, use_triton=True).backward(dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = softmax(x, causal=causal, use_triton=True)
+        y.backward(dy)
+    for _ in range(2):
+        x.data.copy_(scores(x.shape, device, torch.bfloat16, scale=2.0))
+        graph.replay()
+        torch.cuda.synchronize()
+        x64 = x.detach().double().requires_grad_()
+        y64 = softmax(x64, causal=causal)
+        y64.backward(dy.double())
+        assert_matches(y, y64, TOL[torch.bfloat16])
+        assert_matches(x.grad, x64.grad, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_compiles_without_graph_breaks(device, causal):
+    def f(x):
+        return (softmax(x.sin(), causal=causal, use_triton=True) * x).sum()
+
+    x = scores((2, 4, 64, 64), device).requires_grad_()
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    out = torch.compile(f)(x)
+    out.backward()
+    x64 = x.detach().double().requires_grad_()
+    ref = (softmax(x64.sin(), causal=causal) * x64).sum()
+    ref.backward()
+    assert abs(out.item() - ref.item()) <= 1e-5 * ref.abs().item()
+    assert_matches(x.grad, x64.grad, 1e-5)

@@ -440,6 +440,8 @@ def test_cli_use_triton_on_cpu_warns(tmp_path, corpus_file):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "interpreter" in proc.stderr and "slow" in proc.stderr
+    # one "warning: ..." line, without the source line Python would print under it
+    assert "warning: model.use_triton" in proc.stderr and "warnings.warn(" not in proc.stderr
     assert "Triton kernels" in proc.stdout
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt["step"] == 1 and ckpt["config"]["model"]["use_triton"] is True
@@ -466,3 +468,132 @@ def test_gpu_bf16_autocast_training(tmp_path, corpus_file, corpus, use_triton):
     assert result.peak_mem_mb > 0
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all("peak_mem_mb" in r for r in records)
+
+
+# --------------------------------------------------------------------------- issue 10
+
+
+def test_validation_set_ignores_batch_size_and_world_size(tmp_path, corpus_file, corpus):
+    """The validation windows are a function of the data and eval.max_bytes: any batch size,
+    and any split of them over ranks, gives the same loss (up to float rounding)."""
+    from triton_transformer.distributed import DistInfo
+    from triton_transformer.evaluation import evaluate_loss
+
+    trainer = Trainer(
+        tiny_config(tmp_path / "run", corpus_file, eval__max_bytes=640), corpus=corpus
+    )
+    trainer.fit()
+    kwargs = dict(seq_len=32, max_bytes=640, device=trainer.device, autocast=trainer._autocast)
+    one = evaluate_loss(trainer.wrapper, corpus.valid, batch_size=16, **kwargs)
+    assert one["tokens"] == 640
+    for batch in (1, 4, 7):
+        other = evaluate_loss(trainer.wrapper, corpus.valid, batch_size=batch, **kwargs)
+        assert other["tokens"] == 640
+        assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+    # two ranks' shares (what the all-reduce sums), without a process group
+    shares = [
+        evaluate_loss(trainer.wrapper, corpus.valid, batch_size=4, dist=DistInfo(r, r, 2), **kwargs)
+        for r in range(2)
+    ]
+    total = sum(s["val_loss"] * s["tokens"] for s in shares) / sum(s["tokens"] for s in shares)
+    assert sum(s["tokens"] for s in shares) == 640
+    assert total == pytest.approx(one["val_loss"], rel=1e-6)
+    # the whole split on request
+    full = trainer.evaluate(max_bytes=0)
+    assert full["tokens"] == (len(corpus.valid) - 1) // 32 * 32
+
+
+def test_full_split_at_the_end(tmp_path, corpus_file, corpus):
+    config = tiny_config(
+        tmp_path / "run", corpus_file, train__max_steps=4, eval__eval_every=2, eval__max_bytes=64
+    )
+    result = train(config, corpus=corpus)
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert "full_val_loss" in records[-1] and "full_val_loss" not in records[1]
+    assert result.full_val_loss == records[-1]["full_val_loss"]
+    assert result.val_losses[4] == records[-1]["val_loss"]  # the periodic subset, as before
+    assert result.full_val_loss != result.val_losses[4]  # 64 bytes vs the whole split
+
+
+def test_ctrl_c_takes_effect_after_the_current_micro_batch(
+    tmp_path, corpus_file, corpus, reference_losses, monkeypatch
+):
+    """A SIGINT during micro-batch 1 of step 4 (of 2): micro-batch 2 is never drawn, the
+    checkpoint is step 3 with step 4's RNG draws rewound, and the resumed run is exact."""
+    run_dir = tmp_path / "run"
+    config = _split_config(run_dir, corpus_file)
+    calls = []
+    real_random_batch = trainer_mod.random_batch
+
+    def random_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 * 2 + 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler only sets the flag
+        return real_random_batch(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "random_batch", random_batch)
+    first = train(config, corpus=corpus)
+    assert first.interrupted and first.step == 3
+    assert len(calls) == 3 * 2 + 1  # stopped before the second micro-batch
+    monkeypatch.setattr(trainer_mod, "random_batch", real_random_batch)
+    second = train(config, resume=run_dir, corpus=corpus)
+    assert {**first.losses, **second.losses} == reference_losses
+
+
+def test_log_window_is_checkpointed(tmp_path, corpus_file, corpus):
+    """log_every=4, stopped at step 6: the resumed run's record at step 8 is the mean over
+    steps 5..8, as in the uninterrupted run, so metrics.jsonl matches line for line."""
+
+    def lines(run_dir):
+        timing = ("tokens_per_s", "train_time_s")
+        return [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in read_jsonl(run_dir / "metrics.jsonl")
+        ]
+
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    train(tiny_config(ref_dir, corpus_file, log__log_every=4), corpus=corpus)
+
+    def stop_at_6(trainer, step, info):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    config = tiny_config(run_dir, corpus_file, log__log_every=4)
+    assert train(config, corpus=corpus, callbacks=[stop_at_6]).interrupted
+    assert load_checkpoint(run_dir)["log_window"]["steps"] == 2
+    train(config, resume=run_dir, corpus=corpus)
+    assert lines(run_dir) == lines(ref_dir)
+    assert [r["step"] for r in lines(run_dir)] == [4, 8, 12]
+
+
+def test_mfu_from_known_peaks(monkeypatch):
+    from triton_transformer import metrics
+    from triton_transformer.transformer import Transformer
+
+    model = Transformer(num_tokens=256, dim=64, depth=2, heads=2, dim_head=32, max_seq_len=128)
+    n = sum(p.numel() for p in model.parameters()) - (256 + 128) * 64  # without embeddings
+    fpt = metrics.flops_per_token(model, depth=2, heads=2, dim_head=32, seq_len=128)
+    assert fpt == 6 * n + 12 * 2 * 2 * 32 * 128
+    assert metrics.peak_bf16_flops(torch.device("cpu")) is None
+    assert metrics.mfu(fpt, 1e6, None) is None  # unknown device: no MFU
+    assert metrics.mfu(1e9, 1e5, 1e15, devices=2) == pytest.approx(0.05)
+    names = {"NVIDIA H200": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA A100-SXM4-80GB": 312e12}
+    for name, peak in [*names.items(), ("Tesla V100-SXM2-16GB", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert metrics.peak_bf16_flops(torch.device("cuda", 0)) == peak
+
+
+def test_run_dir_refusals_in_process(tmp_path, corpus_file, corpus):
+    from triton_transformer.run_dir import RunDirError
+
+    run_dir = tmp_path / "run"
+    train(tiny_config(run_dir, corpus_file, train__max_steps=3), corpus=corpus)
+    with pytest.raises(RunDirError, match="--overwrite"):
+        Trainer(tiny_config(run_dir, corpus_file, train__max_steps=3), corpus=corpus)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    # resuming into a different, non-empty directory is a new run there: refused too
+    with pytest.raises(RunDirError, match="already holds files"):
+        Trainer(tiny_config(other, corpus_file), resume=run_dir, corpus=corpus)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]

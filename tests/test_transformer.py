@@ -171,12 +171,49 @@ def check_triton_parity(device, cfg, dtype, causal, b, n):
             assert err_tri < 32 * eps, (name, err_tri)
 
 
+@pytest.mark.parametrize("attn_impl", ["flash", "naive"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_matches_pytorch(device, causal):
+def test_triton_matches_pytorch(device, causal, attn_impl):
     """Logits, loss and every parameter gradient agree between the two paths (fp32, no
     dropout) and with a float64 reference."""
     cfg = dict(num_tokens=48, dim=32, max_seq_len=8, depth=2, heads=2, dim_head=16)
-    check_triton_parity(device, cfg, torch.float32, causal, b=2, n=8)
+    check_triton_parity(device, {**cfg, "attn_impl": attn_impl}, torch.float32, causal, b=2, n=8)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_and_naive_compute_the_same_function(device, causal):
+    # same parameters, same function; a fully padded row (all outputs meaningless but finite)
+    flash = make_model(device, causal=causal)
+    naive = make_model(device, causal=causal, attn_impl="naive")
+    naive.load_state_dict(flash.state_dict())
+    x = tokens(device)
+    mask = None
+    if not causal:
+        mask = torch.ones_like(x, dtype=torch.bool)
+        mask[0, 5:] = False
+        mask[1] = False
+    for use_triton in (False, True):
+        a = flash(x, mask, use_triton=use_triton)
+        b = naive(x, mask, use_triton=use_triton)
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        assert rel_err(a, b) < 1e-5, use_triton
+
+
+def test_attn_impl_is_checked(device):
+    with pytest.raises(ValueError, match="attn_impl"):
+        make_model(device, attn_impl="fast")
+
+
+def test_token_id_check_refuses_stream_capture(device, monkeypatch):
+    # The check reads a flag back from the device: under CUDA graph capture it must raise a
+    # clear error instead of syncing (simulated here on any machine).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    model = make_model(device)
+    with pytest.raises(RuntimeError, match="check_token_ids=False"):
+        model(tokens(device))
+    model.check_token_ids = False
+    assert model(tokens(device)).shape == (2, 12, VOCAB)
 
 
 def test_triton_built_model_loads_into_pytorch_model(device):
@@ -188,7 +225,8 @@ def test_triton_built_model_loads_into_pytorch_model(device):
     assert rel_err(tri(x), ref(x)) < 1e-5
 
 
-def test_use_triton_flag_reaches_every_op(device, monkeypatch):
+@pytest.mark.parametrize("attn_impl", ["flash", "naive"])
+def test_use_triton_flag_reaches_every_op(device, monkeypatch, attn_impl):
     """The constructor flag is the default; a per-call flag overrides it, for every op."""
     seen = []
 
@@ -199,18 +237,19 @@ def test_use_triton_flag_reaches_every_op(device, monkeypatch):
 
         return wrapped
 
-    for name in ("linear", "attention", "dropout", "cross_entropy"):
+    attn_op = "attention_packed" if attn_impl == "flash" else "attention_naive"
+    for name in ("linear", attn_op, "dropout", "cross_entropy"):
         monkeypatch.setattr(tt, name, spy(name, getattr(tt, name)))
     monkeypatch.setattr(LayerNorm, "forward", spy("layernorm", LayerNorm.forward))
 
-    model = make_model(device, depth=1, causal=True, use_triton=True)
+    model = make_model(device, depth=1, causal=True, use_triton=True, attn_impl=attn_impl)
     x = tokens(device)
     for call_flag, expected in [(None, True), (False, False), (True, True)]:
         seen.clear()
         model(x, labels=x, use_triton=call_flag)
         assert {name for name, _ in seen} == {
             "linear",
-            "attention",
+            attn_op,
             "dropout",
             "cross_entropy",
             "layernorm",
@@ -221,10 +260,14 @@ def test_use_triton_flag_reaches_every_op(device, monkeypatch):
 # --- KV cache ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_kv_cache_matches_full_forward(device, use_triton):
+@pytest.mark.parametrize(
+    "use_triton, attn_impl", [(False, "flash"), (True, "flash"), (True, "naive")]
+)
+def test_kv_cache_matches_full_forward(device, use_triton, attn_impl):
     n = 10 if not use_triton else 6
-    model = make_model(device, causal=True, max_seq_len=12, use_triton=use_triton).eval()
+    model = make_model(
+        device, causal=True, max_seq_len=12, use_triton=use_triton, attn_impl=attn_impl
+    ).eval()
     x = tokens(device, n=n)
     with torch.no_grad():
         full = model(x)

@@ -1,22 +1,830 @@
-"""Scaled dot-product attention composed of the package's ops: bmm -> softmax -> dropout -> bmm.
+"""Scaled dot-product attention: a fused FlashAttention kernel, the composed reference, and PyTorch.
 
-Not a fused flash-attention kernel: the (n_q, n_k) score matrix is materialized, which is
-fine for the short contexts of this model and keeps each piece testable on its own. Every
-op takes the same `use_triton`, so the PyTorch branch is the same composition in PyTorch.
+Three implementations of one semantics, softmax(q kᵀ · scale, masked) v:
+
+- `attention(..., use_triton=True)` and `attention_packed` run the fused Triton kernels below
+  (FlashAttention-2): the (n_q, n_k) score matrix is never stored.
+- `attention(..., use_triton=False)` is the PyTorch reference (`F.scaled_dot_product_attention`
+  where its semantics match ours, explicit math otherwise).
+- `attention_naive` is lucidrains' composition bmm -> softmax -> dropout -> bmm of the package's
+  own ops (the readable reference, `Transformer(attn_impl="naive")`), Triton or PyTorch.
+
+Semantics shared by all three:
+- causal attention is bottom-right aligned: query i sees keys j <= i + (n_k - n_q), so a
+  KV-cache step (n_q < n_k) is right;
+- `key_padding_mask` (b, n_k) bool, True = real token: padded keys get no weight;
+- a query row that sees no key at all (every key padded, or n_q > n_k under causal) outputs
+  zeros, never NaN, and passes no gradient;
+- dropout zeroes attention weights after the softmax, each with probability p, and scales the
+  rest by 1 / (1 - p).
+
+The fused kernels
+-----------------
+Forward: one program per (block of BLOCK_M queries, batch·head). It walks the key blocks with an
+online softmax in fp32 (scores in log2 units, exp2 with scale·log2(e) folded into one multiply),
+keeps the running max m, sum l and the output accumulator in registers, and writes the output
+and (only when a gradient is needed) the log-sum-exp per query row. Key blocks fully visible to
+every query of the block run without masks; only the causal diagonal and the ragged last key
+block are masked; blocks past the diagonal are never visited.
+
+Backward (no atomics, deterministic): a small kernel computes Δ_i = Σ_d dO·O; then one launch
+holds two kinds of programs: key-block programs accumulate dK, dV over the query blocks that see
+them, query-block programs accumulate dQ over the key blocks they see. Both recompute the
+probabilities from q, k and the log-sum-exp.
+
+Dropout draws keep/drop per (row, key) from Philox keyed by a seed tensor on the device
+(`utils.draw_seed`) and the batch·head index, counter = row · n_k + key: the backward
+regenerates the same mask, nothing is stored, and a CUDA graph replay draws a new mask.
+
+Layouts: q, k, v may have any strides (the model's are views of the packed qkv projection,
+(b, n, 3, h, d), read in place). The output is written as a contiguous (b, n_q, h, d) tensor,
+which the out-projection reads as (b, n_q, h·d) without a copy; `attention` returns its
+(b, h, n_q, d) view. `attention_packed` takes the qkv projection itself and its backward
+writes dq, dk and dv straight into one (b, n, 3·h·d) gradient.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
+from triton_transformer.utils import (
+    check_triton_tensor,
+    draw_seed,
+    interpreter_enabled,
+    next_power_of_2,
+)
+
+__all__ = ["HEAD_DIMS", "attention", "attention_naive", "attention_packed"]
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = tuple(range(16, 129, 16))  # head dims the fused kernels take
+_MAX_GRID_Y = 65535  # CUDA's limit on grid dims 1 and 2
 
 
-def _check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
-) -> None:
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bh_index():
+    """batch·head index of this program: grid dim 1, spilling into dim 2 when batch·head
+    exceeds CUDA's 65535 (the caller returns for indices >= b·h)."""
+    return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc) with fp32 accumulation; IEEE: exact products for fp32 operands (else the
+    default, tf32, which fp16/bf16 operands ignore)."""
+    if IEEE:  # noqa: SIM108
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
+    """Load/store mask of a (rows, BLOCK_D) tile: rows < n, and columns < HEAD_DIM if padded."""
+    mask = offs[:, None] < n
+    if PAD_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    return mask
+
+
+@triton.jit
+def _dropout_keep(seed, rows, cols, N_K, p, DROP_INT64: tl.constexpr):
+    """Keep mask (rows x cols broadcast) of the dropout on attention weights: Philox counter
+    row * n_k + key, so forward and backward tiles of any shape draw the same numbers."""
+    if DROP_INT64:  # noqa: SIM108
+        counter = rows.to(tl.int64) * N_K + cols
+    else:
+        counter = rows * N_K + cols
+    return tl.rand(seed, counter) >= p
+
+
+@triton.jit
+def _fwd_block(
+    acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
+    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
+    past each row's diagonal; otherwise every key of every block is visible.
+
+    FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row,
+    so each score costs one fused multiply-add, s·scale - m, before its exp2 (max commutes
+    with a positive scale; -inf masks stay -inf)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if INT64_ROWS:  # noqa: SIM108
+            rows_n = offs_n.to(tl.int64)
+        else:
+            rows_n = offs_n
+        if MASKED:
+            kmask = offs_n[None, :] < N_K
+            if PAD_D:
+                kmask = kmask & (offs_d[:, None] < HEAD_DIM)
+            k = tl.load(
+                k_base + rows_n[None, :] * skn + offs_d[:, None] * skd, mask=kmask, other=0.0
+            )
+        elif PAD_D:
+            k = tl.load(
+                k_base + rows_n[None, :] * skn + offs_d[:, None] * skd,
+                mask=offs_d[:, None] < HEAD_DIM, other=0.0,
+            )  # fmt: skip
+        else:
+            k = tl.load(k_base + rows_n[None, :] * skn + offs_d[:, None] * skd)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = _mm(q, k, None, IEEE)  # (BLOCK_M, BLOCK_N)
+        if FOLD_SCALE:
+            row_scale = qk_scale
+        else:
+            qk = qk * qk_scale  # log2 units
+            row_scale = 1.0
+        if MASKED:
+            visible = offs_n[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            qk = tl.where(visible, qk, float("-inf"))
+        if HAS_KPM:
+            real = tl.load(kpm_base + offs_n * skpm, mask=offs_n < N_K, other=0)
+            qk = tl.where(real[None, :] != 0, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
+        if MASKED or HAS_KPM:  # noqa: SIM108
+            # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead,
+            # so its p and alpha are exp2(-inf) = 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = tl.math.exp2(qk * row_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(seed, offs_m[:, None], offs_n[None, :], N_K, dropout_p, DROP_INT64)
+            p = tl.where(keep, p, 0.0)
+        if MASKED:
+            vmask = offs_n[:, None] < N_K
+            if PAD_D:
+                vmask = vmask & (offs_d[None, :] < HEAD_DIM)
+            v = tl.load(
+                v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=vmask, other=0.0
+            )
+        elif PAD_D:
+            v = tl.load(
+                v_base + rows_n[:, None] * svn + offs_d[None, :] * svd,
+                mask=offs_d[None, :] < HEAD_DIM, other=0.0,
+            )  # fmt: skip
+        else:
+            v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = _mm(p.to(v.dtype), v, acc, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# Lengths are not specialised (divisibility by 16 buys nothing behind masks), so a new sequence
+# length, e.g. each step of a growing KV cache, never recompiles.
+@triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
+def _attn_fwd_kernel(
+    Q, K, V, Out, LSE, KPM, SEED,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
+    skpm_b, skpm_n,
+    BH, H, N_Q, N_K, qk_scale, dropout_p, out_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+    DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+):  # fmt: skip
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    bh = _bh_index()
+    if bh >= BH:
+        return
+    n_blocks = tl.cdiv(N_Q, BLOCK_M)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = n_blocks - 1 - pid_m  # the longest rows (most key blocks) start first
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    if INT64_ROWS:  # noqa: SIM108
+        rows_m = offs_m.to(tl.int64)
+    else:
+        rows_m = offs_m
+
+    q_mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+    q = tl.load(
+        Q + b * sqb + h * sqh + rows_m[:, None] * sqn + offs_d[None, :] * sqd,
+        mask=q_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    kpm_base = KPM + b * skpm_b
+
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED) + (bh.to(tl.int64) << 32)  # one Philox key per batch·head
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    causal_off = N_K - N_Q  # query i sees keys j <= i + causal_off
+    m0 = pid_m * BLOCK_M
+    if CAUSAL:
+        # keys < m0 + causal_off + 1 are visible to every row of the block; rows end at
+        # m0 + BLOCK_M - 1 + causal_off; later key blocks are skipped altogether
+        full_end = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), N_K)
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + causal_off, 0), N_K)
+    else:
+        full_end = (N_K // BLOCK_N) * BLOCK_N
+        hi = N_K
+    acc, l_i, m_i = _fwd_block(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+        offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
+        BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
+        INT64_ROWS, IEEE, FOLD_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_block(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+        offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+        BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
+        INT64_ROWS, IEEE, FOLD_SCALE,
+    )  # fmt: skip
+
+    seen = l_i > 0.0  # rows that saw no key output zeros
+    inv_l = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    o_ptrs = Out + b * sob + h * soh + rows_m[:, None] * son + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
+    if WRITE_LSE:
+        # +inf for rows that saw nothing: the backward's exp2(s - lse) is then 0
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+        tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+
+
+@triton.jit(do_not_specialize=["BH", "H", "N_Q"])
+def _attn_bwd_delta_kernel(
+    Out, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    bh = _bh_index()
+    if bh >= BH:
+        return
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)
+    mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+    o = tl.load(
+        Out + b * sob + h * soh + rows[:, None] * son + offs_d[None, :], mask=mask, other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + rows[:, None] * sdon + offs_d[None, :] * sdod,
+        mask=mask, other=0.0,
+    )  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _bwd_dkdv_block(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+    offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
+    MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if INT64_ROWS:  # noqa: SIM108
+            rows_m = offs_m.to(tl.int64)
+        else:
+            rows_m = offs_m
+        mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+        q = tl.load(q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=mask, other=0.0)
+        do = tl.load(
+            do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        else:
+            do = do.to(q.dtype)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        qkT = _mm(k, tl.trans(q), None, IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
+        pT = tl.math.exp2(qkT - lse[None, :])
+        if MASKED:
+            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
+        dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
+        if DROPOUT:
+            keep = _dropout_keep(seed, offs_m[None, :], offs_n[:, None], N_K, dropout_p, DROP_INT64)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        dv = _mm(pdT.to(do.dtype), do, dv, IEEE)
+        dsT = pT * (dpT - delta[None, :])
+        dk = _mm(dsT.to(q.dtype), q, dk, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dq_block(
+    dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
+    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
+    HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
+    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block over key blocks [lo, hi). Keys >= n_k load as zero rows, so they
+    add nothing to dQ = dS K; MASKED applies the causal diagonal."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if INT64_ROWS:  # noqa: SIM108
+            rows_n = offs_n.to(tl.int64)
+        else:
+            rows_n = offs_n
+        mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
+        k = tl.load(k_base + rows_n[:, None] * skn + offs_d[None, :] * skd, mask=mask, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = _mm(q, tl.trans(k), None, IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_off, p, 0.0)
+        if HAS_KPM:
+            real = tl.load(kpm_base + offs_n * skpm, mask=offs_n < N_K, other=0)
+            p = tl.where(real[None, :] != 0, p, 0.0)
+        dp = _mm(do, tl.trans(v), None, IEEE)
+        if DROPOUT:
+            keep = _dropout_keep(seed, offs_m[:, None], offs_n[None, :], N_K, dropout_p, DROP_INT64)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = _mm(ds.to(k.dtype), k, dq, IEEE)
+    return dq
+
+
+@triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
+def _attn_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
+    sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    skpm_b, skpm_n,
+    BH, H, N_Q, N_K, qk_scale, sm_scale, dropout_p, drop_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+    DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
+    query block. Each output element is written by exactly one program: no atomics."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    bh = _bh_index()
+    if bh >= BH:
+        return
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    do_base = DO + b * sdob + h * sdoh
+    lse_base = LSE + bh.to(tl.int64) * N_Q
+    delta_base = DELTA + bh.to(tl.int64) * N_Q
+    kpm_base = KPM + b * skpm_b
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED) + (bh.to(tl.int64) << 32)
+    causal_off = N_K - N_Q  # query i sees keys j <= i + causal_off
+    n_kblocks = tl.cdiv(N_K, BLOCK_N1)
+    pid = tl.program_id(0)
+
+    if pid < n_kblocks:
+        n0 = pid * BLOCK_N1
+        offs_n = n0 + tl.arange(0, BLOCK_N1)
+        if INT64_ROWS:  # noqa: SIM108
+            rows_n = offs_n.to(tl.int64)
+        else:
+            rows_n = offs_n
+        kv_mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
+        k = tl.load(k_base + rows_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
+        if CAUSAL:
+            # rows i >= n0 - causal_off see some key of the block; rows
+            # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
+            lo = (tl.maximum(n0 - causal_off, 0) // BLOCK_M1) * BLOCK_M1
+            full_lo = tl.maximum(n0 + BLOCK_N1 - 1 - causal_off, 0)
+            full_lo = tl.minimum(
+                tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1
+            )
+            full_lo = tl.maximum(full_lo, lo)
+            dk, dv = _bwd_dkdv_block(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+                offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
+                drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
+                INT64_ROWS, IEEE,
+            )  # fmt: skip
+        else:
+            full_lo = 0
+        dk, dv = _bwd_dkdv_block(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+            offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
+            drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
+            INT64_ROWS, IEEE,
+        )  # fmt: skip
+        dk = dk * sm_scale
+        if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
+            real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
+            dk = tl.where(real[:, None] != 0, dk, 0.0)
+            dv = tl.where(real[:, None] != 0, dv, 0.0)
+        b_dk = DK + b * sdkb + h * sdkh + rows_n[:, None] * sdkn + offs_d[None, :] * sdkd
+        tl.store(b_dk, dk.to(DK.dtype.element_ty), mask=kv_mask)
+        b_dv = DV + b * sdvb + h * sdvh + rows_n[:, None] * sdvn + offs_d[None, :] * sdvd
+        tl.store(b_dv, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    else:
+        pid_m = pid - n_kblocks
+        if CAUSAL:
+            pid_m = tl.cdiv(N_Q, BLOCK_M2) - 1 - pid_m  # longest rows first
+        m0 = pid_m * BLOCK_M2
+        offs_m = m0 + tl.arange(0, BLOCK_M2)
+        if INT64_ROWS:  # noqa: SIM108
+            rows_m = offs_m.to(tl.int64)
+        else:
+            rows_m = offs_m
+        q_mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+        q = tl.load(q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
+        do = tl.load(
+            do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=q_mask, other=0.0
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        else:
+            do = do.to(q.dtype)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        dq = tl.zeros([BLOCK_M2, BLOCK_D], tl.float32)
+        if CAUSAL:
+            full_end = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), N_K)
+            full_end = (full_end // BLOCK_N2) * BLOCK_N2
+            hi = tl.minimum(tl.maximum(m0 + BLOCK_M2 + causal_off, 0), N_K)
+            dq = _bwd_dq_block(
+                dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+                offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+                drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
+                UPCAST, INT64_ROWS, IEEE,
+            )  # fmt: skip
+        else:
+            full_end = N_K
+        dq = _bwd_dq_block(
+            dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+            offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
+            drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
+            UPCAST, INT64_ROWS, IEEE,
+        )  # fmt: skip
+        dq = dq * sm_scale
+        b_dq = DQ + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
+        tl.store(b_dq, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
+    """Forward tiles for one problem class: a fixed table, not runtime autotuning (no
+    benchmarking on a first call, and the same tiles, hence the same summation order, on
+    every run). The entries are the usual Hopper choices of Triton's fused-attention tutorial,
+    NOT yet measured on this project's H200: `benchmarks/bench_attention.py --sweep` times the
+    candidates per (head dim, causal) and measures with the winners; copy them here."""
+    if dtype == torch.float32:  # ieee fp32 runs on FMA units: small tiles, few registers
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if decode:  # n_q <= 16: a few queries against a long KV cache
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    if d <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+@functools.cache
+def _bwd_config(d: int, dtype: torch.dtype, causal: bool) -> dict:
+    """Backward tiles: key blocks of BLOCK_N1 stepping over BLOCK_M1 queries (dK, dV), query
+    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ). See `_fwd_config`."""
+    if dtype == torch.float32:
+        return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+                "num_warps": 4, "num_stages": 2}  # fmt: skip
+    return {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
+            "num_warps": 4, "num_stages": 3 if d > 64 else 4}  # fmt: skip
+
+
+# Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
+# the ragged last block fall differently for queries and keys).
+_INTERP_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
+_INTERP_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}
+
+
+@functools.cache
+def _dtype_meta(d: int, dtype: torch.dtype) -> dict:
+    """Launch settings fixed by head dim and dtype (cached; read the environment once)."""
+    interpret = interpreter_enabled()
+    fp32 = dtype == torch.float32
+    return {
+        "interpret": interpret,
+        "BLOCK_D": max(16, next_power_of_2(d)),
+        # Interpreter: no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
+        "UPCAST": interpret and dtype == torch.bfloat16,
+        # exact fp32 products for fp32 inputs (tf32 would cost ~1e-3)
+        "IEEE": fp32 or (interpret and dtype == torch.bfloat16),
+    }
+
+
+def _launch_meta(q, k, v) -> dict:
+    """Launch settings of one call. Plain arithmetic on sizes (no cache keyed on sizes, which
+    may be symbolic under torch.compile): 64-bit offsets only where products can pass 2**31;
+    batch·head spills from grid dim 1 into dim 2 past CUDA's 65535."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    bh = b * h
+    return {
+        **_dtype_meta(int(d), q.dtype),
+        "DROP_INT64": bool(n_q * n_k >= 2**31),
+        "INT64_ROWS": bool(_max_row_offset(q, k, v) >= 2**31),
+        "grid_bh": (bh, 1) if bh <= _MAX_GRID_Y else (_MAX_GRID_Y, -(-bh // _MAX_GRID_Y)),
+    }
+
+
+def _max_row_offset(*tensors: torch.Tensor) -> int:
+    # the largest in-head offset a kernel computes: row index * row stride (+ head dim)
+    return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
+
+
+def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
+    """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
+    lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only)."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    meta = _launch_meta(q, k, v)
+    has_kpm = kpm is not None
+    dropping = dropout_p > 0.0
+    kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
+    args = (
+        q, k, v, out, lse, kpm_arg, seed if dropping else q,
+        *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
+        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
+        b * h, h, n_q, n_k, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
+    )  # fmt: skip
+    consts = dict(
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
+        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
+        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+        FOLD_SCALE=scale > 0,
+    )  # fmt: skip
+    gy, gz = meta["grid_bh"]
+    if config is None:
+        config = (
+            _INTERP_FWD
+            if meta["interpret"]
+            else _fwd_config(bool(n_q <= 16), int(d), q.dtype, causal)
+        )
+    grid = (-(-n_q // config["BLOCK_M"]), gy, gz)
+    wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, **config)
+    return out, lse
+
+
+def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None):
+    """Launch the backward: fills dq, dk, dv (any strides) for (b, h, n, d) views; `out` and
+    `dout` are (b, n_q, h, d) tensors (dout of any strides)."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if n_q == 0 or n_k == 0 or b * h == 0:
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
+    meta = _launch_meta(q, k, v)
+    has_kpm = kpm is not None
+    dropping = dropout_p > 0.0
+    gy, gz = meta["grid_bh"]
+    delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
+    bm = 64 if not meta["interpret"] else 32
+    wrap_triton(_attn_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
+        out, dout, delta, out.stride(0), out.stride(2), out.stride(1),
+        dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
+    )  # fmt: skip
+    args = (
+        q, k, v, dout, dq, dk, dv, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
+        seed if dropping else q,
+        *q.stride(), *k.stride(), *v.stride(),
+        dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
+        *dq.stride(), *dk.stride(), *dv.stride(),
+        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
+        b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_p, 1.0 / (1.0 - dropout_p),
+    )  # fmt: skip
+    consts = dict(
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
+        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
+        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+    )  # fmt: skip
+    if config is None:
+        config = _INTERP_BWD if meta["interpret"] else _bwd_config(int(d), q.dtype, causal)
+    n_prog = -(-n_k // config["BLOCK_N1"]) + -(-n_q // config["BLOCK_M2"])
+    wrap_triton(_attn_bwd_kernel)[(n_prog, gy, gz)](*args, **consts, **config)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops
+# ---------------------------------------------------------------------------------------------
+
+
+@triton_op("triton_transformer::flash_attention", mutates_args=())
+def flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention of (b, h, n, d) q, k, v (any strides). Returns the output as a
+    contiguous (b, n_q, h, d) tensor and the per-row log-sum-exp (b·h, n_q) in log2 units
+    (empty unless need_lse). seed: 0-dim int64 device tensor, used when dropout_p > 0."""
+    return _fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
+
+
+@triton_op("triton_transformer::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (shaped and laid out like q, k, v where those are dense) from dout, the
+    (b, n_q, h, d) gradient of `flash_attention_op`'s output."""
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    _bwd(dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
+
+
+@once_differentiable
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    q, k, v, out, lse, kpm, seed = ctx.saved_tensors
+    if lse.numel() == 0 and out.numel() != 0:
+        raise RuntimeError("flash_attention was called with need_lse=False; cannot backward")
+    dq, dk, dv = flash_attention_backward_op(
+        dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _split_packed(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (b, n, 3, h, d) -> three (b, h, n, d) views
+    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+
+
+@triton_op("triton_transformer::flash_attention_packed", mutates_args=())
+def flash_attention_packed_op(
+    qkv: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-attention over a packed (b, n, 3, h, d) qkv tensor (any strides): q, k, v are
+    read in place. Same outputs as `flash_attention_op`."""
+    q, k, v = _split_packed(qkv)
+    return _fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
+
+
+@triton_op("triton_transformer::flash_attention_packed_backward", mutates_args=())
+def flash_attention_packed_backward_op(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """d(qkv) as one contiguous (b, n, 3, h, d) tensor: the kernel writes dq, dk and dv
+    into its three slices (no concatenation)."""
+    dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    q, k, v = _split_packed(qkv)
+    dq, dk, dv = _split_packed(dqkv)
+    _bwd(dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv)
+    return dqkv
+
+
+def _packed_setup_context(ctx, inputs, output) -> None:
+    qkv, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, kpm, seed)
+
+
+@once_differentiable
+def _packed_backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    qkv, out, lse, kpm, seed = ctx.saved_tensors
+    if lse.numel() == 0 and out.numel() != 0:
+        raise RuntimeError("flash_attention_packed was called with need_lse=False")
+    dqkv = flash_attention_packed_backward_op(
+        dout, qkv, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
+    )
+    return dqkv, None, None, None, None, None, None
+
+
+flash_attention_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and the public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if math.isnan(dropout_p) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
+def _check_scale(scale, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_inputs(q, k, v, key_padding_mask, use_triton: bool) -> None:
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -24,13 +832,18 @@ def _check_inputs(
             raise ValueError(f"{name} must be 4-D (b, h, n, d), got shape {tuple(t.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v need one device, got {q.device}, {k.device}, {v.device}")
     if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
         raise ValueError(
             f"q, k, v need the same (b, h), got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k need one head dim, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        raise ValueError(
+            f"q, k, v need one head dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v need one length n_k, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if key_padding_mask is not None:
@@ -44,6 +857,42 @@ def _check_inputs(
             )
         if key_padding_mask.device != k.device:
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, k on {k.device}")
+    if use_triton:
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_triton_tensor(t, name)
+        if q.shape[-1] not in HEAD_DIMS:
+            raise ValueError(
+                f"head dim {q.shape[-1]} is not supported by the fused attention kernel "
+                f"(multiples of 16 from 16 to 128); use use_triton=False"
+            )
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _reference(q, k, v, causal, key_padding_mask, dropout_p, scale) -> torch.Tensor:
+    """The PyTorch semantics: SDPA where it agrees with ours, explicit math elsewhere."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if key_padding_mask is None and (not causal or n_q == n_k) and n_q and n_k:
+        # SDPA's causal mask is top-left aligned, equal to ours only when n_q == n_k; then
+        # every row sees key 0, so no row is empty
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal and n_q > 1, scale=scale
+        )
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril(n_k - n_q)  # query i sees keys j <= i + n_k - n_q
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    # A finite fill keeps an all-masked row finite; multiplying by `visible` then zeroes it
+    # (and passes it no gradient), while visible weights are unchanged.
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    attn = torch.softmax(scores, dim=-1) * visible
+    if dropout_p > 0.0:
+        attn = F.dropout(attn, p=dropout_p)
+    return torch.matmul(attn, v)
 
 
 def attention(
@@ -55,34 +904,115 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     training: bool = True,
+    scale: float | None = None,
     use_triton: bool = False,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), masked) v.
+    """softmax(q kᵀ · scale, masked) v, as `F.scaled_dot_product_attention`.
 
     Args:
-        q: (b, h, n_q, d) queries.
-        k: (b, h, n_k, d) keys.
-        v: (b, h, n_k, d_v) values (d_v is usually d).
-        causal: query i sees keys j <= i + (n_k - n_q): bottom-right aligned, so a KV-cache
-            step (n_q < n_k) works. Rows that see no key (n_q > n_k) output zeros.
-        key_padding_mask: optional (b, n_k) bool, True = real token. Padded keys get the
-            most negative finite score, so a fully padded row averages v instead of NaN.
+        q: (b, h, n_q, d) queries; k, v: (b, h, n_k, d). Any strides. Triton: fp32/fp16/bf16
+            on CUDA, d a multiple of 16 from 16 to 128.
+        causal: query i sees keys j <= i + (n_k - n_q) (bottom-right aligned: a KV-cache step
+            with n_q < n_k is right).
+        key_padding_mask: optional (b, n_k) bool, True = real token.
         dropout_p: dropout on the attention weights (only when `training`).
-        use_triton: run bmm, softmax and dropout as Triton kernels.
+        scale: score scale; None means 1 / sqrt(d).
+        use_triton: run the fused FlashAttention kernel (else the PyTorch reference).
 
     Returns:
-        (b, h, n_q, d_v) tensor of q's dtype.
+        (b, h, n_q, d) in q's dtype. A row that sees no key is zeros. From the Triton path it
+        is a view of a contiguous (b, n_q, h, d) tensor, so `out.transpose(1, 2)` reshapes to
+        (b, n_q, h·d) without a copy.
     """
-    _check_inputs(q, k, v, key_padding_mask)
-    d = q.shape[-1]
-    scale = d**-0.5 if d > 0 else 1.0
+    _check_inputs(q, k, v, key_padding_mask, use_triton)
+    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
+    if not use_triton:
+        return _reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
+    seed = draw_seed(q.device) if dropout_p > 0.0 else None
+    out, _ = flash_attention_op(
+        q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v)
+    )
+    return out.transpose(1, 2)
+
+
+def attention_packed(
+    qkv: torch.Tensor,
+    heads: int,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    scale: float | None = None,
+    use_triton: bool = False,
+) -> torch.Tensor:
+    """Self-attention over the packed qkv projection output.
+
+    qkv: (b, n, 3·h·d), laid out as (b, n, 3, h, d) (q, k, v; then heads): the output of
+        one `x @ W_qkvᵀ`. The kernel reads q, k and v in place, and its backward writes
+        d(qkv) as one tensor.
+    Returns (b, n, h·d), ready for the out-projection (no copy on the Triton path).
+    Other arguments as in `attention`.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError(f"qkv must be a (b, n, 3·h·d) tensor, got {getattr(qkv, 'shape', qkv)}")
+    if not isinstance(heads, int) or heads < 1 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(f"qkv's last dim {qkv.shape[-1]} is not 3 · heads ({heads}) · d")
+    b, n, _ = qkv.shape
+    qkv5 = qkv.unflatten(-1, (3, heads, -1))  # a view
+    q, k, v = _split_packed(qkv5)
+    if not use_triton:
+        out = attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+            training=training, scale=scale, use_triton=False,
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(b, n, -1)
+    _check_inputs(q, k, v, key_padding_mask, use_triton=True)
+    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
+    seed = draw_seed(qkv.device) if dropout_p > 0.0 else None
+    out, _ = flash_attention_packed_op(
+        qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv)
+    )
+    return out.view(b, n, -1)
+
+
+def attention_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    scale: float | None = None,
+    use_triton: bool = False,
+) -> torch.Tensor:
+    """The same attention composed of the package's ops: bmm -> softmax -> dropout -> bmm.
+
+    lucidrains' design, kept as the readable reference (`Transformer(attn_impl="naive")`):
+    the (n_q, n_k) score matrix is materialised. Every op takes `use_triton`. Same arguments,
+    semantics and result as `attention` (any head dim).
+    """
+    _check_inputs(q, k, v, key_padding_mask, use_triton=False)
+    if use_triton:
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_triton_tensor(t, name)
+    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
     # k's transposed view goes to bmm as is: its kernel reads strides, so nothing is copied.
     scores = bmm(q * scale, k.transpose(-1, -2), use_triton=use_triton)
     if key_padding_mask is not None:
         # In place is safe: bmm's backward needs its inputs, not this output. A finite fill
         # (not -inf) keeps a fully padded row from becoming 0/0.
-        fill = -torch.finfo(scores.dtype).max
-        scores.masked_fill_(~key_padding_mask[:, None, None, :], fill)
+        scores.masked_fill_(~key_padding_mask[:, None, None, :], -torch.finfo(scores.dtype).max)
+    # the softmax masks causally itself, and outputs zeros for rows that see no key (n_q > n_k)
     attn = softmax(scores, causal=causal, use_triton=use_triton)
-    attn = dropout(attn, p=dropout_p, training=training, use_triton=use_triton)
+    if key_padding_mask is not None:
+        # zero the padded keys' weights: already ~0 in rows with a real key, and a row whose
+        # every visible key is padded (uniform weights from the finite fill) becomes zeros
+        attn = attn * key_padding_mask[:, None, None, :].to(attn.dtype)
+    attn = dropout(attn, p=dropout_p, training=True, use_triton=use_triton)
     return bmm(attn, v, use_triton=use_triton)

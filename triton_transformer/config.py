@@ -76,6 +76,7 @@ class ModelConfig:
     ff_dropout: float = 0.1
     ff_mult: int = 4
     use_triton: bool = False
+    attn_impl: str = "flash"  # "flash" (fused kernel) or "naive" (bmm -> softmax -> bmm)
 
 
 @dataclass
@@ -402,6 +403,8 @@ def _check(c: Config) -> list[str]:
         val = getattr(m, name)
         if not 0.0 <= val < 1.0:
             p.append(f"model.{name}={val} must be in [0, 1)")
+    if m.attn_impl not in ("flash", "naive"):
+        p.append(f"model.attn_impl={m.attn_impl!r} must be 'flash' or 'naive'")
 
     if not c.data.source.strip():
         p.append("data.source is empty")

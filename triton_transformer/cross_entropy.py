@@ -1,182 +1,448 @@
-"""Cross entropy over a vocabulary: a fused Triton kernel and the PyTorch reference.
+"""Cross entropy over a vocabulary: fused Triton kernels and the PyTorch reference.
 
 `cross_entropy(logits, labels)` is the mean negative log-likelihood of `labels` under
 softmax(logits), over the positions whose label is not `ignore_index`.
 
-Triton path (one program per row, looping over the vocabulary in blocks so V = 50k is fine):
-- forward: online logsumexp (running max + rescaled running sum, one exp per logit), then
-  loss_row = lse - x[label]. Only lse (fp32, one per row) is saved for backward.
-- backward: dlogits = (softmax(x) - onehot(label)) * dloss / n_valid, recomputing softmax from
-  the saved logits and lse, written in the logits' dtype.
-- the mean over rows is a torch `sum` of the per-row losses and valid flags (deterministic,
-  no atomics), divided on the device: no host sync anywhere.
+Triton path. Rows of up to `FWD_MAX_BLOCK` classes are held whole in registers (several short
+rows per program); longer rows loop over the vocabulary with an online log-sum-exp
+(`_jit_helpers.online_lse_update`, shared with softmax). Ignored rows read nothing: their
+loads are masked off, their loss is 0 and their gradient exactly 0 (an ignored row of -inf
+logits gives 0, never NaN). The mean is a fixed-order reduction in one small program (no
+atomics: deterministic), divided on the device: no host sync anywhere.
 
-Why recompute in backward rather than Liger-Kernel's trick (write the gradient into the logits
-buffer during forward)? The trick saves one (rows, V) buffer and one read, but it overwrites
-the caller's logits and needs the upstream gradient to be 1 (or a second pass). Recomputing
-keeps the op pure and its memory the same as `F.cross_entropy`, which also keeps a (rows, V)
-tensor (its log-softmax) for backward.
+Two modes:
+- default (`inplace_backward=False`): the op is pure. Forward saves the per-row log-sum-exp
+  (fp32, one per row); backward recomputes softmax from the logits and writes
+  dlogits = (softmax - onehot) * dloss / n_valid into a new tensor. Memory as
+  `F.cross_entropy`.
+- `inplace_backward=True` (Liger-Kernel's trick; for the model's loss path, where nothing
+  reads the logits afterwards): forward overwrites the logits with d(loss)/d(logits) for an
+  upstream gradient of 1, while it computes the loss. Backward multiplies that buffer in place
+  by the upstream gradient, a 0-d device tensor read inside the kernel: when it is exactly 1
+  (a plain `loss.backward()`) every program returns at once. Extra memory: per-row buffers
+  only. fp16 logits store (softmax - onehot) and apply 1 / n_valid in backward too, so small
+  gradients do not underflow before a GradScaler's factor reaches them.
+  The mutation is declared to torch (`mutates_args`), so autograd raises if another node
+  saved the logits, and torch.compile keeps the kernel in place. One backward per forward
+  (the buffer is scaled in place; `retain_graph` reuse raises).
 
-Conventions shared by both branches:
-- All positions ignored (or no positions at all): the loss is 0 and its gradient is 0
-  (torch's mean reduction would give NaN = 0/0).
-- A label outside [0, V) that is not `ignore_index` is an error. The PyTorch branch always
-  checks (one host sync on CUDA). The Triton branch does not sync: the kernel makes that row's
-  loss and gradient NaN, so the mean is NaN. Turn on the debug path,
-  `torch.autograd.set_detect_anomaly(True)`, and the Triton branch checks on the host too and
-  raises a ValueError naming the bad label.
+Labels. A label outside [0, V) that is not `ignore_index` is an error. With
+`check_labels=True` (the default, for library users) both branches check on the host (one
+sync), and raise a clear error if called during CUDA stream capture. With `check_labels=False`
+(inside a training step) nothing syncs: the Triton kernels make that row's loss and gradient
+NaN, so the mean is NaN. `torch.autograd.set_detect_anomaly(True)` turns the check back on.
+
+All positions ignored (or no positions at all): the loss is 0 and its gradient is 0 (torch's
+mean reduction would give NaN = 0/0).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import as_rows, calc_num_warps, check_triton_tensor, row_block_size
+from triton_transformer._jit_helpers import (
+    NEG_INF,
+    lse_from_stats,
+    online_lse_update,
+    tile_exp,
+)
+from triton_transformer.utils import (
+    calc_num_warps,
+    cdiv,
+    check_not_capturing,
+    check_triton_tensor,
+    row_block_size,
+)
 
-# Largest vocabulary block a program holds at once; longer rows loop over blocks. Measured on an
-# H200 at (4096, 50257): forward best with 4096 and 4 warps (fp32 at ~4 TB/s), backward with
-# 8192 and 16 warps (4096 with 16 warps was 25% slower in fp32).
-FWD_MAX_BLOCK = 4096
+# Longest row the forward holds in registers in one pass, and the backward's block; longer rows
+# loop over blocks of this size. Short rows are packed several per program, so that a tile
+# holds about ROW_TILE elements. Module-level so tests can reach the looped paths and
+# benchmarks can sweep them (`benchmarks/bench_cross_entropy.py --sweep`; not yet tuned on an
+# H200: 16384 / 32 warps follows Liger-Kernel's H100 choice of 32768-element blocks, 32 warps).
+FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
+ROW_TILE = 4096
+# Warps per program; None: derived from the tile size (benchmarks sweep these).
+FWD_NUM_WARPS: int | None = None
+BWD_NUM_WARPS: int | None = None
+# Block of the one-program reductions (loss sum, valid count): up to 8192 rows are summed in
+# one iteration, so that step costs about one memory latency, not one per 1024 rows. (Fixed,
+# not sized to the row count, so the row count may stay symbolic under torch.compile.)
+MAX_REDUCE_BLOCK = 8192
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offsets(rows, n_inner, stride_outer, stride_inner):
+    """Offsets of rows r = outer * n_inner + inner of a (outer, inner, ...) strided view."""
+    outer = rows // n_inner
+    return outer * stride_outer + (rows - outer * n_inner) * stride_inner
+
+
+@triton.jit
+def _load_labels(
+    LABELS, rows, n_rows, n_inner, stride_labels_outer, stride_labels_inner, ignore_index,
+    HAS_IGNORE: tl.constexpr,
+):  # fmt: skip
+    """(label, valid) for `rows`: valid is False past the end and for ignored rows."""
+    row_ok = rows < n_rows
+    offs = _row_offsets(rows, n_inner, stride_labels_outer, stride_labels_inner)
+    label = tl.load(LABELS + offs, mask=row_ok, other=0)
+    valid = row_ok
+    if HAS_IGNORE:
+        valid = valid & (label != ignore_index)
+    return label, valid
 
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    Logits,
-    Labels,
-    Out,  # (2, n_rows) fp32: row 0 per-row loss (0 if ignored), row 1 valid flag (1.0 / 0.0)
-    Lse,  # (n_rows,) fp32 logsumexp, NaN for a bad label
-    n_rows,
-    V,
-    stride_row,
-    stride_label,
-    ignore_index,
-    HAS_IGNORE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_ptr = Logits + row * stride_row
-    label = tl.load(Labels + row * stride_label)
-    cols = tl.arange(0, BLOCK)
+    LOGITS, LABELS, N_VALID, LOSS, LSE,
+    stride_logits_outer, stride_logits_inner, stride_labels_outer, stride_labels_inner,
+    n_rows, n_inner, n_cols, ignore_index,
+    HAS_IGNORE: tl.constexpr, WRITE_GRAD: tl.constexpr, NORMALIZE_GRAD: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per-row loss (0 if ignored) into LOSS and, unless WRITE_GRAD, the row's log-sum-exp into
+    LSE. WRITE_GRAD: overwrite the logits with (softmax - onehot), times 1 / n_valid when
+    NORMALIZE_GRAD (n_valid read from N_VALID, or n_rows without ignore_index)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    row_ok = rows < n_rows
+    label, valid = _load_labels(
+        LABELS, rows, n_rows, n_inner, stride_labels_outer, stride_labels_inner, ignore_index,
+        HAS_IGNORE,
+    )  # fmt: skip
+    x_row = LOGITS + _row_offsets(rows, n_inner, stride_logits_outer, stride_logits_inner)
+    in_range = (label >= 0) & (label < n_cols)
+    x_label = tl.load(x_row + label, mask=valid & in_range, other=0.0).to(tl.float32)
+    # A bad label poisons its row (loss and gradient) with NaN.
+    poison = tl.where(valid & ~in_range, float("nan"), 0.0)
+    grad_scale = 1.0
+    if NORMALIZE_GRAD:
+        n_valid = tl.maximum(tl.load(N_VALID), 1.0) if HAS_IGNORE else n_rows
+        grad_scale = 1.0 / n_valid
+    cols = tl.arange(0, BLOCK_N)[None, :]
 
-    # Online logsumexp: m is the running max, s the sum of exp(x - m).
-    m = float("-inf")
-    s = 0.0
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        x = tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # A block of only -inf logits (so far) would give exp(-inf - -inf) = NaN: shift by 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-        m = m_new
-    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+    if SINGLE_PASS:
+        # Ignored rows load nothing (all -inf), so their stats are m = -inf, s = 0.
+        x = tl.load(x_row + cols, mask=valid & (cols < n_cols), other=NEG_INF).to(tl.float32)
+        m, e, s = tile_exp(x)
+        lse = lse_from_stats(m, s) + poison
+        if WRITE_GRAD:
+            p = e * (1.0 / tl.where(valid, s, 1.0) + poison)  # (ignored rows: e = 0)
+            g = tl.where(valid, (p - tl.where(cols == label, 1.0, 0.0)) * grad_scale, 0.0)
+            tl.store(x_row + cols, g.to(LOGITS.dtype.element_ty), mask=row_ok & (cols < n_cols))
+    else:
+        m = tl.full([BLOCK_M, 1], NEG_INF, tl.float32)
+        s = tl.zeros([BLOCK_M, 1], tl.float32)
+        n_read = tl.max(tl.where(valid, n_cols, 0))  # 0 for an ignored row: no loop at all
+        for start in range(0, n_read, BLOCK_N):
+            c = start + cols
+            x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
+            m, s = online_lse_update(m, s, x)
+        lse = lse_from_stats(m, s) + poison
+        if WRITE_GRAD:
+            lse_g = tl.where(valid, lse, 0.0)  # ignored rows: exp(-inf - 0) = 0, not NaN
+            # The second read of the row mostly hits L2.
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
+                p = tl.exp(x - lse_g)
+                g = tl.where(valid, (p - tl.where(c == label, 1.0, 0.0)) * grad_scale, 0.0)
+                tl.store(x_row + c, g.to(LOGITS.dtype.element_ty), mask=row_ok & (c < n_cols))
 
-    in_range = (label >= 0) & (label < V)
-    x_label = tl.load(x_ptr + label, mask=in_range, other=0.0).to(tl.float32)
-    bad = ~in_range
-    valid = 1.0
-    if HAS_IGNORE:
-        ignored = label == ignore_index
-        bad = bad & ~ignored
-        valid = tl.where(ignored, 0.0, 1.0)
-    # A bad label poisons its row (loss and, through lse, gradient) with NaN.
-    lse = tl.where(bad, float("nan"), lse)
-    loss = lse - x_label
-    if HAS_IGNORE:
-        loss = tl.where(ignored, 0.0, loss)
-    tl.store(Out + row, loss)
-    tl.store(Out + n_rows + row, valid)
-    tl.store(Lse + row, lse)
+    tl.store(LOSS + rows, tl.where(valid, lse - x_label, 0.0), mask=row_ok)
+    if not WRITE_GRAD:
+        tl.store(LSE + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    Logits,
-    Labels,
-    Lse,
-    Totals,  # (2,) fp32: [sum of losses, number of valid rows]
-    DLoss,  # 0-d upstream gradient
-    DLogits,
-    V,
-    stride_row,
-    stride_label,
-    stride_drow,
-    ignore_index,
-    HAS_IGNORE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_ptr = Logits + row * stride_row
-    dx_ptr = DLogits + row * stride_drow
-    label = tl.load(Labels + row * stride_label)
-    lse = tl.load(Lse + row)
-    # d(mean)/d(loss_row) = 1 / max(n_valid, 1); the max makes the all-ignored case 0, not NaN.
-    scale = tl.load(DLoss).to(tl.float32) / tl.maximum(tl.load(Totals + 1), 1.0)
-    if HAS_IGNORE:
-        scale = tl.where(label == ignore_index, 0.0, scale)
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    LOGITS, LABELS, LSE, N_VALID, DLOSS, DX,
+    stride_logits_outer, stride_logits_inner, stride_labels_outer, stride_labels_inner,
+    stride_dx, n_rows, n_inner, n_cols, ignore_index,
+    HAS_IGNORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """DX = (softmax(x) - onehot(label)) * dloss / max(n_valid, 1); 0 on ignored rows, whose
+    logits are not read."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    row_ok = rows < n_rows
+    label, valid = _load_labels(
+        LABELS, rows, n_rows, n_inner, stride_labels_outer, stride_labels_inner, ignore_index,
+        HAS_IGNORE,
+    )  # fmt: skip
+    x_row = LOGITS + _row_offsets(rows, n_inner, stride_logits_outer, stride_logits_inner)
+    dx_row = DX + rows * stride_dx
+    lse = tl.load(LSE + rows, mask=valid, other=0.0)
+    scale = tl.load(DLOSS).to(tl.float32) / tl.maximum(tl.load(N_VALID), 1.0)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
         p = tl.exp(x - lse)
-        dx = (p - tl.where(offs == label, 1.0, 0.0)) * scale
-        tl.store(dx_ptr + offs, dx.to(DLogits.dtype.element_ty), mask=mask)
+        g = tl.where(valid, (p - tl.where(c == label, 1.0, 0.0)) * scale, 0.0)
+        tl.store(dx_row + c, g.to(DX.dtype.element_ty), mask=row_ok & (c < n_cols))
+
+
+@triton.jit
+def _cross_entropy_scale_kernel(
+    DLOSS, N_VALID, DX, stride_dx_outer, stride_dx_inner, n_rows, n_inner, n_cols,
+    DIVIDE_BY_N_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """DX *= dloss (and / max(n_valid, 1) if DIVIDE_BY_N_VALID), in place. With a factor of
+    exactly 1 every program returns without touching DX."""
+    d = tl.load(DLOSS).to(tl.float32)
+    if DIVIDE_BY_N_VALID:
+        d = d / tl.maximum(tl.load(N_VALID), 1.0)
+    if d != 1.0:
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+        row_ok = rows < n_rows
+        dx_row = DX + _row_offsets(rows, n_inner, stride_dx_outer, stride_dx_inner)
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_ok & (c < n_cols)
+            g = tl.load(dx_row + c, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_row + c, (g * d).to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_reduce_kernel(
+    LOSS_ROWS, LABELS, N_VALID, LOSS, stride_labels_outer, stride_labels_inner,
+    n_rows, n_inner, ignore_index,
+    HAS_IGNORE: tl.constexpr, SUM_LOSS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program. COUNT: N_VALID = number of non-ignored rows. SUM_LOSS: LOSS = sum of
+    LOSS_ROWS / max(n_valid, 1), n_valid counted here or read from N_VALID. Lane-wise partial
+    sums in a fixed order, then a tree: deterministic."""
+    total = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = (start + tl.arange(0, BLOCK)).to(tl.int64)
+        if SUM_LOSS:
+            total += tl.load(LOSS_ROWS + rows, mask=rows < n_rows, other=0.0)
+        if COUNT:
+            _, valid = _load_labels(
+                LABELS, rows, n_rows, n_inner, stride_labels_outer, stride_labels_inner,
+                ignore_index, HAS_IGNORE,
+            )  # fmt: skip
+            count += tl.where(valid, 1.0, 0.0)
+    if COUNT:
+        n_valid = tl.sum(count, axis=0)
+        tl.store(N_VALID, n_valid)
+    else:
+        n_valid = tl.load(N_VALID)
+    if SUM_LOSS:
+        tl.store(LOSS, tl.sum(total, axis=0) / tl.maximum(n_valid, 1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Launch parameters and the torch.library ops
+# --------------------------------------------------------------------------------------------
 
 
 @functools.cache
-def _fwd_launch_params(V: int) -> tuple[int, int]:
-    return row_block_size(V, FWD_MAX_BLOCK), 4
+def _launch_params(
+    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
+) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols classes."""
+    block_n = row_block_size(n_cols, max_block)
+    single_pass = n_cols <= block_n
+    block_m = max(1, row_tile // block_n) if single_pass else 1
+    tile = block_m * block_n
+    if num_warps is None:
+        num_warps = calc_num_warps(tile) if tile <= 8192 else 32
+    return block_m, block_n, single_pass, num_warps
 
 
-@functools.cache
-def _bwd_launch_params(V: int) -> tuple[int, int]:
-    block = row_block_size(V, BWD_MAX_BLOCK)
-    return block, calc_num_warps(block)
+# The vocabulary size picks the constexpr block sizes, so it is made concrete (int(): under
+# torch.compile's dynamic shapes, one compiled kernel per vocabulary size; rows stay symbolic).
+def _fwd_params(n_cols: int) -> tuple[int, int, bool, int]:
+    return _launch_params(int(n_cols), FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS)
 
 
-class _CrossEntropy(torch.autograd.Function):
+def _bwd_params(n_cols: int) -> tuple[int, int, bool, int]:
+    return _launch_params(int(n_cols), BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS)
+
+
+def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
+    """(stride of dim 0, stride of dim 1) of a tensor viewed as (outer, inner, ...)."""
+    return t.stride(0), t.stride(1)
+
+
+def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize):
+    n_outer, n_inner, n_cols = logits.shape
+    n_rows = n_outer * n_inner
+    block_m, block_n, single_pass, num_warps = _fwd_params(n_cols)
+    wrap_triton(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        logits, labels, n_valid, loss_rows, lse,
+        *_strides_2level(logits), *_strides_2level(labels),
+        n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
+        HAS_IGNORE=ignore_index is not None, WRITE_GRAD=write_grad, NORMALIZE_GRAD=normalize,
+        SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count):
+    n_outer, n_inner = labels.shape
+    wrap_triton(_cross_entropy_reduce_kernel)[(1,)](
+        loss_rows, labels, n_valid, loss, *_strides_2level(labels),
+        n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
+        HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
+        BLOCK=MAX_REDUCE_BLOCK, num_warps=8,
+    )  # fmt: skip
+
+
+@triton_op("triton_transformer::cross_entropy", mutates_args=())
+def cross_entropy_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: Optional[int],  # noqa: UP045 (torch 2.11's schema inference)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean cross entropy: logits (outer, inner, V) with a unit-stride last dim, labels
+    (outer, inner) int64, any strides. Returns (loss 0-d fp32, lse (outer * inner,) fp32,
+    n_valid 0-d fp32); the last two are for `cross_entropy_backward_op`."""
+    n_outer, n_inner, _ = logits.shape
+    device = logits.device
+    loss_rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
+    lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
+    n_valid = torch.empty((), dtype=torch.float32, device=device)
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, False, False)
+    _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, True)
+    return loss, lse, n_valid
+
+
+@triton_op("triton_transformer::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    n_valid: torch.Tensor,
+    ignore_index: Optional[int],  # noqa: UP045
+) -> torch.Tensor:
+    """d(dloss * loss)/d(logits) as a new contiguous tensor shaped and typed like logits."""
+    n_outer, n_inner, n_cols = logits.shape
+    n_rows = n_outer * n_inner
+    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    block_m, block_n, _, num_warps = _bwd_params(n_cols)
+    wrap_triton(_cross_entropy_bwd_kernel)[(cdiv(n_rows, block_m),)](
+        logits, labels, lse, n_valid, dloss, dx,
+        *_strides_2level(logits), *_strides_2level(labels), n_cols,
+        n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
+        HAS_IGNORE=ignore_index is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return dx
+
+
+def _cross_entropy_setup_context(ctx, inputs, output) -> None:
+    logits, labels, ctx.ignore_index = inputs
+    _, lse, n_valid = output
+    ctx.mark_non_differentiable(lse, n_valid)
+    ctx.save_for_backward(logits, labels, lse, n_valid)
+
+
+@once_differentiable
+def _cross_entropy_backward(ctx, dloss, _dlse, _dn_valid):
+    logits, labels, lse, n_valid = ctx.saved_tensors
+    dx = cross_entropy_backward_op(dloss, logits, labels, lse, n_valid, ctx.ignore_index)
+    return dx, None, None
+
+
+cross_entropy_op.register_autograd(
+    _cross_entropy_backward, setup_context=_cross_entropy_setup_context
+)
+
+
+@triton_op("triton_transformer::cross_entropy_inplace", mutates_args={"logits"})
+def cross_entropy_inplace_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: Optional[int],  # noqa: UP045 (torch 2.11's schema inference)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `cross_entropy_op`, and overwrites `logits` with d(loss)/d(logits) (for fp16
+    logits: without the 1 / n_valid factor). Returns (loss 0-d fp32, n_valid 0-d fp32)."""
+    n_outer, n_inner, _ = logits.shape
+    device = logits.device
+    has_ignore = ignore_index is not None
+    normalize = logits.dtype != torch.float16
+    loss_rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
+    n_valid = torch.empty((), dtype=torch.float32, device=device)
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    if has_ignore:  # the gradient needs 1 / n_valid before any row is written
+        _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, False, True)
+    _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, loss_rows, True, normalize)
+    _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, not has_ignore)
+    return loss, n_valid
+
+
+@triton_op("triton_transformer::cross_entropy_inplace_backward", mutates_args={"grad"})
+def cross_entropy_inplace_backward_op(
+    grad: torch.Tensor, dloss: torch.Tensor, n_valid: torch.Tensor
+) -> None:
+    """grad *= dloss in place (fp16: dloss / n_valid); a no-op on the device when that factor
+    is exactly 1. grad: the logits buffer written by `cross_entropy_inplace_op`."""
+    n_outer, n_inner, n_cols = grad.shape
+    n_rows = n_outer * n_inner
+    block_m, block_n, _, num_warps = _bwd_params(n_cols)
+    wrap_triton(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+        dloss, n_valid, grad, *_strides_2level(grad), n_rows, n_inner, n_cols,
+        DIVIDE_BY_N_VALID=grad.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+class _CrossEntropyInplaceFunction(torch.autograd.Function):
+    """Autograd for `cross_entropy_inplace_op`. torch.library cannot attach autograd to an op
+    that mutates its input, so this is the one autograd.Function of the Triton path; Dynamo
+    traces it (both methods call torch.library ops) without a graph break."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None):
-        # logits (rows, V) with unit stride over V; labels (rows,) int64.
-        n_rows, V = logits.shape
-        block, num_warps = _fwd_launch_params(V)
-        has_ignore = ignore_index is not None
-        ignore = ignore_index if has_ignore else 0
-        out = torch.empty((2, n_rows), dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        _cross_entropy_fwd_kernel[(n_rows,)](
-            logits, labels, out, lse, n_rows, V, logits.stride(0), labels.stride(0), ignore,
-            HAS_IGNORE=has_ignore, BLOCK=block, num_warps=num_warps,
-        )  # fmt: skip
-        totals = out.sum(dim=1)  # [loss sum, n_valid]; deterministic tree reduction
-        ctx.save_for_backward(logits, labels, lse, totals)
-        ctx.ignore = ignore
-        ctx.has_ignore = has_ignore
-        return totals[0] / totals[1].clamp(min=1.0)
+    def forward(ctx, logits, labels, ignore_index):
+        loss, n_valid = cross_entropy_inplace_op(logits, labels, ignore_index)
+        ctx.save_for_backward(logits, n_valid)  # logits now hold the gradient
+        ctx.used = False
+        return loss
 
     @staticmethod
-    def backward(ctx, dloss: torch.Tensor):
-        logits, labels, lse, totals = ctx.saved_tensors
-        n_rows, V = logits.shape
-        block, num_warps = _bwd_launch_params(V)
-        dlogits = torch.empty((n_rows, V), dtype=logits.dtype, device=logits.device)
-        _cross_entropy_bwd_kernel[(n_rows,)](
-            logits, labels, lse, totals, dloss, dlogits, V,
-            logits.stride(0), labels.stride(0), dlogits.stride(0), ctx.ignore,
-            HAS_IGNORE=ctx.has_ignore, BLOCK=block, num_warps=num_warps,
-        )  # fmt: skip
-        return dlogits, None, None
+    @once_differentiable
+    def backward(ctx, dloss):
+        if not torch.compiler.is_compiling():
+            if ctx.used:
+                raise RuntimeError(
+                    "cross_entropy(inplace_backward=True) scales its gradient buffer in place, "
+                    "so it supports one backward per forward (no retain_graph reuse)"
+                )
+            ctx.used = True
+        grad, n_valid = ctx.saved_tensors
+        cross_entropy_inplace_backward_op(grad, dloss, n_valid)
+        return grad, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference and public function
+# --------------------------------------------------------------------------------------------
 
 
 def _check_labels_in_range(labels: torch.Tensor, V: int, ignore_index: int | None) -> None:
-    """Raise ValueError if a non-ignored label is outside [0, V). Syncs with a CUDA device."""
+    """Raise ValueError if a non-ignored label is outside [0, V). Syncs with a CUDA device, so
+    it refuses to run during CUDA stream capture."""
+    check_not_capturing(
+        "cross_entropy's label range check (pass check_labels=False inside a captured step)"
+    )
     bad = (labels < 0) | (labels >= V)
     if ignore_index is not None:
         bad &= labels != ignore_index
@@ -192,7 +458,6 @@ def _cross_entropy_torch(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None
 ) -> torch.Tensor:
     V = logits.shape[-1]
-    _check_labels_in_range(labels, V, ignore_index)
     # Compute in at least fp32 (fp64 stays fp64, for float64 references).
     dtype = torch.promote_types(logits.dtype, torch.float32)
     rows = logits.reshape(-1, V).to(dtype)
@@ -201,9 +466,38 @@ def _cross_entropy_torch(
         nll = F.cross_entropy(rows, flat, reduction="none")
         return nll.sum() / max(flat.numel(), 1)
     valid = flat != ignore_index
-    # Ignored rows get a harmless label 0 and are then masked out, so they add 0 (and 0 grad).
+    # Ignored rows get harmless logits 0 and label 0 and are then masked out, so they add 0,
+    # and 0 gradient (never NaN: an ignored row of -inf logits would give NaN through softmax).
+    rows = torch.where(valid[:, None], rows, 0.0)
     nll = F.cross_entropy(rows, torch.where(valid, flat, 0), reduction="none")
     return torch.where(valid, nll, 0.0).sum() / valid.sum().clamp(min=1)
+
+
+def _leading_dims_merge(t: torch.Tensor, n_dims: int) -> bool:
+    """True if t's first n_dims dims can be viewed as one (a single stride steps them)."""
+    for i in range(n_dims - 1):
+        if t.shape[i + 1] != 1 and t.stride(i) != t.stride(i + 1) * t.shape[i + 1]:
+            return False
+    return True
+
+
+def _as_rows_3d(logits: torch.Tensor, labels: torch.Tensor):
+    """logits (..., V) as an (outer, inner, V) tensor with a unit-stride last dim, and labels
+    as (outer, inner): views where the strides allow (e.g. the shifted slices logits[:, :-1],
+    labels[:, 1:] of a language-model batch), copies otherwise. (No try/except on view(), so
+    Dynamo traces it.)"""
+    V = logits.shape[-1]
+    if logits.stride(-1) != 1 and V > 1:
+        logits = logits.contiguous()
+    lead = labels.dim()
+    if lead <= 1:
+        return logits.reshape(1, labels.numel(), V), labels.reshape(1, labels.numel())
+    inner = labels.shape[-1]
+    if not _leading_dims_merge(logits, lead - 1):
+        logits = logits.contiguous()
+    if not _leading_dims_merge(labels, lead - 1):
+        labels = labels.contiguous()
+    return logits.reshape(-1, inner, V), labels.reshape(-1, inner)
 
 
 def cross_entropy(
@@ -211,6 +505,9 @@ def cross_entropy(
     labels: torch.Tensor,
     ignore_index: int | None = None,
     use_triton: bool = False,
+    *,
+    check_labels: bool = True,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Mean cross entropy of `labels` under softmax(`logits`) over the last dim.
 
@@ -221,6 +518,13 @@ def cross_entropy(
         ignore_index: label value whose positions are left out of the mean; None ignores
             nothing.
         use_triton: run the fused Triton kernels instead of the PyTorch reference.
+        check_labels: check on the host that every label is in range (one device sync;
+            refused during CUDA stream capture). Pass False inside a training step: the
+            Triton branch then returns NaN for a bad label instead of raising.
+        inplace_backward: (Triton branch, when logits require grad) overwrite `logits` with
+            the gradient during forward, so backward needs no logits-sized buffer. Use it only
+            when nothing reads the logits afterwards (a model's loss path); one backward per
+            forward. The PyTorch branch ignores it.
 
     Returns:
         0-d tensor: the mean loss over non-ignored positions, float32 (float64 for float64
@@ -229,9 +533,10 @@ def cross_entropy(
     Raises:
         TypeError: non-tensor inputs, non-floating logits, labels not int64, or a
             non-integer ignore_index.
-        ValueError: mismatched shapes or devices, V == 0 with positions present, or (PyTorch
-            branch; Triton branch in anomaly-detection mode) a label outside [0, V) that is
-            not ignore_index. The Triton branch otherwise returns NaN for such labels.
+        ValueError: mismatched shapes or devices, V == 0 with positions present, or (with
+            check_labels, or in anomaly-detection mode) a label outside [0, V) that is not
+            ignore_index.
+        RuntimeError: the label check during CUDA stream capture.
     """
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be torch.Tensors")
@@ -253,11 +558,16 @@ def cross_entropy(
     if logits.shape[-1] == 0 and labels.numel() > 0:
         raise ValueError("logits has an empty vocabulary dim (V == 0)")
 
+    if use_triton:
+        check_triton_tensor(logits, "logits")
+    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
+    if check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled()):
+        _check_labels_in_range(labels, logits.shape[-1], ignore_index)
     # No positions: the reference already gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
         return _cross_entropy_torch(logits, labels, ignore_index)
 
-    check_triton_tensor(logits, "logits")
-    if torch.is_anomaly_enabled():  # debug path: pay a host sync for a clear error
-        _check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    return _CrossEntropy.apply(as_rows(logits), labels.reshape(-1), ignore_index)
+    logits3, labels2 = _as_rows_3d(logits, labels)
+    if inplace_backward and logits.requires_grad and torch.is_grad_enabled():
+        return _CrossEntropyInplaceFunction.apply(logits3, labels2, ignore_index)
+    return cross_entropy_op(logits3, labels2, ignore_index)[0]

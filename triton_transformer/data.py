@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import http.client
 import importlib
 import json
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 ENWIK8_SIZE = 100_000_000
+# SHA-256 of enwik8.zip as served at ENWIK8_URL (36,445,475 bytes), as recorded in the
+# "download_checksums" of Hugging Face's enwik8 dataset (huggingface.co/datasets/LTCB/enwik8,
+# dataset_infos.json). The zip's own CRC and the member's size accept a forged archive; this
+# does not. It applies to the real enwik8 only (an `expected_size` of ENWIK8_SIZE).
+ENWIK8_ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
+ENWIK8_ZIP_SIZE = 36_445_475
 # Fractions of the bytes in train / valid / test. On enwik8's 100M bytes this is exactly the
 # standard 90M / 5M / 5M split; on a smaller file it is the same split, proportionally.
 DEFAULT_SPLIT = (0.9, 0.05, 0.05)
@@ -304,7 +311,10 @@ def _request(url: str) -> urllib.request.Request:
 
 
 def _check_enwik8_zip(path: Path, expected_size: int) -> None:
-    """Raise ValueError unless `path` is a zip whose intact `enwik8` member has `expected_size`."""
+    """Raise ValueError unless `path` is a zip whose intact `enwik8` member has `expected_size`
+    (and, for the real enwik8, unless the archive has the published SHA-256)."""
+    if expected_size == ENWIK8_SIZE:
+        _check_sha256(path, ENWIK8_ZIP_SHA256, ENWIK8_ZIP_SIZE)
     try:
         with zipfile.ZipFile(path) as zf:
             size = zf.getinfo("enwik8").file_size
@@ -318,6 +328,22 @@ def _check_enwik8_zip(path: Path, expected_size: int) -> None:
         raise ValueError("the archive has no 'enwik8' member") from e
     except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as e:
         raise ValueError(f"not a valid zip archive, truncated or corrupt ({e})") from e
+
+
+def _check_sha256(path: Path, expected: str, size: int) -> None:
+    if path.stat().st_size != size:
+        raise ValueError(
+            f"the archive holds {path.stat().st_size:,} bytes, but the published enwik8.zip "
+            f"has {size:,}"
+        )
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ValueError(
+            f"the archive's SHA-256 is {digest.hexdigest()}, not the published {expected}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,6 +696,7 @@ __all__ = [
     "DEFAULT_SPLIT",
     "ENWIK8_SIZE",
     "ENWIK8_URL",
+    "ENWIK8_ZIP_SHA256",
     "Corpus",
     "DownloadError",
     "FallbackCorpusWarning",

@@ -1,7 +1,14 @@
 """Dropout: a seeded Triton kernel whose mask is never stored, and the PyTorch reference.
 
-The Triton kernel draws keep/drop for each element from Philox (`tl.rand4x`: one call gives four
-uniforms, used for four elements), so the mask is a pure function of (seed, element index).
+The Triton kernel draws keep/drop for each element from Philox: one `tl.randint4x` call gives
+four 32-bit words, split into eight 16-bit uniforms, used for eight elements. An element is
+kept when its 16-bit draw r satisfies r >= round(p * 2**16), so the drop probability is p
+rounded to a multiple of 2**-16 (off by at most 2**-17; the kept values are scaled by exactly
+1 / (1 - p)). Eight elements per Philox call halve the Philox work per element against four:
+in bf16 the four-per-call kernel issued about as many integer instructions as the memory
+system could feed, so its backward (which, unlike eager's, regenerates the mask instead of
+reading it) trailed eager. The sm_90 PTX of this kernel has about 24 instructions per element.
+The mask is a pure function of (seed, element index).
 
 The seed is a 0-dim int64 *device* tensor drawn from torch's generator (`utils.draw_seed`) and
 loaded inside the kernel; nothing is read back on the host. So:
@@ -11,12 +18,14 @@ loaded inside the kernel; nothing is read back on the host. So:
 The op saves the seed tensor for backward, which regenerates the same mask: no mask tensor is
 kept, only 8 bytes.
 
-The mask follows the row-major (logical) element order: a non-contiguous input is copied to a
-contiguous one first, and so is a non-contiguous upstream gradient.
+The mask follows the row-major (logical) element order and the output is contiguous. A
+non-contiguous input, or upstream gradient (e.g. the expanded gradient of a `.sum()`), is read
+in place through its strides (up to 4 dims after merging adjacent ones; more are copied).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -29,53 +38,114 @@ from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import cdiv, check_triton_tensor, draw_seed
 
-# Elements per program (measured on an H200 with 2**26 elements: 2048 elements and 4 warps run at
-# copy speed in fp32; one Philox call per element instead of per 4 ran about 1.5x slower).
-BLOCK = 2048
+# Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
+# Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
+BLOCK = 4096
 NUM_WARPS = 4
+# Dims a strided input may have after merging adjacent dims (more: copied first).
+MAX_STRIDED_DIMS = 4
 
 
 @triton.jit
-def _masked_scale(X, Y, offs, N, r, p, scale):
-    mask = offs < N
-    x = tl.load(X + offs, mask=mask).to(tl.float32)
-    # r is uniform on [0, 1), so P(keep) = P(r >= p) = 1 - p.
-    y = tl.where(r >= p, x * scale, 0.0)
+def _strided_offsets(idx, size1, size2, size3, stride0, stride1, stride2, stride3):
+    """Memory offsets of logical (row-major) element indices idx of a 4-D strided tensor."""
+    i3 = idx % size3
+    idx = idx // size3
+    i2 = idx % size2
+    idx = idx // size2
+    i1 = idx % size1
+    i0 = idx // size1
+    return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
+
+
+@triton.jit
+def _masked_scale(
+    X, Y, offs, r, n_elements, threshold, scale, size1, size2, size3,
+    stride0, stride1, stride2, stride3, STRIDED: tl.constexpr,
+):  # fmt: skip
+    mask = offs < n_elements
+    src = offs
+    if STRIDED:
+        src = _strided_offsets(offs, size1, size2, size3, stride0, stride1, stride2, stride3)
+    x = tl.load(X + src, mask=mask).to(tl.float32)
+    # r is uniform on [0, 2**16): P(keep) = P(r >= threshold) = 1 - threshold / 2**16.
+    y = tl.where(r >= threshold, x * scale, 0.0)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dropout_kernel(X, Y, N, p, scale, SEED, BLOCK: tl.constexpr, INT64: tl.constexpr):
-    # One Philox call yields 4 random numbers: counter pid * Q + j drives elements
-    # pid * BLOCK + k * Q + j, k = 0..3, so each element has its own (counter, k) pair.
-    Q: tl.constexpr = BLOCK // 4
+def _dropout_kernel(
+    X, SEED, Y, n_elements, threshold, scale, size1, size2, size3,
+    stride0, stride1, stride2, stride3,
+    STRIDED: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
+):  # fmt: skip
+    # One Philox call yields 4 x 32 bits = 8 x 16-bit uniforms: counter pid * Q + j drives
+    # elements pid * BLOCK + k * Q + j, k = 0..7 (word k // 2, half k % 2), so each element
+    # has its own (counter, k) pair and every slab of Q elements is contiguous in memory.
+    Q: tl.constexpr = BLOCK // 8
     pid = tl.program_id(0)
     if INT64:  # >= 2**31 elements: 64-bit offsets (and the Philox counter's high word)
         pid = pid.to(tl.int64)
     seed = tl.load(SEED)
     idx = tl.arange(0, Q)
-    r0, r1, r2, r3 = tl.rand4x(seed, pid * Q + idx)
+    w0, w1, w2, w3 = tl.randint4x(seed, pid * Q + idx)
     offs = pid * BLOCK + idx
-    _masked_scale(X, Y, offs, N, r0, p, scale)
-    _masked_scale(X, Y, offs + Q, N, r1, p, scale)
-    _masked_scale(X, Y, offs + 2 * Q, N, r2, p, scale)
-    _masked_scale(X, Y, offs + 3 * Q, N, r3, p, scale)
+    for k in tl.static_range(8):
+        w = w0 if k // 2 == 0 else (w1 if k // 2 == 1 else (w2 if k // 2 == 2 else w3))
+        r = (w & 0xFFFF) if k % 2 == 0 else (w >> 16)
+        _masked_scale(
+            X, Y, offs + k * Q, r.to(tl.int32), n_elements, threshold, scale, size1, size2,
+            size3, stride0, stride1, stride2, stride3, STRIDED,
+        )  # fmt: skip
+
+
+def _strided_layout(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """x's sizes and strides with size-1 dims dropped and adjacent dims merged where one
+    stride steps both, left-padded to MAX_STRIDED_DIMS; None if more dims remain."""
+    sizes: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(x.shape, x.stride(), strict=True):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == stride * size:
+            sizes[-1] *= size
+            strides[-1] = stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if len(sizes) > MAX_STRIDED_DIMS:
+        return None
+    pad = MAX_STRIDED_DIMS - len(sizes)
+    return [1] * pad + sizes, [0] * pad + strides
+
+
+@functools.cache
+def _threshold(p: float) -> int:
+    return round(p * 65536)
 
 
 @triton_op("triton_transformer::dropout", mutates_args=())
 def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """x * keep(seed) / (1 - p) elementwise in row-major order, for 0 <= p < 1.
 
-    x: any shape, fp32/fp16/bf16. seed: 0-dim int64 tensor on x's device. Returns a new
-    contiguous tensor shaped like x. Backward applies the same mask to the gradient.
+    x: any shape and strides, fp32/fp16/bf16. seed: 0-dim int64 tensor on x's device.
+    Returns a new contiguous tensor shaped like x. Backward applies the same mask to the
+    gradient (this op again, with the saved seed).
     """
-    x = x.contiguous()  # no-op when already contiguous
-    out = torch.empty_like(x)
+    layout = None if x.is_contiguous() else _strided_layout(x)
+    if layout is None and not x.is_contiguous():
+        x = x.contiguous()  # more than MAX_STRIDED_DIMS irreducible dims
+    sizes, strides = layout if layout is not None else ([1] * 4, [0] * 4)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x.numel()
+    # 64-bit offsets once an index (padded to whole blocks) or a strided address passes 2**31.
+    span = sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
+    int64 = max(n + BLOCK, span + 1) >= 2**31
     if n:
         wrap_triton(_dropout_kernel)[(cdiv(n, BLOCK),)](
-            x, out, n, p, 1.0 / (1.0 - p), seed,
-            BLOCK=BLOCK, INT64=n >= 2**31, num_warps=NUM_WARPS,
+            x, seed, out, n, _threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
+            STRIDED=layout is not None, BLOCK=BLOCK, INT64=int64,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 

@@ -13,13 +13,62 @@ from dataclasses import asdict, dataclass
 from html import escape
 from pathlib import Path
 
+import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from triton_transformer.checkpoint import METRICS_NAME, SAMPLES_NAME
 from triton_transformer.config import Config, ConfigError
 from triton_transformer.utils import exists
 
-__all__ = ["LossWindow", "RunLogger", "WandbLogger"]
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "LossWindow",
+    "RunLogger",
+    "WandbLogger",
+    "flops_per_token",
+    "mfu",
+    "peak_bf16_flops",
+]
+
+# Dense (no sparsity) bf16 tensor-core peak of known GPUs, FLOP/s, from NVIDIA's data sheets;
+# the first name found in torch.cuda.get_device_name() wins, so "H100 PCIe" precedes "H100".
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+}
+
+
+def flops_per_token(model: nn.Module, depth: int, heads: int, dim_head: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward and backward): 6 per non-embedding parameter plus
+    the attention scores and values, 12 * depth * heads * dim_head * seq_len (PaLM, app. B).
+    The embedding tables are lookups, not matmuls; the logits projection counts."""
+    params = sum(p.numel() for p in model.parameters())
+    for name in ("token_emb", "pos_emb"):
+        emb = getattr(model, name, None)
+        if isinstance(emb, nn.Module):
+            params -= sum(p.numel() for p in emb.parameters())
+    return 6 * params + 12 * depth * heads * dim_head * seq_len
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of `device` if it is a GPU of `PEAK_BF16_FLOPS`, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(
+    flops_per_token: int, tokens_per_s: float, peak: float | None, devices: int = 1
+) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of `devices` GPUs."""
+    if peak is None or peak <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak * devices)
 
 
 def _wandb_has_credentials() -> bool:

@@ -68,12 +68,14 @@ def plot_runs(
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    drawn = 0
     for i, run_dir in enumerate(run_dirs):
         records = [r for r in read_metrics(run_dir) if x_key in r]
         label = labels[i] if labels is not None else Path(run_dir).resolve().name
         color = f"C{i % 10}"
         train = [r for r in records if "loss" in r]
         val = [r for r in records if "val_loss" in r]
+        drawn += len(train) + len(val)
         if train:
             xs, ys = [r[x_key] for r in train], [r["loss"] for r in train]
             ax.plot(xs, ys, color=color, lw=1.2, label=f"{label} train")
@@ -87,7 +89,10 @@ def plot_runs(
         "right", functions=(lambda v: v / math.log(2), lambda b: b * math.log(2))
     ).set_ylabel("bits / byte")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if drawn:
+        ax.legend(fontsize="small")
+    else:  # a run that has not logged yet: an empty plot that says so
+        ax.text(0.5, 0.5, "no records yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_title(title or "loss")
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,12 @@ Semantics (the PyTorch branch defines them, the Triton branch matches):
 
 The kernels mask causally from the row's query index (row % n_q): no mask tensor exists.
 Rows that fit one block are done in a single pass, several rows per program; longer rows use
-an online max/sum over blocks. The backward reads only the saved output:
-dx = y * (dy - sum(dy * y)).
+an online max/sum over blocks (`_jit_helpers.online_lse_update`, shared with cross-entropy).
+The backward reads only the saved output: dx = y * (dy - sum(dy * y)).
+
+Both directions are `torch.library.triton_op`s (`triton_transformer::softmax` and
+`triton_transformer::softmax_backward`), so torch.compile traces them and CUDA graphs capture
+them; the backward is once-differentiable (double backward raises).
 """
 
 from __future__ import annotations
@@ -22,8 +26,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import as_rows, calc_num_warps, check_triton_tensor, row_block_size
+from triton_transformer._jit_helpers import NEG_INF, online_lse_update, safe_shift, tile_exp
+from triton_transformer.utils import (
+    as_rows,
+    calc_num_warps,
+    cdiv,
+    check_triton_tensor,
+    row_block_size,
+)
 
 # Longest row held in registers in one pass; longer rows loop over blocks of this size.
 # Module-level so tests can shrink it to exercise the looped path on small inputs.
@@ -31,6 +44,8 @@ MAX_BLOCK_N = 16384
 # Short rows are packed several per program so a tile holds about this many elements:
 # fewer, fatter programs (fewer launches of tiny programs on GPU, far faster in the interpreter).
 ROW_TILE = 2048
+# Warps per program; None: `calc_num_warps` of the tile size (benchmarks sweep this).
+NUM_WARPS: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -39,12 +54,12 @@ ROW_TILE = 2048
 
 
 @triton.jit
-def _row_setup(n_rows, N, n_q, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_setup(n_rows, n_cols, n_q, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's rows as a (BLOCK_M, 1) int64 column, and how many leading keys each row
     sees, (BLOCK_M, 1): 0 for rows past the end and for causal rows that see nothing."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     # causal: query q = row % n_q sees keys j < q + diag, diag = n_k - n_q + 1 (may be <= 0).
-    n_valid = tl.minimum(rows % n_q + diag, N) if CAUSAL else tl.zeros_like(rows) + N
+    n_valid = tl.minimum(rows % n_q + diag, n_cols) if CAUSAL else tl.zeros_like(rows) + n_cols
     n_valid = tl.where(rows < n_rows, n_valid, 0)
     # int64: row * stride can exceed int32 on large tensors.
     return rows.to(tl.int64)[:, None], n_valid[:, None]
@@ -52,57 +67,48 @@ def _row_setup(n_rows, N, n_q, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr
 
 @triton.jit
 def _softmax_fwd_kernel(
-    Y, X, stride_y, stride_x, n_rows, N, n_q, diag,
+    X, Y, stride_x, stride_y, n_rows, n_cols, n_q, diag,
     CAUSAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    rows, n_valid = _row_setup(n_rows, N, n_q, diag, CAUSAL, BLOCK_M)
+    rows, n_valid = _row_setup(n_rows, n_cols, n_q, diag, CAUSAL, BLOCK_M)
     row_ok = rows < n_rows
     cols = tl.arange(0, BLOCK_N)[None, :]
     x_row = X + rows * stride_x
     y_row = Y + rows * stride_y
-    NEG_INF: tl.constexpr = -float("inf")
 
     if SINGLE_PASS:
         # Masked keys and padding load as -inf, so exp() makes them exactly 0.
         x = tl.load(x_row + cols, mask=cols < n_valid, other=NEG_INF).to(tl.float32)
-        m = tl.max(x, axis=1, keep_dims=True)
-        # An all -inf row shifts by 0, not -inf, so exp gives 0s instead of NaN (-inf - -inf).
-        m = tl.where(m == NEG_INF, 0.0, m)
-        e = tl.exp(x - m)
+        _, e, s = tile_exp(x)
         # s >= 1 when the row has a finite max (the max adds exp(0) = 1), so s == 0 only for an
         # all -inf row, whose 0 / 0 becomes 0. (tl.maximum(s, 1.0) would also swallow NaN.)
-        s = tl.sum(e, axis=1, keep_dims=True)
         y = e / tl.where(s == 0.0, 1.0, s)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=row_ok & (cols < N))
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=row_ok & (cols < n_cols))
     else:
-        # Pass 1: running max m and running sum s of exp(x - m), rescaled whenever m grows.
-        # Blocks past the last visible key are skipped.
+        # Pass 1: online max/sum; blocks past the last visible key are skipped.
         m = tl.full([BLOCK_M, 1], NEG_INF, tl.float32)
         s = tl.zeros([BLOCK_M, 1], tl.float32)
         for start in range(0, tl.max(n_valid), BLOCK_N):
             c = start + cols
             x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=1, keep_dims=True))
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=1, keep_dims=True)
-            m = m_new
-        m = tl.where(m == NEG_INF, 0.0, m)
-        s = tl.where(s == 0.0, 1.0, s)
+            m, s = online_lse_update(m, s, x)
+        shift = safe_shift(m)
+        inv_s = 1.0 / tl.where(s == 0.0, 1.0, s)
         # Pass 2: write every column, the zeros of masked keys included.
-        for start in range(0, N, BLOCK_N):
+        for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
-            y = tl.exp(x - m) / s
-            tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=row_ok & (c < N))
+            y = tl.exp(x - shift) * inv_s
+            tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=row_ok & (c < n_cols))
 
 
 @triton.jit
 def _softmax_bwd_kernel(
-    DX, DY, Y, stride_dx, stride_dy, stride_y, n_rows, N, n_q, diag,
+    Y, DY, DX, stride_y, stride_dy, stride_dx, n_rows, n_cols, n_q, diag,
     CAUSAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # dx = y * (dy - sum(dy * y)); y is 0 at masked keys, so dx is 0 there and they are not read.
-    rows, n_valid = _row_setup(n_rows, N, n_q, diag, CAUSAL, BLOCK_M)
+    rows, n_valid = _row_setup(n_rows, n_cols, n_q, diag, CAUSAL, BLOCK_M)
     row_ok = rows < n_rows
     cols = tl.arange(0, BLOCK_N)[None, :]
     y_row = Y + rows * stride_y
@@ -113,7 +119,7 @@ def _softmax_bwd_kernel(
         y = tl.load(y_row + cols, mask=cols < n_valid, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + cols, mask=cols < n_valid, other=0.0).to(tl.float32)
         dx = y * (dy - tl.sum(y * dy, axis=1, keep_dims=True))
-        tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=row_ok & (cols < N))
+        tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=row_ok & (cols < n_cols))
     else:
         dot = tl.zeros([BLOCK_M, 1], tl.float32)
         for start in range(0, tl.max(n_valid), BLOCK_N):
@@ -121,68 +127,90 @@ def _softmax_bwd_kernel(
             y = tl.load(y_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
             dy = tl.load(dy_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
             dot += tl.sum(y * dy, axis=1, keep_dims=True)
-        for start in range(0, N, BLOCK_N):
+        for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             y = tl.load(y_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
             dy = tl.load(dy_row + c, mask=c < n_valid, other=0.0).to(tl.float32)
             dx = y * (dy - dot)
-            tl.store(dx_row + c, dx.to(DX.dtype.element_ty), mask=row_ok & (c < N))
+            tl.store(dx_row + c, dx.to(DX.dtype.element_ty), mask=row_ok & (c < n_cols))
 
 
 # --------------------------------------------------------------------------------------------
-# Launch wrappers
+# Launch parameters and the torch.library ops
 # --------------------------------------------------------------------------------------------
 
 
 @functools.cache
-def _launch_params(n_q: int, n_cols: int, causal: bool, max_block: int) -> tuple:
-    """Shape-derived kernel arguments: (n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps).
-
-    Causal query q sees keys j < q + diag, with diag = n_k - n_q + 1. Rows that fit one block
-    are packed BLOCK_M to a program; longer rows get a program each and loop over blocks.
-    """
+def _launch_params(
+    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
+) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols entries. Rows that fit one
+    block are packed BLOCK_M to a program; longer rows get a program each and loop."""
     block_n = row_block_size(n_cols, max_block)
     single_pass = n_cols <= block_n
-    block_m = max(1, ROW_TILE // block_n) if single_pass else 1
-    diag = n_cols - n_q + 1 if causal else 0
-    return n_q, diag, block_m, block_n, single_pass, calc_num_warps(block_m * block_n)
+    block_m = max(1, row_tile // block_n) if single_pass else 1
+    if num_warps is None:
+        num_warps = calc_num_warps(block_m * block_n)
+    return block_m, block_n, single_pass, num_warps
 
 
 def _shape_params(shape: torch.Size, causal: bool) -> tuple:
-    return _launch_params(shape[-2] if causal else 1, shape[-1], causal, MAX_BLOCK_N)
+    """(n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for x of this shape. Causal query
+    q sees keys j < q + diag, diag = n_k - n_q + 1. n_q and diag stay symbolic under
+    torch.compile's dynamic shapes; the row length picks the constexpr block sizes, so it is
+    made concrete (int(): one compiled kernel per row length)."""
+    n_cols = shape[-1]
+    n_q = shape[-2] if causal else 1
+    diag = n_cols - n_q + 1 if causal else 0
+    return n_q, diag, *_launch_params(int(n_cols), MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
 
 
-class _SoftmaxFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        ctx.causal = causal
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if x.numel() > 0:
-            x_rows = as_rows(x)
-            n_rows, n_cols = x_rows.shape
-            n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(x.shape, causal)
-            _softmax_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-                y, x_rows, n_cols, x_rows.stride(0), n_rows, n_cols, n_q, diag,
-                CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps,
-            )  # fmt: skip
-        ctx.save_for_backward(y)
-        return y
+@triton_op("triton_transformer::softmax", mutates_args=())
+def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Softmax over the last dim of x (..., N) (causal: scores (..., n_q, n_k)); a new
+    contiguous tensor of x's shape and dtype. Backward: `softmax_backward_op`."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() > 0:
+        x_rows = as_rows(x)  # a view unless the last dim is not unit-stride
+        n_rows, n_cols = x_rows.shape
+        n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(x.shape, causal)
+        wrap_triton(_softmax_fwd_kernel)[(cdiv(n_rows, block_m),)](
+            x_rows, y, x_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
+            CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps,
+        )  # fmt: skip
+    return y
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (y,) = ctx.saved_tensors
-        dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-        if y.numel() > 0:
-            dy_rows = as_rows(dy)
-            n_rows, n_cols = dy_rows.shape
-            n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(y.shape, ctx.causal)
-            _softmax_bwd_kernel[(triton.cdiv(n_rows, block_m),)](
-                dx, dy_rows, y, n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
-                CAUSAL=ctx.causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps,
-            )  # fmt: skip
-        return dx, None
+
+@triton_op("triton_transformer::softmax_backward", mutates_args=())
+def softmax_backward_op(dy: torch.Tensor, y: torch.Tensor, causal: bool) -> torch.Tensor:
+    """dx = y * (dy - sum(dy * y)) for y = softmax_op(x, causal) (contiguous); dy may have any
+    strides with a unit-stride last dim (a broadcast dy is read in place)."""
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if y.numel() > 0:
+        dy_rows = as_rows(dy)
+        n_rows, n_cols = dy_rows.shape
+        n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(y.shape, causal)
+        wrap_triton(_softmax_bwd_kernel)[(cdiv(n_rows, block_m),)](
+            y, dy_rows, dx, n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
+            CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps,
+        )  # fmt: skip
+    return dx
+
+
+def _softmax_setup_context(ctx, inputs, output) -> None:
+    ctx.causal = inputs[1]
+    ctx.save_for_backward(output)
+
+
+@once_differentiable
+def _softmax_backward(ctx, dy: torch.Tensor):
+    (y,) = ctx.saved_tensors
+    return softmax_backward_op(dy, y, ctx.causal), None
+
+
+softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,4 +262,4 @@ def softmax(x: torch.Tensor, causal: bool = False, use_triton: bool = False) -> 
     if not use_triton:
         return _softmax_torch(x, causal)
     check_triton_tensor(x, "x")
-    return _SoftmaxFn.apply(x, bool(causal))
+    return softmax_op(x, bool(causal))

@@ -84,7 +84,7 @@ from triton_transformer.distributed import (
     is_main_process,
 )
 from triton_transformer.evaluation import evaluate_loss, fork_rng, sample_from_split
-from triton_transformer.metrics import LossWindow, RunLogger
+from triton_transformer.metrics import LossWindow, RunLogger, flops_per_token, mfu, peak_bf16_flops
 from triton_transformer.run_dir import RunDirError, RunDirLock
 from triton_transformer.run_setup import (
     autocast_context,
@@ -273,6 +273,8 @@ class Trainer:
         self._stop_agreed = False  # ... and, with several ranks, known to all of them
         self.global_batch = t.batch_size * t.grad_accum_steps * self.dist.world_size
         self.tokens_per_step = self.global_batch * t.seq_len
+        self.flops_per_token = flops_per_token(self.model, m.depth, m.heads, m.dim_head, t.seq_len)
+        self.peak_flops = peak_bf16_flops(self.device)  # None: MFU not reported
 
         self.log = RunLogger(self.run_dir, self.is_main)
         if self.is_main:
@@ -623,6 +625,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size)
+
     def _is_sync_step(self, step: int) -> bool:
         """Whether the host reads step `step`'s loss right after it (CUDA graphs read only
         at steps that log, evaluate, sample or checkpoint, and the last; the same steps on
@@ -648,6 +653,8 @@ class Trainer:
             "tokens": self.tokens_seen,
             "train_time_s": self.train_time_s,
         }
+        if exists(self._mfu(tokens_per_s)):
+            record["mfu"] = self._mfu(tokens_per_s)
         for key in ("val_loss", "val_bpb", "full_val_loss", "full_val_bpb"):
             if key in info:
                 record[key] = info[key]
@@ -674,6 +681,20 @@ class Trainer:
                 f"ranks = {self.global_batch} sequences | tokens/s count all ranks"
                 + (" | shared global batch" if self.config.data.shard_global_batch else "")
             )
+
+    def _print_first_step(self, info: dict) -> None:
+        """A line as soon as the first step of this call is done: proof of life, and what
+        the whole run will take at this pace."""
+        left = self.config.train.max_steps - self.step
+        eta = info["time_s"] * left  # an upper bound: the first step pays for warm-up
+        # with CUDA graphs the loss of a step that is not logged is read later
+        loss = f"loss {info['loss']:.4f}" if exists(info["loss"]) else "done"
+        pace = f"{eta / 60:.0f} min" if eta >= 60 else f"{eta:.0f} s"
+        rest = f" | {left} steps left: about {pace} at this pace" if left else ""
+        self._print(
+            f"step {info['step']}: {loss} | first step {info['time_s']:.2f} s (warm-up "
+            f"included){rest}"
+        )
 
     def fit(self) -> TrainResult:
         """Train until train.max_steps (or Ctrl-C); returns what happened."""
@@ -717,13 +738,14 @@ class Trainer:
                     call_steps += 1
                 tok_s = self.window.tokens_per_s(self.tokens_per_step)
                 if exists(info["loss"]):  # with CUDA graphs, known at sync steps only
-                    pbar.set_postfix(
-                        loss=f"{info['loss']:.3f}",
-                        lr=f"{info['lr']:.2e}",
-                        tok_s=f"{tok_s:,.0f}",
-                        refresh=False,
-                    )
+                    postfix = {"loss": f"{info['loss']:.3f}", "lr": f"{info['lr']:.2e}"}
+                    postfix["tok_s"] = f"{tok_s:,.0f}"
+                    if exists(self._mfu(tok_s)):
+                        postfix["mfu"] = f"{100 * self._mfu(tok_s):.1f}%"
+                    pbar.set_postfix(postfix, refresh=False)
                 pbar.update(1)
+                if call_steps == 0:  # the first step of this call
+                    self._print_first_step(info)
 
                 last = step == t.max_steps
                 do_eval = e.eval_every > 0 and (step % e.eval_every == 0 or last)
@@ -774,6 +796,8 @@ class Trainer:
             result.tokens_per_s = self.tokens_per_step / max(first_time, 1e-9)
         if self.device.type == "cuda":
             result.peak_mem_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if exists(result.tokens_per_s):
+            result.mfu = self._mfu(result.tokens_per_s)
         return result
 
 

@@ -20,14 +20,16 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from triton_transformer.attention import attention
+from triton_transformer.attention import attention, attention_naive, attention_packed
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.dropout import dropout
 from triton_transformer.layernorm import LayerNorm
-from triton_transformer.utils import default, exists
+from triton_transformer.utils import check_not_capturing, default, exists
 
-__all__ = ["KVCache", "Transformer"]
+__all__ = ["ATTN_IMPLS", "KVCache", "Transformer"]
+
+ATTN_IMPLS = ("flash", "naive")
 
 
 @dataclass
@@ -80,7 +82,13 @@ def _is_int_tensor(t: object) -> bool:
 
 
 class Attention(nn.Module):
-    """Pre-norm multi-head self-attention: layernorm -> qkv projection -> attention -> out."""
+    """Pre-norm multi-head self-attention: layernorm -> qkv projection -> attention -> out.
+
+    attn_impl "flash": the fused FlashAttention kernel (use_triton) or PyTorch's reference
+    semantics; without a KV cache it reads q, k, v in place from the qkv projection and its
+    backward writes d(qkv) in one piece (`attention_packed`). "naive": lucidrains' composition
+    bmm -> softmax -> dropout -> bmm (`attention_naive`), the readable reference.
+    """
 
     def __init__(
         self,
@@ -92,8 +100,10 @@ class Attention(nn.Module):
         dropout: float,
         max_seq_len: int,
         use_triton: bool,
+        attn_impl: str = "flash",
     ) -> None:
         super().__init__()
+        self.attn_impl = attn_impl
         self.heads = heads
         self.max_seq_len = max_seq_len
         self.causal = causal
@@ -116,23 +126,24 @@ class Attention(nn.Module):
         to layer `layer`'s cache and the queries attend over all cached tokens."""
         x = self.norm(x, use_triton=use_triton)
         qkv = linear(x, self.to_qkv.weight, use_triton=use_triton)
-        q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
-
-        if exists(kv_cache):
-            k, v = kv_cache.append(layer, k, v, self.max_seq_len)
-
-        # causal attention is bottom-right aligned, so n_q < n_k (a cache step) is right.
-        out = attention(
-            q,
-            k,
-            v,
+        kwargs = dict(
             causal=self.causal,
             key_padding_mask=mask,
             dropout_p=self.dropout,
             training=self.training,
             use_triton=use_triton,
         )
-        out = rearrange(out, "b h n d -> b n (h d)")
+        if self.attn_impl == "flash" and not exists(kv_cache):
+            # q, k, v read in place from qkv; out is (b, n, h*d) without a copy
+            out = attention_packed(qkv, self.heads, **kwargs)
+        else:
+            q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
+            if exists(kv_cache):
+                k, v = kv_cache.append(layer, k, v, self.max_seq_len)
+            # causal attention is bottom-right aligned, so n_q < n_k (a cache step) is right.
+            attend = attention if self.attn_impl == "flash" else attention_naive
+            out = attend(q, k, v, **kwargs)
+            out = rearrange(out, "b h n d -> b n (h d)")  # a view for the fused kernel's output
         return linear(out, self.to_out.weight, use_triton=use_triton)
 
 
@@ -164,6 +175,11 @@ class Transformer(nn.Module):
     `check_token_ids` (default True) makes `forward` raise a ValueError for token ids or
     labels outside [0, num_tokens). The check reads one boolean back from the device, i.e.
     synchronises with a GPU every call; turn it off (constructor or attribute) in hot loops.
+    During CUDA graph capture it raises a RuntimeError instead (a replay would skip it).
+
+    `attn_impl`: "flash" (default; the fused attention kernel under use_triton) or "naive"
+    (the bmm -> softmax -> dropout -> bmm composition). Both compute the same function and
+    have the same parameters.
     """
 
     def __init__(
@@ -181,8 +197,11 @@ class Transformer(nn.Module):
         ff_mult: int = 4,
         use_triton: bool = False,
         check_token_ids: bool = True,
+        attn_impl: str = "flash",
     ) -> None:
         super().__init__()
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
         for name, val in dict(
             num_tokens=num_tokens,
             dim=dim,
@@ -206,6 +225,7 @@ class Transformer(nn.Module):
         self.causal = causal
         self.use_triton = use_triton
         self.check_token_ids = check_token_ids
+        self.attn_impl = attn_impl
 
         self.token_emb = nn.Embedding(num_tokens, dim)
         self.pos_emb = nn.Embedding(max_seq_len, dim)
@@ -220,6 +240,7 @@ class Transformer(nn.Module):
                         dropout=attn_dropout,
                         max_seq_len=max_seq_len,
                         use_triton=use_triton,
+                        attn_impl=attn_impl,
                     ),
                     FeedForward(dim, mult=ff_mult, dropout=ff_dropout, use_triton=use_triton),
                 ]
@@ -285,7 +306,14 @@ class Transformer(nn.Module):
             return logits
         if labels.dtype != torch.int64:
             labels = labels.long()
-        return cross_entropy(logits, labels, ignore_index=ignore_index, use_triton=use_triton)
+        return cross_entropy(
+            logits,
+            labels,
+            ignore_index=ignore_index,
+            use_triton=use_triton,
+            check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
+            inplace_backward=True,  # nothing else keeps the logits: they take their gradient
+        )
 
     def _check_inputs(
         self,
@@ -351,6 +379,9 @@ class Transformer(nn.Module):
                 )
 
         if self.check_token_ids:
+            check_not_capturing(
+                "Transformer's token-id range check (turn it off with check_token_ids=False)"
+            )
             # one device read for both checks
             bad = [((x < 0) | (x >= self.num_tokens)).any()]
             if exists(labels):

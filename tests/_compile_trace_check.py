@@ -1,0 +1,65 @@
+"""Run by tests (in a subprocess, with TRITON_INTERPRET=0 so kernels are JITFunctions that
+torch.library can trace): Dynamo with fullgraph=True, then AOTAutograd's joint forward+backward
+trace, over each op's Triton path, static and dynamic shapes. The forward compiler stops at
+the traced graph, so no kernel runs and no GPU is needed. Prints one line per case."""
+
+import importlib
+import sys
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import triton_transformer.utils as utils_mod
+
+utils_mod.interpreter_enabled = lambda: True  # CPU tensors pass the device check
+mods = {
+    m: importlib.import_module(f"triton_transformer.{m}")
+    for m in ("cross_entropy", "softmax", "dropout")
+}
+for m in mods.values():
+    m.check_triton_tensor = lambda *a, **k: None
+
+
+class Traced(Exception):
+    pass
+
+
+def fw_compiler(gm, example_inputs):
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    raise Traced(sorted(t for t in targets if "triton" in t))
+
+
+backend = aot_autograd(fw_compiler=fw_compiler)
+w = torch.randn(64, 300)
+labels = torch.randint(300, (128,))
+labels[::7] = -100
+ce, sm, do = mods["cross_entropy"], mods["softmax"], mods["dropout"]
+cases = {
+    "cross_entropy inplace": lambda h: ce.cross_entropy(
+        h.sin() @ w, labels, -100, use_triton=True, check_labels=False, inplace_backward=True
+    ),
+    "cross_entropy pure": lambda h: ce.cross_entropy(
+        h.sin() @ w, labels, -100, use_triton=True, check_labels=False
+    ),
+    "softmax causal": lambda h: (sm.softmax(h.sin(), causal=True, use_triton=True) * h).sum(),
+    "dropout": lambda h: do.dropout(h.sin(), 0.3, use_triton=True).cos().sum(),
+}
+ok = True
+for dynamic in (False, True):
+    for name, fn in cases.items():
+        torch._dynamo.reset()
+        h = torch.randn(128, 64, requires_grad=True)
+        try:
+            torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
+            print(f"FAIL {name} dynamic={dynamic}: the forward compiler was not reached")
+            ok = False
+        except Exception as e:  # Dynamo wraps the backend's exception
+            cause = e
+            while cause is not None and not isinstance(cause, Traced):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                print(f"FAIL {name} dynamic={dynamic}: {type(e).__name__}: {str(e)[:800]}")
+                ok = False
+            else:
+                print(f"OK {name} dynamic={dynamic}: {cause.args[0]}")
+sys.exit(0 if ok else 1)
