@@ -547,7 +547,17 @@ def main() -> None:
     if args.tune:
         rows = run_tune(args)  # (args.out exists: made above)
         (out / "layernorm_tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        print("tables", json.dumps(pick_tables(rows)), flush=True)
+        tables = pick_tables(rows)
+        print("tables", json.dumps(tables), flush=True)
+        # Ready to paste into triton_transformer/layernorm.py (and utils.calc_num_warps).
+        print("_FWD_TABLE: dict[int, tuple[int, int]] = {")
+        for bn, cfg in sorted(tables["fwd"].items()):
+            print(f"    {bn}: {tuple(cfg)},")
+        print("}\n_BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {")
+        for bn, cfg in sorted(tables["bwd"].items()):
+            print(f"    {bn}: {tuple(cfg)},")
+        print("}\n# best warps for one row of block_n (calc_num_warps):",
+              json.dumps(tables["fwd_warps_one_row"]), flush=True)  # fmt: skip
         return
     rows = run_bench(args, out)
     (out / "layernorm_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
