@@ -347,3 +347,23 @@ def test_gpu_compiles_without_graph_breaks(device):
     out = torch.compile(f)(*leaves)
     grads = torch.autograd.grad(out, leaves)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("used", ["h_new", "y"])
+def test_one_output_unused(used, device):
+    # The last block's h_new, or a y nobody reads: backward through the other output alone.
+    h, br, w, b = _inputs((6, 40), device=device)
+    leaves = [t.requires_grad_() for t in (h, br, w, b)]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    outs = residual_layernorm(*leaves, use_triton=True)
+    ref_outs = residual_layernorm(*ref_leaves)
+    k = 0 if used == "h_new" else 1
+    dy = torch.randn(h.shape, device=device)
+    grads = torch.autograd.grad(outs[k], leaves, dy, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_outs[k], ref_leaves, dy.double(), allow_unused=True)
+    for got, want, like, name in zip(grads, ref_grads, leaves, ("dh", "dbranch", "dw", "db"),
+                                     strict=True):  # fmt: skip
+        # Our op always returns parameter gradients (zeros when only h_new is used).
+        want = torch.zeros_like(like, dtype=torch.float64) if want is None else want
+        got = torch.zeros_like(like) if got is None else got
+        _assert_close(got, want, 1e-5, name)
