@@ -257,8 +257,9 @@ def test_validation_errors(device):
     for use_triton in (False, True):
         with pytest.raises(ValueError, match="branch shape"):
             residual_layernorm(h, br[:2], w, b, use_triton=use_triton)
-        with pytest.raises(ValueError, match="dropout_p"):
-            residual_layernorm(h, br, w, b, dropout_p=1.0, use_triton=use_triton)
+        for p in (1.0, -0.1, float("nan")):
+            with pytest.raises(ValueError, match="dropout_p"):
+                residual_layernorm(h, br, w, b, dropout_p=p, use_triton=use_triton)
         with pytest.raises(TypeError, match="dropout_p"):
             residual_layernorm(h, br, w, b, dropout_p="0.1", use_triton=use_triton)
         with pytest.raises(ValueError, match="weight"):

@@ -38,7 +38,6 @@ with the existing LayerNorm modules' parameters (state dicts unchanged):
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -148,7 +147,7 @@ def _check_p(p: object) -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {p!r}")
     p = float(p)
-    if math.isnan(p) or not 0.0 <= p < 1.0:
+    if not 0.0 <= p < 1.0:  # also rejects NaN (math.isnan would graph-break under Dynamo)
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p
 
