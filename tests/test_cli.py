@@ -204,11 +204,15 @@ def test_existing_run_is_never_clobbered(trained_run, corpus_file, tmp_path):
     assert_clean_error(proc, "--resume", "--overwrite")
     assert tree_digest(trained_run) == before  # not a byte changed
 
-    # --overwrite on a copy: a fresh run of 2 steps replaces the old one
+    # --overwrite on a copy: a run that fails to start (bad --data) deletes nothing; a fresh
+    # run of 2 steps replaces the old one
     copy = tmp_path / "copy"
     copy.mkdir()
     for name, _ in before.items():
         (copy / name).write_bytes((trained_run / name).read_bytes())
+    bad = tiny_args(tmp_path / "missing.txt", copy, 2)
+    assert_clean_error(run_cli(*bad, "--overwrite"), "not found")
+    assert tree_digest(copy) == before
     proc = run_cli(*tiny_args(corpus_file, copy, 2), "--overwrite")
     assert proc.returncode == 0, proc.stderr
     assert load_checkpoint(copy)["step"] == 2
@@ -223,9 +227,10 @@ def test_a_second_run_into_a_locked_directory_is_refused(corpus_file, tmp_path):
         assert_clean_error(proc, "in use by another training run", f"process {os.getpid()}")
         proc = run_cli("--resume", run_dir)  # nothing to resume yet, but also refused
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # they wrote nothing
     finally:
         lock.release()
-    assert sorted(p.name for p in run_dir.iterdir()) == []  # the refused runs wrote nothing
+    assert not run_dir.exists()  # the holder created it, wrote nothing: removed on release
 
 
 def test_run_dir_that_is_a_file(corpus_file, tmp_path):
@@ -414,6 +419,7 @@ def test_bad_input_is_one_line_without_traceback(case, bad_inputs, corpus_file, 
         args += extra[2:]
     proc = run_cli(*args, env=cli_env(**env))
     assert_clean_error(proc, *needles)
+    assert not (tmp_path / "out").exists()  # a run that cannot start leaves nothing behind
     if case == "directory":
         assert "not found" not in proc.stderr
     if case == "garbage checkpoint":

@@ -4,7 +4,8 @@
 before anything is written:
     - refuses a run directory that is a file;
     - refuses to start a new run in a directory that already holds files (offering --resume
-      or --overwrite); --overwrite deletes the previous run's files first;
+      or --overwrite); with --overwrite `clear_previous_run` deletes the previous run's files
+      once the new run is set up;
     - takes an exclusive lock (flock on <run_dir>/.lock, deleted at the end; the kernel
       drops the flock when the process dies, so a killed run never leaves a stale lock); a
       second run into the same directory is refused with the first one's process id;
@@ -51,6 +52,8 @@ class RunDirLock:
     def __init__(self, run_dir: Path, fd: int | None) -> None:
         self.run_dir = run_dir
         self._fd = fd
+        self.created = False  # this run made the directory: removed again if left empty
+        self._previous_run = False  # --overwrite: the files to delete before writing
 
     @classmethod
     def acquire(cls, run_dir: Path, *, resuming: bool, overwrite: bool = False) -> RunDirLock:
@@ -74,20 +77,28 @@ class RunDirLock:
                     f"{run_dir} already holds files ({shown}); continue that run with "
                     f"--resume {run_dir}, start over with --overwrite, or pick another --run-dir"
                 )
+        created = not run_dir.exists()
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunDirError(f"cannot create run directory {run_dir}: {e.strerror}") from e
         lock = cls._try_lock(lock_path, create=True)
-        if overwrite and not resuming:
-            for name in RUN_FILES:
-                (run_dir / name).unlink(missing_ok=True)
-            for name in RUN_DIRS:
-                shutil.rmtree(run_dir / name, ignore_errors=True)
+        lock.created = created
+        lock._previous_run = overwrite and not resuming
         for pattern in _TEMP_GLOBS:
             for stale in run_dir.glob(pattern):  # only the lock holder writes these
                 stale.unlink(missing_ok=True)
         return lock
+
+    def clear_previous_run(self) -> None:
+        """With --overwrite, delete the previous run's files. Called once the new run is set
+        up (corpus loaded, model built), so a run that fails before that deletes nothing."""
+        if self._previous_run:
+            for name in RUN_FILES:
+                (self.run_dir / name).unlink(missing_ok=True)
+            for name in RUN_DIRS:
+                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+            self._previous_run = False
 
     @classmethod
     def _try_lock(cls, lock_path: Path, *, create: bool) -> RunDirLock:
@@ -122,6 +133,8 @@ class RunDirLock:
                 (self.run_dir / LOCK_NAME).unlink(missing_ok=True)
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+            if self.created and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a run that failed before writing anything
 
 
 def _same_file(fd: int, path: Path) -> bool:

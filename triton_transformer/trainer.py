@@ -279,6 +279,8 @@ class Trainer:
         self.log = RunLogger(self.run_dir, self.is_main)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if exists(self._lock):
+                self._lock.clear_previous_run()  # --overwrite: only now that setup succeeded
             (self.run_dir / "config.toml").write_text(config_to_toml(config))
             truncate_logs(self.run_dir, self.step)
             self._wandb_id = self.log.start_wandb(config, self._wandb_id)
