@@ -7,6 +7,10 @@ keys); `gpu` tests repeat the checks at real shapes with the autotuned tiles.
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -489,3 +493,15 @@ def test_gpu_compiles_without_graph_breaks(device):
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch.compile(f)(qkv, q, k, v).backward()
     assert all(torch.isfinite(t.grad).all() for t in (qkv, q, k, v))
+
+
+def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
+    """torch.compile types Python float arguments fp64 (eager launches: fp32). Compiling the
+    kernels for sm_90 here, with no GPU, catches what would only fail under compile on one."""
+    script = Path(__file__).with_name("_sm90_compile_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["attention forward: ok", "attention backward: ok"]

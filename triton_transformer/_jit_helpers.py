@@ -20,14 +20,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_INF: tl.constexpr = tl.constexpr(-float("inf"))
-
 
 @triton.jit
 def safe_shift(m):
     """The max to shift a row by: 0 instead of -inf for a row with no finite entry, so that
     exp(x - shift) gives zeros there rather than NaN (-inf - -inf)."""
-    return tl.where(m == NEG_INF, 0.0, m)
+    return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit

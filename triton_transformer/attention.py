@@ -215,6 +215,9 @@ def _attn_fwd_kernel(
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
+    # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
+    qk_scale, out_scale = qk_scale.to(tl.float32), out_scale.to(tl.float32)
+    dropout_p = dropout_p.to(tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -412,6 +415,9 @@ def _attn_bwd_kernel(
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics."""
+    # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
+    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)
+    dropout_p, drop_scale = dropout_p.to(tl.float32), drop_scale.to(tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:

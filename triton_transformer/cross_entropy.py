@@ -49,7 +49,6 @@ from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import (
-    NEG_INF,
     lse_from_stats,
     online_lse_update,
     tile_exp,
@@ -136,7 +135,7 @@ def _cross_entropy_fwd_kernel(
 
     if SINGLE_PASS:
         # Ignored rows load nothing (all -inf), so their stats are m = -inf, s = 0.
-        x = tl.load(x_row + cols, mask=valid & (cols < n_cols), other=NEG_INF).to(tl.float32)
+        x = tl.load(x_row + cols, mask=valid & (cols < n_cols), other=float("-inf")).to(tl.float32)
         m, e, s = tile_exp(x)
         lse = lse_from_stats(m, s) + poison
         if WRITE_GRAD:
@@ -144,12 +143,12 @@ def _cross_entropy_fwd_kernel(
             g = tl.where(valid, (p - tl.where(cols == label, 1.0, 0.0)) * grad_scale, 0.0)
             tl.store(x_row + cols, g.to(LOGITS.dtype.element_ty), mask=row_ok & (cols < n_cols))
     else:
-        m = tl.full([BLOCK_M, 1], NEG_INF, tl.float32)
+        m = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_M, 1], tl.float32)
         n_read = tl.max(tl.where(valid, n_cols, 0))  # 0 for an ignored row: no loop at all
         for start in range(0, n_read, BLOCK_N):
             c = start + cols
-            x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
+            x = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf")).to(tl.float32)
             m, s = online_lse_update(m, s, x)
         lse = lse_from_stats(m, s) + poison
         if WRITE_GRAD:
@@ -157,7 +156,9 @@ def _cross_entropy_fwd_kernel(
             # The second read of the row mostly hits L2.
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
-                x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
+                x = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf")).to(
+                    tl.float32
+                )
                 p = tl.exp(x - lse_g)
                 g = tl.where(valid, (p - tl.where(c == label, 1.0, 0.0)) * grad_scale, 0.0)
                 tl.store(x_row + c, g.to(LOGITS.dtype.element_ty), mask=row_ok & (c < n_cols))
@@ -189,7 +190,7 @@ def _cross_entropy_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
-        x = tl.load(x_row + c, mask=valid & (c < n_cols), other=NEG_INF).to(tl.float32)
+        x = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf")).to(tl.float32)
         p = tl.exp(x - lse)
         g = tl.where(valid, (p - tl.where(c == label, 1.0, 0.0)) * scale, 0.0)
         tl.store(dx_row + c, g.to(DX.dtype.element_ty), mask=row_ok & (c < n_cols))

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer._jit_helpers import NEG_INF, online_lse_update, safe_shift, tile_exp
+from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_exp
 from triton_transformer.utils import (
     as_rows,
     calc_num_warps,
@@ -78,7 +78,7 @@ def _softmax_fwd_kernel(
 
     if SINGLE_PASS:
         # Masked keys and padding load as -inf, so exp() makes them exactly 0.
-        x = tl.load(x_row + cols, mask=cols < n_valid, other=NEG_INF).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
         _, e, s = tile_exp(x)
         # s >= 1 when the row has a finite max (the max adds exp(0) = 1), so s == 0 only for an
         # all -inf row, whose 0 / 0 becomes 0. (tl.maximum(s, 1.0) would also swallow NaN.)
@@ -86,18 +86,18 @@ def _softmax_fwd_kernel(
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=row_ok & (cols < n_cols))
     else:
         # Pass 1: online max/sum; blocks past the last visible key are skipped.
-        m = tl.full([BLOCK_M, 1], NEG_INF, tl.float32)
+        m = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_M, 1], tl.float32)
         for start in range(0, tl.max(n_valid), BLOCK_N):
             c = start + cols
-            x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
+            x = tl.load(x_row + c, mask=c < n_valid, other=float("-inf")).to(tl.float32)
             m, s = online_lse_update(m, s, x)
         shift = safe_shift(m)
         inv_s = 1.0 / tl.where(s == 0.0, 1.0, s)
         # Pass 2: write every column, the zeros of masked keys included.
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
-            x = tl.load(x_row + c, mask=c < n_valid, other=NEG_INF).to(tl.float32)
+            x = tl.load(x_row + c, mask=c < n_valid, other=float("-inf")).to(tl.float32)
             y = tl.exp(x - shift) * inv_s
             tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=row_ok & (c < n_cols))
 

@@ -298,6 +298,10 @@ class Trainer:
             # the all-reduces from Python hooks between the pieces; capturing that whole is
             # not a combination PyTorch supports, so these steps stay eager
             return False, "off (DDP with torch.compile: steps run eagerly)"
+        if self.dist.enabled and mode == "auto":
+            # NCCL all-reduces can be captured, and train.cuda_graph=true does so, but that
+            # path has not been run on several GPUs yet: auto keeps DDP steps eager for now
+            return False, "off under DDP by default (train.cuda_graph=true captures DDP steps)"
         return True, "on"
 
     def close(self) -> None:

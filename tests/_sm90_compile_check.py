@@ -1,0 +1,52 @@
+"""Run by tests in a subprocess (TRITON_INTERPRET=0): compile kernels for sm_90 on a CPU machine,
+typing their float scalars fp64 as torch.compile's launcher does (eager launches type them fp32).
+
+Triton compiles front end to machine code without a GPU, so a kernel that only breaks under
+torch.compile (an fp64 scale promoting an fp32 accumulator, for one) fails here too. Prints one
+line per kernel; exits non-zero on the first failure.
+"""
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from triton_transformer import attention as attn
+
+
+def signature(kernel, pointers: dict[str, str], floats: set[str], constants: dict) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp64" if name in floats else "i32"
+    return sig
+
+
+def compile_sm90(kernel, pointers, floats, constants) -> None:
+    sig = signature(kernel, pointers, floats, constants)
+    names = list(sig)
+    src = ASTSource(
+        fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()}
+    )
+    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+bf16 = "*bf16"
+common = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True, HAS_KPM=False, DROPOUT=True,
+              DROP_INT64=False, UPCAST=False, INT64_ROWS=False, IEEE=False)  # fmt: skip
+fwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, Out=bf16, LSE="*fp32", KPM=bf16, SEED="*i64")
+compile_sm90(
+    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "dropout_p", "out_scale"},
+    dict(common, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True),
+)  # fmt: skip
+print("attention forward: ok")
+bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
+                DELTA="*fp32", KPM=bf16, SEED="*i64")  # fmt: skip
+compile_sm90(
+    attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "dropout_p", "drop_scale"},
+    dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
+)  # fmt: skip
+print("attention backward: ok")
