@@ -216,8 +216,8 @@ def _attn_fwd_kernel(
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
-    qk_scale, out_scale = qk_scale.to(tl.float32), out_scale.to(tl.float32)
-    dropout_p = dropout_p.to(tl.float32)
+    qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -416,8 +416,8 @@ def _attn_bwd_kernel(
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
-    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)
-    dropout_p, drop_scale = dropout_p.to(tl.float32), drop_scale.to(tl.float32)
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
+    dropout_p, drop_scale = tl.cast(dropout_p, tl.float32), tl.cast(drop_scale, tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:

@@ -84,7 +84,7 @@ def _dropout_kernel(
     # has its own (counter, k) pair and every slab of Q elements is contiguous in memory.
     Q: tl.constexpr = BLOCK // 8
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
-    scale = scale.to(tl.float32)
+    scale = tl.cast(scale, tl.float32)
     pid = tl.program_id(0)
     if INT64:  # >= 2**31 elements: 64-bit offsets (and the Philox counter's high word)
         pid = pid.to(tl.int64)

@@ -161,8 +161,9 @@ def _ln_fwd_kernel(
     # inv_n = 1/N comes from the host: fp32 division on the GPU is approximate (div.full),
     # so `sum / N` would not even reproduce x exactly for N = 1.
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
-    inv_n, eps, clamp = inv_n.to(tl.float32), eps.to(tl.float32), clamp.to(tl.float32)
-    p, drop_scale = p.to(tl.float32), drop_scale.to(tl.float32)
+    inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
+    clamp = tl.cast(clamp, tl.float32)
+    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
@@ -309,8 +310,8 @@ def _ln_bwd_kernel(
     RED_C: tl.constexpr,
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
-    inv_n, eps = inv_n.to(tl.float32), eps.to(tl.float32)
-    p, drop_scale = p.to(tl.float32), drop_scale.to(tl.float32)
+    inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
+    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
     pid = tl.program_id(0)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, M)
