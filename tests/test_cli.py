@@ -258,8 +258,9 @@ def test_stale_temp_files_are_removed_on_resume(trained_run, tmp_path):
 
 
 def _metric_lines(path: Path) -> list[dict]:
-    """metrics.jsonl without the timing fields, which no two runs share."""
-    timing = {"tokens_per_s", "train_time_s", "mfu"}
+    """metrics.jsonl without the measured fields (time, speed, GPU memory), which no two
+    runs share."""
+    timing = {"tokens_per_s", "train_time_s", "mfu", "peak_mem_mb"}
     return [
         {k: v for k, v in json.loads(line).items() if k not in timing}
         for line in path.read_text().splitlines()
