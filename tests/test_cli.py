@@ -375,11 +375,15 @@ def bad_inputs(tmp_path, trained_run):
         "bad deflate stream": (data_dir(bad_deflate), ["not a valid enwik8 archive"], {}),
         "truncated checkpoint": (
             ["--resume", ckpts / "truncated.pt"],
-            ["not a readable checkpoint"],
+            ["truncated or damaged"],
             {},
         ),
         "empty checkpoint": (["--resume", ckpts / "empty.pt"], ["is empty"], {}),
-        "garbage checkpoint": (["--resume", ckpts / "garbage.pt"], ["not a readable"], {}),
+        "garbage checkpoint": (
+            ["--resume", ckpts / "garbage.pt"],
+            ["not a checkpoint written by train.py"],
+            {},
+        ),
         "foreign dict": (["--resume", ckpts / "foreign.pt"], ["not a triton-transformer"], {}),
         "a list": (["--resume", ckpts / "list.pt"], ["not a triton-transformer"], {}),
         "another model shape": (
