@@ -258,8 +258,9 @@ def test_stale_temp_files_are_removed_on_resume(trained_run, tmp_path):
 
 
 def _metric_lines(path: Path) -> list[dict]:
-    """metrics.jsonl without the timing fields, which no two runs share."""
-    timing = {"tokens_per_s", "train_time_s", "mfu"}
+    """metrics.jsonl without the measured fields (time, speed, GPU memory), which no two
+    runs share."""
+    timing = {"tokens_per_s", "train_time_s", "mfu", "peak_mem_mb"}
     return [
         {k: v for k, v in json.loads(line).items() if k not in timing}
         for line in path.read_text().splitlines()
@@ -374,11 +375,15 @@ def bad_inputs(tmp_path, trained_run):
         "bad deflate stream": (data_dir(bad_deflate), ["not a valid enwik8 archive"], {}),
         "truncated checkpoint": (
             ["--resume", ckpts / "truncated.pt"],
-            ["not a readable checkpoint"],
+            ["truncated or damaged"],
             {},
         ),
         "empty checkpoint": (["--resume", ckpts / "empty.pt"], ["is empty"], {}),
-        "garbage checkpoint": (["--resume", ckpts / "garbage.pt"], ["not a readable"], {}),
+        "garbage checkpoint": (
+            ["--resume", ckpts / "garbage.pt"],
+            ["not a checkpoint written by train.py"],
+            {},
+        ),
         "foreign dict": (["--resume", ckpts / "foreign.pt"], ["not a triton-transformer"], {}),
         "a list": (["--resume", ckpts / "list.pt"], ["not a triton-transformer"], {}),
         "another model shape": (

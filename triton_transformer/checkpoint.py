@@ -89,12 +89,21 @@ def load_checkpoint(
     path = find_checkpoint(path)
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (a crash while it was copied?); no checkpoint")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # torch.save writes a zip archive
+        raise CheckpointError(
+            f"{path} is not a checkpoint written by train.py (not a PyTorch archive); pass "
+            "a run directory or its checkpoint.pt"
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        # torch's first sentence ("PytorchStreamReader failed reading zip archive: ...")
+        first = str(e).strip().split(". ")[0][:160] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{path} is not a readable checkpoint (truncated or not written by train.py: {first})"
+            f"{path} is not a readable checkpoint: truncated or damaged ({first}); resume "
+            "from an earlier copy or start a new run"
         ) from e
     if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= set(ckpt):
         raise CheckpointError(

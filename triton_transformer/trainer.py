@@ -3,13 +3,15 @@
 One optimizer step = `grad_accum_steps` micro-batches of random windows of the training
 split (AdamW, linear warmup then cosine decay, global grad-norm clipping, bf16 autocast on
 GPU). Every `eval.eval_every` steps the loss and bits per byte over a fixed set of validation
-windows are measured, every `eval.generate_every` steps a text sample is generated from a
-validation prime. Metrics go to <run_dir>/metrics.jsonl (and Weights & Biases with
-`log.wandb`).
+windows are measured (at most eval.max_bytes, spread over the split; the whole split after
+the last step), every `eval.generate_every` steps a text sample is generated from a
+validation prime. Ctrl-C or SIGTERM stops after the current micro-batch with a checkpoint.
+Metrics go to <run_dir>/metrics.jsonl (and Weights & Biases with `log.wandb`).
 
 The parts live in their own modules; this one holds the loop that ties them together:
     train_step.py   one optimizer step (forward/backward, clipping, update)
     checkpoint.py   checkpoints, RNG streams and the run directory on disk
+    run_dir.py      the run directory's lock, refusal to clobber, stale temp files
     metrics.py      console, metrics.jsonl, samples.jsonl and W&B output
     evaluation.py   validation loss and text samples
     run_setup.py    device, precision, seeds and corpus of a run
