@@ -9,7 +9,9 @@ validation prime. Ctrl-C or SIGTERM stops after the current micro-batch with a c
 Metrics go to <run_dir>/metrics.jsonl (and Weights & Biases with `log.wandb`).
 
 The parts live in their own modules; this one holds the loop that ties them together:
-    train_step.py   one optimizer step (forward/backward, clipping, update)
+    train_step.py   one optimizer step (forward/backward, clipping, update), eager or graphed
+    train_graph.py  CUDA-graph steps in the loop: when to capture, reading losses late
+    train_interrupts.py  Ctrl-C and SIGTERM: stop cleanly with a checkpoint
     checkpoint.py   checkpoints, RNG streams and the run directory on disk
     run_dir.py      the run directory's lock, refusal to clobber, stale temp files
     metrics.py      console, metrics.jsonl, samples.jsonl and W&B output
@@ -38,12 +40,10 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -97,6 +97,8 @@ from triton_transformer.run_setup import (
     resolve_precision,
     seed_everything,
 )
+from triton_transformer.train_graph import GraphedSteps
+from triton_transformer.train_interrupts import Interrupts
 from triton_transformer.train_step import (
     NonFiniteLossError,
     TrainStep,
@@ -155,7 +157,7 @@ class TrainResult:
         return self.val_losses[max(self.val_losses)] if self.val_losses else None
 
 
-class Trainer:
+class Trainer(GraphedSteps, Interrupts):
     """Owns the model, optimizer, data streams and run directory of one training run.
 
     config: a validated `Config`.
@@ -286,25 +288,6 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(config_to_toml(config))
             truncate_logs(self.run_dir, self.step)
             self._wandb_id = self.log.start_wandb(config, self._wandb_id)
-
-    def _resolve_cuda_graph(self) -> tuple[bool, str]:
-        """Whether steps run as CUDA graph replays (train.cuda_graph), and a note saying why."""
-        t = self.config.train
-        mode = t.cuda_graph.lower()
-        if mode in ("false", "0", "no", "off"):
-            return False, "off (train.cuda_graph=false)"
-        if self.device.type != "cuda":
-            return False, f"off (CUDA graphs need a CUDA device, this run is on {self.device})"
-        if self.dist.enabled and t.compile:
-            # Dynamo's DDPOptimizer splits the compiled graph at bucket boundaries and runs
-            # the all-reduces from Python hooks between the pieces; capturing that whole is
-            # not a combination PyTorch supports, so these steps stay eager
-            return False, "off (DDP with torch.compile: steps run eagerly)"
-        if self.dist.enabled and mode == "auto":
-            # NCCL all-reduces can be captured, and train.cuda_graph=true does so, but that
-            # path has not been run on several GPUs yet: auto keeps DDP steps eager for now
-            return False, "off under DDP by default (train.cuda_graph=true captures DDP steps)"
-        return True, "on"
 
     def close(self) -> None:
         """Unlock the run directory; leave the process group if this trainer created it
@@ -470,63 +453,6 @@ class Trainer:
             "time_s": elapsed,
         }
 
-    def _non_finite(self, step: int, loss: float, norm: float) -> NonFiniteLossError:
-        where = (
-            f"the last good checkpoint ({self.checkpoint_path}, step "
-            f"{self.last_checkpoint_step}) is kept"
-            if exists(self.last_checkpoint_step)
-            else "no checkpoint was written yet"
-        )
-        return NonFiniteLossError(
-            f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; stopping the "
-            f"run, {where}. Try a lower train.lr, more train.warmup_steps or train.grad_clip."
-        )
-
-    def _graphed_train_step(self, sync: bool) -> dict:
-        """A step as one CUDA graph replay; the host reads its loss only when `sync`."""
-        t = self.config.train
-        start = time.perf_counter()
-        # the rate this step uses, as LambdaLR set it (the tensor itself stays on the device)
-        lr = t.lr * lr_multiplier(self.scheduler.last_epoch, t.warmup_steps, t.max_steps,
-                                  t.min_lr_ratio)  # fmt: skip
-        loss, grad_norm = self.step_runner(self._next_batch)
-        self.step += 1
-        self.tokens_seen += self.tokens_per_step
-        # the next replay overwrites the outputs: keep a copy (a tiny device-side kernel)
-        self._pending.append((self.step, torch.stack([loss, grad_norm])))
-        info = {"step": self.step, "loss": None, "losses": {}, "lr": lr, "grad_norm": None}
-        if sync:
-            values = self._read_pending()
-            info.update(losses={s: v[0] for s, v in values.items()})
-            info.update(loss=values[self.step][0], grad_norm=values[self.step][1])
-        info["time_s"] = time.perf_counter() - start  # with the wait for the GPU when synced
-        self.train_time_s += info["time_s"]
-        return info
-
-    def _read_pending(self) -> dict[int, tuple[float, float]]:
-        """Read the unread steps' (loss, grad norm) on the host: step -> values.
-
-        Raises NonFiniteLossError for the first non-finite one. With several ranks every rank
-        calls this at the same steps: the losses are averaged over the ranks in one
-        all-reduce, which also carries whether any rank saw Ctrl-C (`_stop_agreed`)."""
-        if not self._pending:
-            return {}
-        self._late_losses.clear()
-        steps = [s for s, _ in self._pending]
-        stats = torch.stack([v for _, v in self._pending])  # (k, 2)
-        self._pending.clear()
-        if self.dist.enabled:
-            flag = torch.full((1, 2), float(self._stop_requested), device=self.device)
-            # every rank holds the same (all-reduced) gradient norm: the mean keeps it
-            shared = all_reduce_sum(torch.cat([stats, flag])) / self.dist.world_size
-            stats, self._stop_agreed = shared[:-1], bool(shared[-1, 0] > 0)
-        values = dict(zip(steps, map(tuple, stats.tolist()), strict=True))
-        for step, (loss, norm) in values.items():
-            if not (math.isfinite(loss) and math.isfinite(norm)):
-                raise self._non_finite(step, loss, norm)
-        self._late_losses.update({step: loss for step, (loss, _) in values.items()})
-        return values
-
     def _next_batch(self) -> torch.Tensor:
         """This rank's micro-batch (batch_size, seq_len + 1): its own random windows, or with
         data.shard_global_batch its rows of one global batch that every rank draws alike (so
@@ -575,80 +501,10 @@ class Trainer:
         )
         return {"step": self.step, **out}
 
-    # ------------------------------------------------------------------ interrupts
-
-    def _install_signal_handlers(self) -> dict:
-        """First Ctrl-C or SIGTERM (what schedulers send before killing a job): stop after
-        the current micro-batch, save and stop. A second one: stop now.
-
-        With several ranks (torchrun passes SIGINT and SIGTERM on to every worker) the ranks
-        agree on the step to stop after through the per-step all-reduce, then save together;
-        a second signal stops at once without saving (the ranks may be anywhere, a collective
-        could hang), keeping the last checkpoint. Returns the previous handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            self._stop_signal = signal.Signals(signum).name
-            when = "after this step" if self.dist.enabled else "after this micro-batch"
-            name = "Ctrl-C" if signum == signal.SIGINT else self._stop_signal
-            self._print(
-                f"\n{name}: stopping {when} and saving a checkpoint "
-                f"(send it again to stop sooner{', without saving' if self.dist.enabled else ''})"
-            )
-
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, handler)
-        return previous
-
-    def _on_interrupt(self) -> Path | None:
-        """Save a consistent checkpoint after a KeyboardInterrupt, if the state allows."""
-        if self.dist.enabled and not self._stop_agreed:
-            self._print(
-                f"interrupted at an arbitrary point of step {self.step + 1} with "
-                f"{self.dist.world_size} ranks: not saving; the last checkpoint (step "
-                f"{self.last_checkpoint_step}) is kept"
-            )
-            return None
-        if self._phase == "update":
-            self._print(
-                f"interrupted during the parameter update of step {self.step + 1}: "
-                f"not saving; the last checkpoint (step {self.last_checkpoint_step}) "
-                "is kept"
-            )
-            return None
-        rng = None
-        if self._phase == "forward":
-            # half-way through a step: drop its gradients and rewind its RNG draws
-            self.step_runner.discard()
-            rng = self._step_rng
-        path = self.save_checkpoint(rng)
-        self._print(f"interrupted at step {self.step}: checkpoint saved to {path}")
-        return path
-
     # ------------------------------------------------------------------ loop
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size)
-
-    def _is_sync_step(self, step: int) -> bool:
-        """Whether the host reads step `step`'s loss right after it (CUDA graphs read only
-        at steps that log, evaluate, sample or checkpoint, and the last; the same steps on
-        every rank, since reading all-reduces)."""
-        if not self.step_runner.graphed:
-            return True
-        t, e, lg = self.config.train, self.config.eval, self.config.log
-        every = [lg.log_every, e.eval_every, e.generate_every, lg.checkpoint_every]
-        return (
-            step >= t.max_steps
-            or any(n > 0 and step % n == 0 for n in every)
-            or (self._stop_requested and not self.dist.enabled)
-        )
 
     def _log_record(self, info: dict, mean_loss: float, tokens_per_s: float) -> None:
         """One metrics.jsonl line (and wandb row) for the step in `info`."""
