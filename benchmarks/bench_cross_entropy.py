@@ -18,9 +18,7 @@ Usage: python3 benchmarks/bench_cross_entropy.py --out DIR [--quick] [--sweep] [
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -180,23 +178,13 @@ def sweep(args) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="tile/warp sweep instead")
-    ap.add_argument("--no-compile", action="store_true")
-    args = ap.parse_args()
-    t0 = time.time()
-    if args.sweep:
-        rows = sweep(args)
-        common.report(args.out, "cross_entropy_sweep", rows, x="V", y="ms", group=("mode",))
-    else:
-        rows = bench(args)
-        common.report(
-            args.out, "cross_entropy", rows, x="V", y="GB/s", group=("rows", "mode"),
-            title="cross-entropy, bf16, 10% ignored rows",
-        )  # fmt: skip
-    print(f"done in {time.time() - t0:.0f}s")
+    common.run_main(
+        "cross_entropy", bench, sweep,
+        write_sweep=lambda out, rows: common.report(
+            out, "cross_entropy_sweep", rows, x="V", y="ms", group=("mode",)
+        ),
+        x="V", y="GB/s", group=("rows", "mode"), title="cross-entropy, bf16, 10% ignored rows",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

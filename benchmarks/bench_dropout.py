@@ -15,9 +15,7 @@ Usage: python3 benchmarks/bench_dropout.py --out DIR [--quick] [--sweep] [--no-c
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -112,26 +110,9 @@ def sweep(args) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--no-compile", action="store_true")
-    args = ap.parse_args()
-    t0 = time.time()
-    if args.sweep:
-        rows = sweep(args)
-        import json
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "dropout_sweep.json").write_text(json.dumps(rows, indent=1))
-    else:
-        rows = bench(args)
-        common.report(
-            args.out, "dropout", rows, x="n", y="GB/s", group=("dtype", "mode"),
-            title=f"dropout p={P}",
-        )  # fmt: skip
-    print(f"done in {time.time() - t0:.0f}s")
+    common.run_main(
+        "dropout", bench, sweep, x="n", y="GB/s", group=("dtype", "mode"), title=f"dropout p={P}"
+    )
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ Usage: python3 benchmarks/bench_softmax.py --out DIR [--quick] [--sweep] [--no-c
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,26 +126,10 @@ def sweep(args) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--no-compile", action="store_true")
-    args = ap.parse_args()
-    t0 = time.time()
-    if args.sweep:
-        rows = sweep(args)
-        import json
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "softmax_sweep.json").write_text(json.dumps(rows, indent=1))
-    else:
-        rows = bench(args)
-        common.report(
-            args.out, "softmax", rows, x="N", y="GB/s", group=("causal", "dtype", "mode"),
-            title=f"softmax over rows of N, M = {M}",
-        )  # fmt: skip
-    print(f"done in {time.time() - t0:.0f}s")
+    common.run_main(
+        "softmax", bench, sweep, x="N", y="GB/s", group=("causal", "dtype", "mode"),
+        title=f"softmax over rows of N, M = {M}",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Every benchmark in this folder measures in one process, on one GPU:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -86,6 +87,38 @@ def compiled(fn: Callable, **kwargs: Any) -> Callable:
     """torch.compile with a fresh cache per function (benchmarks compare many shapes)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     return torch.compile(fn, **kwargs)
+
+
+def run_main(
+    op: str,
+    bench: Callable[[Any], list[dict]],
+    sweep: Callable[[Any], list[dict]],
+    write_sweep: Callable[[str, list[dict]], Any] | None = None,
+    **report_kwargs: Any,
+) -> None:
+    """The command line the op benchmarks share: --out, --quick, --no-compile, and --sweep
+    (tune the op's launch settings instead of comparing providers).
+
+    `bench(args)` / `sweep(args)` return rows; bench rows go to `report(out, op, ...)` with
+    `report_kwargs`, sweep rows to `write_sweep(out, rows)` (default: `<op>_sweep.json`).
+    """
+    ap = argparse.ArgumentParser(description=f"{op} benchmark")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--sweep", action="store_true", help="tune launch settings instead")
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    args = ap.parse_args()
+    start = time.time()
+    if args.sweep:
+        rows = sweep(args)
+        if write_sweep is not None:
+            write_sweep(args.out, rows)
+        else:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{op}_sweep.json").write_text(json.dumps(rows, indent=1))
+    else:
+        report(args.out, op, bench(args), **report_kwargs)
+    print(f"done in {time.time() - start:.0f}s")
 
 
 def _fmt(v: Any) -> str:
