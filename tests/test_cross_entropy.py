@@ -541,7 +541,11 @@ def test_compile_traces_without_graph_breaks_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), "rows"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]

@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -481,70 +480,17 @@ def test_backward_variants_agree(looped, block_m, device, monkeypatch):
     assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][2], outs[1][2])
 
 
-# Dynamo (fullgraph: a graph break fails) and AOTAutograd's joint forward+backward trace of the
-# Triton paths of layernorm and residual_layernorm, static and dynamic shapes, on CPU: in a
-# subprocess with TRITON_INTERPRET=0, so the kernels are JITFunctions torch.library can trace.
-# The forward compiler stops at the traced graph: no kernel runs, no GPU needed.
-_TRACE_SCRIPT = textwrap.dedent(
-    """
-    import importlib, sys
-    import torch
-    from torch._dynamo.backends.common import aot_autograd
-    import triton_transformer.utils as utils_mod
-    utils_mod.interpreter_enabled = lambda: True  # CPU tensors pass the device check
-    ln = importlib.import_module("triton_transformer.layernorm")
-    rl = importlib.import_module("triton_transformer.residual_layernorm")
-    ln.check_triton_tensor = rl.check_triton_tensor = lambda *a, **k: None
-
-    class Traced(Exception):
-        pass
-
-    def fw_compiler(gm, example_inputs):
-        targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-        raise Traced(sorted(t for t in targets if "triton" in t))
-
-    backend = aot_autograd(fw_compiler=fw_compiler)
-    w = torch.randn(64, requires_grad=True)
-    b = torch.randn(64, requires_grad=True)
-    cases = {
-        "layernorm": lambda h: ln.layernorm(h.sin(), w, b, use_triton=True).cos().sum(),
-        "layernorm stable": lambda h: ln.layernorm(
-            h.sin(), w, None, stable=True, use_triton=True).cos().sum(),
-        "residual dropout": lambda h: sum(t.cos().sum() for t in rl.residual_layernorm(
-            h, h.sin(), w, b, dropout_p=0.1, use_triton=True)),
-        "residual stable": lambda h: rl.residual_layernorm(
-            h, h.sin(), w, None, stable=True, use_triton=True)[1].cos().sum(),
-    }
-    ok = True
-    for dynamic in (False, True):
-        for name, fn in cases.items():
-            torch._dynamo.reset()
-            h = torch.randn(128, 64, requires_grad=True)
-            try:
-                torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
-                print(f"FAIL {name} dynamic={dynamic}: the forward compiler was not reached")
-                ok = False
-            except Exception as e:  # Dynamo wraps the backend's exception
-                cause = e
-                while cause is not None and not isinstance(cause, Traced):
-                    cause = cause.__cause__ or cause.__context__
-                if cause is None or not cause.args[0]:
-                    print(f"FAIL {name} dynamic={dynamic}: {type(e).__name__}: {str(e)[:800]}")
-                    ok = False
-                else:
-                    print(f"OK {name} dynamic={dynamic}: {cause.args[0]}")
-    sys.exit(0 if ok else 1)
-    """
-)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
 def test_compile_traces_without_graph_breaks_cpu():
+    # Dynamo (fullgraph: a graph break fails) and AOTAutograd's joint forward+backward trace of
+    # the Triton paths of layernorm and residual_layernorm, static and dynamic shapes, on CPU:
+    # a subprocess with TRITON_INTERPRET=0, so the kernels are JITFunctions torch.library can
+    # trace. No kernel runs.
+    script = Path(__file__).with_name("_compile_trace_check.py")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True,
+        [sys.executable, str(script), "layernorm"], env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]

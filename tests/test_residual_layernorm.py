@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from test_layernorm import _assert_close  # row-wise relative error, NaN/inf fail
 
 from triton_transformer.layernorm import layernorm
 from triton_transformer.residual_layernorm import (
@@ -36,20 +37,6 @@ def _inputs(shape, dtype=torch.float32, device="cpu", bias=True, branch_dtype=No
     w = (1.0 + 0.5 * torch.randn(N, device=device)).to(dtype)
     b = (0.3 * torch.randn(N, device=device)).to(dtype) if bias else None
     return h, br, w, b
-
-
-def _assert_close(actual, expected, tol, name):
-    """Row-wise relative error <= tol (see tests/test_layernorm.py); NaN/inf fail."""
-    assert actual.shape == expected.shape, name
-    a = actual.double()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    if a.numel() == 0:
-        return
-    n = a.shape[-1]
-    err = (a - expected).reshape(-1, n).norm(dim=-1)
-    bound = tol * expected.reshape(-1, n).norm(dim=-1) + 1e-3 * tol * math.sqrt(n)
-    bad = (err > bound).nonzero().flatten().tolist()
-    assert not bad, f"{name}: rows {bad[:5]}: |diff| {err[bad[:5]]} > {bound[bad[:5]]}"
 
 
 def _run(h, br, w, b, dy, dhn, p=0.0, stable=False, eps=1e-5, seed=None):
