@@ -25,6 +25,7 @@ from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.dropout import dropout
 from triton_transformer.layernorm import LayerNorm
+from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import check_not_capturing, default, exists
 
 __all__ = ["ATTN_IMPLS", "KVCache", "Transformer"]
@@ -73,6 +74,15 @@ class KVCache:
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def _add_and_norm(
+    h: torch.Tensor, branch: torch.Tensor, norm: LayerNorm, use_triton: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + branch, norm(h + branch)) in one fused op, with `norm`'s parameters."""
+    return residual_layernorm(
+        h, branch, norm.weight, norm.bias, eps=norm.eps, stable=norm.stable, use_triton=use_triton
+    )
 
 
 def _is_int_tensor(t: object) -> bool:
@@ -124,8 +134,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (b, n, dim) -> (b, n, dim). With a `kv_cache` the new keys/values are appended
         to layer `layer`'s cache and the queries attend over all cached tokens."""
-        x = self.norm(x, use_triton=use_triton)
-        qkv = linear(x, self.to_qkv.weight, use_triton=use_triton)
+        y = self.norm(x, use_triton=use_triton)
+        return self.from_normed(y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=layer)
+
+    def from_normed(
+        self,
+        y: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        use_triton: bool,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
+        with the previous residual add)."""
+        qkv = linear(y, self.to_qkv.weight, use_triton=use_triton)
         kwargs = dict(
             causal=self.causal,
             key_padding_mask=mask,
@@ -159,8 +182,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
         """x (b, n, dim) -> (b, n, dim)."""
-        x = self.norm(x, use_triton=use_triton)
-        x = linear(x, self.proj_in.weight, activation="relu_squared", use_triton=use_triton)
+        return self.from_normed(self.norm(x, use_triton=use_triton), use_triton=use_triton)
+
+    def from_normed(self, y: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
+        """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
+        with the previous residual add)."""
+        x = linear(y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton)
         x = dropout(x, p=self.dropout, training=self.training, use_triton=use_triton)
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 
@@ -292,11 +319,17 @@ class Transformer(nn.Module):
             x = x.long()  # embedding takes int32/int64 ids
 
         h = self.token_emb(x) + self.pos_emb.weight[start : start + n]
+        # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
+        # written so that each residual add and the norm that follows it are one fused op
+        # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
+        y = self.layers[0][0].norm(h, use_triton=use_triton)
         for i, (attn, ff) in enumerate(self.layers):
-            h = h + attn(h, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i)
-            h = h + ff(h, use_triton=use_triton)
-        h = self.norm(h, use_triton=use_triton)
-        logits = linear(h, self.to_logits.weight, use_triton=use_triton)
+            a = attn.from_normed(y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i)
+            h, y = _add_and_norm(h, a, ff.norm, use_triton)
+            f = ff.from_normed(y, use_triton=use_triton)
+            next_norm = self.layers[i + 1][0].norm if i + 1 < self.depth else self.norm
+            h, y = _add_and_norm(h, f, next_norm, use_triton)
+        logits = linear(y, self.to_logits.weight, use_triton=use_triton)
 
         if exists(kv_cache):
             # advanced only after every layer has written its keys/values
