@@ -19,7 +19,7 @@ from triton_transformer.dropout import (
     dropout,
     dropout_op,
 )
-from triton_transformer.utils import draw_seed
+from triton_transformer.utils import call_op, draw_seed
 
 # Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
 RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -318,3 +318,22 @@ def test_gpu_compiles_without_graph_breaks(device):
     compiled = torch.compile(f)(x)
     compiled.backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_call_op_dispatches_only_when_needed(device, monkeypatch):
+    # Inference skips the dispatcher (the op's implementation runs directly); a call that
+    # records autograd goes through the registered op (so backward works).
+    x = make_x((8, 16), device=device)
+    calls = []
+    real = dropout_op._init_fn
+    monkeypatch.setattr(dropout_op, "_init_fn", lambda *a: calls.append(1) or real(*a))
+    seed = draw_seed(device)
+    torch.testing.assert_close(call_op(dropout_op, x, 0.5, seed), dropout_op(x, 0.5, seed))
+    assert calls == [1]
+    with torch.no_grad():
+        call_op(dropout_op, x.requires_grad_(), 0.5, seed)
+    assert calls == [1, 1]
+    out = call_op(dropout_op, x, 0.5, seed)  # x requires grad, grad mode on
+    assert calls == [1, 1] and out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.where(out != 0, 2.0, 0.0), rtol=0, atol=0)

@@ -60,6 +60,7 @@ from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
 from triton_transformer.utils import (
+    call_op,
     check_triton_tensor,
     draw_seed,
     interpreter_enabled,
@@ -936,9 +937,10 @@ def attention(
     if not use_triton:
         return _reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
     seed = draw_seed(q.device) if dropout_p > 0.0 else None
-    out, _ = flash_attention_op(
-        q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v)
-    )
+    out, _ = call_op(
+        flash_attention_op,
+        q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v),
+    )  # fmt: skip
     return out.transpose(1, 2)
 
 
@@ -978,9 +980,10 @@ def attention_packed(
     dropout_p = _check_dropout(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     seed = draw_seed(qkv.device) if dropout_p > 0.0 else None
-    out, _ = flash_attention_packed_op(
-        qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv)
-    )
+    out, _ = call_op(
+        flash_attention_packed_op,
+        qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv),
+    )  # fmt: skip
     return out.view(b, n, -1)
 
 

@@ -71,7 +71,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import cdiv, check_triton_tensor, next_power_of_2
+from triton_transformer.utils import call_op, cdiv, check_triton_tensor, next_power_of_2
 
 # What torch.compile hands an op body while tracing it.
 _TRACED_TENSORS = (FakeTensor, FunctionalTensor)
@@ -947,8 +947,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     check_triton_tensor(a, "a")
     check_triton_tensor(b, "b")
     if a.dim() == 2:
-        return bmm_op(a, b)
-    c = bmm_op(_as_batched(a), _as_batched(b))
+        return call_op(bmm_op, a, b)
+    c = call_op(bmm_op, _as_batched(a), _as_batched(b))
     return c.view(*a.shape[:-1], b.shape[-1])
 
 
@@ -1009,7 +1009,7 @@ def linear(
         and (x.requires_grad or weight.requires_grad or (r2 is not None and r2.requires_grad))
     )
     if save_relu:
-        y2 = linear_relu2_op(x2, weight, r2)[0]
+        y2 = call_op(linear_relu2_op, x2, weight, r2)[0]
     else:
-        y2 = linear_op(x2, weight, r2, relu_squared)
+        y2 = call_op(linear_op, x2, weight, r2, relu_squared)
     return y2 if two_d else y2.view(out_shape)

@@ -56,6 +56,7 @@ from torch.library import triton_op, wrap_triton
 from triton_transformer.utils import (
     as_rows,
     calc_num_warps,
+    call_op,
     cdiv,
     check_triton_tensor,
     exists,
@@ -750,7 +751,7 @@ def layernorm(
     check_layernorm_args(x, weight, bias, use_triton)
     if not use_triton:
         return _layernorm_torch(x, weight, bias, eps, stable)
-    return layernorm_fwd(x, weight, bias, float(eps), bool(stable))[0]
+    return call_op(layernorm_fwd, x, weight, bias, float(eps), bool(stable))[0]
 
 
 class LayerNorm(nn.Module):

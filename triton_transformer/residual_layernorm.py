@@ -53,7 +53,7 @@ from triton_transformer.layernorm import (
     launch_fwd,
     rows_of,
 )
-from triton_transformer.utils import check_triton_tensor, draw_seed, exists
+from triton_transformer.utils import call_op, check_triton_tensor, draw_seed, exists
 
 
 @triton_op("triton_transformer::residual_layernorm_fwd", mutates_args=())
@@ -192,7 +192,9 @@ def residual_layernorm(
     # The seed tensor is drawn only when there is dropout (no RNG advance, no launch otherwise);
     # the op needs a tensor argument either way, and weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
-    h_new, y, _ = residual_layernorm_fwd(h, branch, weight, bias, float(eps), bool(stable), p, seed)
+    h_new, y, _ = call_op(
+        residual_layernorm_fwd, h, branch, weight, bias, float(eps), bool(stable), p, seed
+    )
     return h_new, y
 
 
