@@ -3,7 +3,7 @@
 Each op is called `--calls` times back to back without synchronising (the GPU work is far
 shorter than the host's), then the device is synchronised: wall time / calls is what the host
 pays per call (Python wrapper, validation, autograd, dispatcher, Triton's launcher). Forward
-alone and forward+backward. Run it against two checkouts to compare before/after:
+alone (inputs that require grad), forward under no_grad (inference), and forward+backward. Run it against two checkouts to compare before/after:
 
     python3 benchmarks/bench_overhead.py --out DIR --label after
     PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_overhead.py --out DIR --label before
@@ -80,8 +80,13 @@ def main() -> None:
             out = fwd()
             out.float().sum().backward()
 
+        def fwd_no_grad(fwd=fwd):
+            with torch.no_grad():
+                return fwd()
+
         try:
             row = {"op": name, "fwd_us": per_call_us(fwd, args.calls)}
+            row["fwd_no_grad_us"] = per_call_us(fwd_no_grad, args.calls)  # inference
             row["fwd+bwd_us"] = per_call_us(fwd_bwd, args.calls // 3)
         except Exception as e:  # an op the old checkout lacks must not stop the rest
             row = {"op": name, "error": repr(e)[:200]}
