@@ -3,7 +3,8 @@
 Each op is called `--calls` times back to back without synchronising (the GPU work is far
 shorter than the host's), then the device is synchronised: wall time / calls is what the host
 pays per call (Python wrapper, validation, autograd, dispatcher, Triton's launcher). Forward
-alone (inputs that require grad), forward under no_grad (inference), and forward+backward. Run it against two checkouts to compare before/after:
+alone (inputs that require grad), forward under no_grad (inference), and forward+backward.
+Run it against two checkouts to compare before/after:
 
     python3 benchmarks/bench_overhead.py --out DIR --label after
     PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_overhead.py --out DIR --label before
