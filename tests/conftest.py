@@ -6,6 +6,7 @@ which is why it happens here, at collection time, before any test module loads.
 
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +37,21 @@ def _fresh_seed(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     yield
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    """A small, repetitive text file (a tiny model learns it within a few dozen steps), for
+    the training, CLI and distributed tests."""
+    lines = [f"{i % 10} the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(800)]
+    path = tmp_path_factory.mktemp("corpus") / "fox.txt"
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_file):
+    """`corpus_file` loaded (split 90/5/5), for tests that hand the trainer a corpus."""
+    from triton_transformer.data import load_corpus  # after TRITON_INTERPRET is set above
+
+    return load_corpus(str(corpus_file))

@@ -76,14 +76,6 @@ def tree_digest(path: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    lines = [f"{i % 10} the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(800)]
-    path = tmp_path_factory.mktemp("corpus") / "fox.txt"
-    path.write_text("".join(lines))
-    return path
-
-
 def tiny_args(corpus_file: Path, run_dir: Path, steps: int = 3, *extra: str) -> list[str]:
     return [
         "--config",

@@ -273,14 +273,6 @@ class Launch:
         return out
 
 
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    lines = [f"{i % 10} the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(800)]
-    path = tmp_path_factory.mktemp("corpus") / "fox.txt"
-    path.write_text("".join(lines))
-    return path
-
-
 def _check_in_sync(records: list[dict], steps: list[int]) -> None:
     """After every step, every rank holds the same parameters (bit for bit)."""
     for rec in records:

@@ -20,7 +20,6 @@ import torch
 
 import triton_transformer.trainer as trainer_mod
 from triton_transformer.config import Config, ConfigError, apply_overrides
-from triton_transformer.data import load_corpus
 from triton_transformer.trainer import (
     NonFiniteLossError,
     Trainer,
@@ -42,20 +41,6 @@ def _load_cli():
 
 
 cli = _load_cli()
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    # repetitive, so a tiny model learns it within a few dozen steps
-    lines = [f"{i % 10} the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(800)]
-    path = tmp_path_factory.mktemp("corpus") / "fox.txt"
-    path.write_text("".join(lines))
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(corpus_file):
-    return load_corpus(str(corpus_file))
 
 
 def tiny_config(run_dir: Path, corpus_file: Path, **overrides) -> Config:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from test_distributed import Launch, _check_in_sync, tiny_overrides
-from test_train import corpus, corpus_file, read_jsonl, tiny_config  # noqa: F401 (fixtures)
+from test_train import read_jsonl, tiny_config
 
 from triton_transformer.config import ConfigError, load_config
 from triton_transformer.trainer import load_checkpoint, train
@@ -25,12 +25,12 @@ def test_option_takes_toml_booleans_and_auto(tmp_path, toml, expected):
     assert load_config(path).train.cuda_graph == expected
 
 
-def test_option_rejects_other_values(tmp_path, corpus_file):  # noqa: F811
+def test_option_rejects_other_values(tmp_path, corpus_file):
     with pytest.raises(ConfigError, match=r"train\.cuda_graph='sometimes' must be auto, true or"):
         tiny_config(tmp_path / "run", corpus_file, train__cuda_graph="sometimes")
 
 
-def test_no_op_without_cuda(tmp_path, corpus_file, corpus, capsys):  # noqa: F811
+def test_no_op_without_cuda(tmp_path, corpus_file, corpus, capsys):
     config = tiny_config(tmp_path / "run", corpus_file, train__cuda_graph="true")
     result = train(config, corpus=corpus)
     assert result.step == 12 and all(math.isfinite(v) for v in result.losses.values())
@@ -40,7 +40,7 @@ def test_no_op_without_cuda(tmp_path, corpus_file, corpus, capsys):  # noqa: F81
 # ----------------------------------------------------------------------------------- GPU
 
 
-def _gpu_config(run_dir, corpus_file, **kw):  # noqa: F811
+def _gpu_config(run_dir, corpus_file, **kw):
     values = dict(
         train__device="cuda",
         train__precision="bf16",
@@ -55,7 +55,7 @@ def _gpu_config(run_dir, corpus_file, **kw):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_triton", [False, True])
-def test_gpu_graphed_run_matches_eager(tmp_path, corpus_file, corpus, use_triton):  # noqa: F811
+def test_gpu_graphed_run_matches_eager(tmp_path, corpus_file, corpus, use_triton):
     losses = {}
     for graph in ("false", "true"):
         config = _gpu_config(
@@ -72,7 +72,7 @@ def test_gpu_graphed_run_matches_eager(tmp_path, corpus_file, corpus, use_triton
 
 
 @pytest.mark.gpu
-def test_gpu_graphed_resume_is_exact(tmp_path, corpus_file, corpus):  # noqa: F811
+def test_gpu_graphed_resume_is_exact(tmp_path, corpus_file, corpus):
     # dropout on: the replayed steps draw their masks from the CUDA generator, whose state
     # the checkpoint carries
     kw = dict(train__cuda_graph="true", model__attn_dropout=0.1, model__ff_dropout=0.1,
@@ -94,7 +94,7 @@ def test_gpu_graphed_resume_is_exact(tmp_path, corpus_file, corpus):  # noqa: F8
 
 
 @pytest.mark.gpu
-def test_gpu_triton_compile_with_graphs_trains(tmp_path, corpus_file, corpus, capsys):  # noqa: F811
+def test_gpu_triton_compile_with_graphs_trains(tmp_path, corpus_file, corpus, capsys):
     config = _gpu_config(
         tmp_path / "run", corpus_file, model__use_triton=True, train__compile=True,
         model__attn_dropout=0.1, model__ff_dropout=0.1,
@@ -107,7 +107,7 @@ def test_gpu_triton_compile_with_graphs_trains(tmp_path, corpus_file, corpus, ca
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_two_ranks_with_graphs_match_eager(tmp_path, corpus_file, monkeypatch):  # noqa: F811
+def test_gpu_two_ranks_with_graphs_match_eager(tmp_path, corpus_file, monkeypatch):
     """NCCL all-reduce captured in the graph: 11 eager DDP steps, then replays."""
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on shared hosts
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
