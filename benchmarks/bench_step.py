@@ -130,8 +130,9 @@ def make_step(model: nn.Module, batch: torch.Tensor):
     return step
 
 
-def gpu_ms_per_step(step, n: int = 5) -> float:
-    """Sum of GPU kernel time per step, from torch.profiler."""
+def gpu_time_per_step(step, n: int = 5) -> tuple[float, list[dict]]:
+    """GPU kernel time per step (ms) from torch.profiler, and the kernels behind it: name,
+    µs per step and launches per step, longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -139,10 +140,13 @@ def gpu_ms_per_step(step, n: int = 5) -> float:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    total_us = sum(
-        e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
-    )
-    return total_us / n / 1e3
+    kernels = [
+        {"kernel": e.key, "us/step": e.self_device_time_total / n, "calls/step": e.count / n}
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k["us/step"])
+    return sum(k["us/step"] for k in kernels) / 1e3, kernels
 
 
 def measure(provider: str, mode: str, p: dict, dropout: float, steps: int) -> dict:
@@ -162,7 +166,7 @@ def measure(provider: str, mode: str, p: dict, dropout: float, steps: int) -> di
         loss, _ = step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
-    gpu_ms = gpu_ms_per_step(step)
+    gpu_ms, kernels = gpu_time_per_step(step)
     tokens = p["batch"] * p["seq"]
     tok_s = tokens / wall_ms * 1e3
     return {
@@ -176,6 +180,7 @@ def measure(provider: str, mode: str, p: dict, dropout: float, steps: int) -> di
         "peak MiB": torch.cuda.max_memory_allocated() / 2**20,
         "MFU": flops_per_token(p) * tok_s / (common.ceilings()["bf16_tflops"] * 1e12),
         "loss": float(loss),
+        "kernels": kernels,
     }
 
 
@@ -200,6 +205,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     ap.add_argument("--cases", nargs="*", help="provider:mode pairs (default: all)")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = ap.parse_args()
     p = PRESETS[args.preset]
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else CASES
@@ -218,7 +224,7 @@ def main() -> None:
                     "error": repr(e)[:300],
                 }
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             torch._dynamo.reset()
     ceil = common.ceilings()
     (out / f"step_{args.preset}.json").write_text(
@@ -248,6 +254,30 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     (out / f"step_{args.preset}.md").write_text(md)
     print(md)
+    (out / f"step_{args.preset}_kernels.md").write_text(kernel_tables(rows, args.top))
+
+
+def kernel_tables(rows: list[dict], top: int) -> str:
+    """Where each case's GPU time goes: its `top` longest kernels, µs and launches per step."""
+    lines = ["# GPU time per step by kernel (torch.profiler, summed over launches)", ""]
+    for r in rows:
+        if "kernels" not in r:
+            continue
+        lines += [
+            f"## {r['provider']} {r['mode']}, dropout {r['dropout']}: "
+            f"{r['gpu ms/step']:.2f} ms, {sum(k['calls/step'] for k in r['kernels']):.0f} "
+            "launches",
+            "",
+            "| kernel | µs/step | calls/step | share |",
+            "|---|---|---|---|",
+        ]
+        total = r["gpu ms/step"] * 1e3
+        for k in r["kernels"][:top]:
+            name = k["kernel"].replace("|", "/")[:90]
+            lines.append(f"| `{name}` | {k['us/step']:.0f} | {k['calls/step']:.0f} | "
+                         f"{k['us/step'] / total:.1%} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -495,3 +495,23 @@ def test_compile_traces_without_graph_breaks_cpu():
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype(use_triton, out_dtype, device):
+    # An fp32 stream normalised straight into the matmul dtype (as under autocast): y rounded
+    # once from the fp32 result; the gradient arrives in out_dtype and dx is x's dtype.
+    x, w, b = _inputs((37, 100), device=device)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    y = layernorm(*leaves, use_triton=use_triton, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    dy = torch.randn(x.shape, device=device).to(out_dtype)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref = _fwd_bwd(x, w, b, dy.double(), use_triton=False, dtype=torch.float64)
+    _assert_close(y, ref[0], 1e-2, "y")
+    for name, g, r, like in zip(["dx", "dweight", "dbias"], grads, ref[1:], leaves, strict=True):
+        assert g.dtype == like.dtype, name
+        _assert_close(g, r, 1e-5, name)  # dy's rounding is shared with the reference
+    with pytest.raises(TypeError, match="out_dtype"):
+        layernorm(x, w, b, use_triton=use_triton, out_dtype=torch.int32)

@@ -355,3 +355,29 @@ def test_one_output_unused(used, device):
         want = torch.zeros_like(like, dtype=torch.float64) if want is None else want
         got = torch.zeros_like(like) if got is None else got
         _assert_close(got, want, 1e-5, name)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_out_dtype_keeps_fp32_stream(use_triton, p, device):
+    # Under autocast the model asks for y in bf16 (the next matmul's dtype) while h_new stays
+    # the fp32 residual stream; the gradient of y arrives in bf16.
+    h, br, w, b = _inputs((16, 100), device=device, branch_dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (h, br, w, b)]
+    torch.manual_seed(3)
+    h_new, y = residual_layernorm(
+        *leaves[:3], leaves[3], dropout_p=p, use_triton=use_triton, out_dtype=torch.bfloat16
+    )
+    assert h_new.dtype == torch.float32 and y.dtype == torch.bfloat16
+    keep = (h_new.detach() != h) if p > 0 else torch.ones_like(h, dtype=torch.bool)
+    dy = torch.randn(h.shape, device=device).to(torch.bfloat16)
+    dhn = torch.randn(h.shape, device=device)
+    grads = torch.autograd.grad((h_new, y), leaves, (dhn, dy))
+    ref = _reference(h, br, w, b, dy, dhn, keep, h_new, p)
+    _assert_close(h_new, ref[0], 1e-5, "h_new")
+    _assert_close(y, ref[1], 1e-2, "y")
+    names = ["dh", "dbranch", "dweight", "dbias"]
+    for name, g, r, like, tol in zip(names, grads, ref[2:], leaves, [1e-5, 1e-2, 1e-5, 1e-5],
+                                     strict=True):  # fmt: skip
+        assert g.dtype == like.dtype, name
+        _assert_close(g, r, tol, name)

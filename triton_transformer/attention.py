@@ -33,8 +33,11 @@ them, query-block programs accumulate dQ over the key blocks they see. Both reco
 probabilities from q, k and the log-sum-exp.
 
 Dropout draws keep/drop per (row, key) from Philox keyed by a seed tensor on the device
-(`utils.draw_seed`) and the batch·head index, counter = row · n_k + key: the backward
-regenerates the same mask, nothing is stored, and a CUDA graph replay draws a new mask.
+(`utils.draw_seed`) and the batch·head index: one Philox call per row and 8 keys, eight 16-bit
+uniforms (`_dropout_keep`). Philox is integer work the tensor cores cannot hide: one call per
+element made dropout 0.1 cost more than the attention itself (H200, d512/L8 step: 4.2 ms of
+9.8). The backward regenerates the same mask, nothing is stored, and a CUDA graph replay draws
+a new mask.
 
 Layouts: q, k, v may have any strides (the model's are views of the packed qkv projection,
 (b, n, 3, h, d), read in place). The output is written as a contiguous (b, n_q, h, d) tensor,
@@ -107,20 +110,41 @@ def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, rows, cols, N_K, p, DROP_INT64: tl.constexpr):
-    """Keep mask (rows x cols broadcast) of the dropout on attention weights: Philox counter
-    row * n_k + key, so forward and backward tiles of any shape draw the same numbers."""
-    if DROP_INT64:  # noqa: SIM108
-        counter = rows.to(tl.int64) * N_K + cols
+def _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N: tl.constexpr,
+                  DROP_INT64: tl.constexpr):  # fmt: skip
+    """Keep mask of the dropout on attention weights for queries offs_m (BLOCK_M,) and keys
+    [start_n, start_n + BLOCK_N): a (BLOCK_M, BLOCK_N) int8 tile of 0/1, queries by keys.
+
+    One Philox call per query and group of 8 keys, counter = query · ⌈n_k / 8⌉ + key // 8: its
+    four 32-bit words are eight 16-bit uniforms r, and key 8g + j takes half j % 2 of word
+    j // 2. Kept when r >= threshold = round(p · 2**16). Every kernel builds the tile in this
+    (query, key) orientation (the key-block backward transposes it), so forward and backward
+    draw the same mask whatever their tile shapes (all multiples of 8 keys)."""
+    groups = tl.cdiv(N_K, 8)
+    g = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    if DROP_INT64:
+        counter = offs_m.to(tl.int64)[:, None] * groups + g[None, :]
     else:
-        counter = rows * N_K + cols
-    return tl.rand(seed, counter) >= p
+        counter = offs_m[:, None] * groups + g[None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, counter)
+    k0 = ((w0 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
+    k1 = ((w0 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k2 = ((w1 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
+    k3 = ((w1 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k4 = ((w2 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
+    k5 = ((w2 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k6 = ((w3 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
+    k7 = ((w3 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    # interleave(a, b) puts a at even, b at odd positions: three levels put k_j at 8g + j
+    even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
+    odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))
+    return tl.interleave(even, odd)
 
 
 @triton.jit
 def _fwd_block(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
-    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
@@ -180,8 +204,8 @@ def _fwd_block(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _dropout_keep(seed, offs_m[:, None], offs_n[None, :], N_K, dropout_p, DROP_INT64)
-            p = tl.where(keep, p, 0.0)
+            keep = _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
+            p = tl.where(keep != 0, p, 0.0)
         if MASKED:
             vmask = offs_n[:, None] < N_K
             if PAD_D:
@@ -210,7 +234,7 @@ def _attn_fwd_kernel(
     Q, K, V, Out, LSE, KPM, SEED,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
     skpm_b, skpm_n,
-    BH, H, N_Q, N_K, qk_scale, dropout_p, out_scale,
+    BH, H, N_Q, N_K, qk_scale, threshold, out_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
@@ -218,7 +242,6 @@ def _attn_fwd_kernel(
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -269,13 +292,13 @@ def _attn_fwd_kernel(
         hi = N_K
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-        offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
+        offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-        offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+        offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
@@ -321,9 +344,9 @@ def _attn_bwd_delta_kernel(
 @triton.jit
 def _bwd_dkdv_block(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
-    offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
-    DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
+    n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+    MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
@@ -352,9 +375,9 @@ def _bwd_dkdv_block(
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
         dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
         if DROPOUT:
-            keep = _dropout_keep(seed, offs_m[None, :], offs_n[:, None], N_K, dropout_p, DROP_INT64)
-            pdT = tl.where(keep, pT * drop_scale, 0.0)
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+            keepT = tl.trans(_dropout_keep(seed, offs_m, n0, N_K, threshold, BLOCK_N, DROP_INT64))
+            pdT = tl.where(keepT != 0, pT * drop_scale, 0.0)
+            dpT = tl.where(keepT != 0, dpT * drop_scale, 0.0)
         else:
             pdT = pT
         dv = _mm(pdT.to(do.dtype), do, dv, IEEE)
@@ -366,7 +389,7 @@ def _bwd_dkdv_block(
 @triton.jit
 def _bwd_dq_block(
     dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
-    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, dropout_p, drop_scale,
+    offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
     UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
@@ -394,8 +417,8 @@ def _bwd_dq_block(
             p = tl.where(real[None, :] != 0, p, 0.0)
         dp = _mm(do, tl.trans(v), None, IEEE)
         if DROPOUT:
-            keep = _dropout_keep(seed, offs_m[:, None], offs_n[None, :], N_K, dropout_p, DROP_INT64)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
+            keep = _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
+            dp = tl.where(keep != 0, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = _mm(ds.to(k.dtype), k, dq, IEEE)
     return dq
@@ -407,7 +430,7 @@ def _attn_bwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     skpm_b, skpm_n,
-    BH, H, N_Q, N_K, qk_scale, sm_scale, dropout_p, drop_scale,
+    BH, H, N_Q, N_K, qk_scale, sm_scale, threshold, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
@@ -418,7 +441,7 @@ def _attn_bwd_kernel(
     query block. Each output element is written by exactly one program: no atomics."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
-    dropout_p, drop_scale = tl.cast(dropout_p, tl.float32), tl.cast(drop_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -466,16 +489,16 @@ def _attn_bwd_kernel(
             full_lo = tl.maximum(full_lo, lo)
             dk, dv = _bwd_dkdv_block(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
-                offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
-                drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
+                n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
+                drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
                 INT64_ROWS, IEEE,
             )  # fmt: skip
         else:
             full_lo = 0
         dk, dv = _bwd_dkdv_block(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
-            offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, dropout_p,
-            drop_scale, BLOCK_M1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
+            n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
+            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
             INT64_ROWS, IEEE,
         )  # fmt: skip
         dk = dk * sm_scale
@@ -516,7 +539,7 @@ def _attn_bwd_kernel(
             hi = tl.minimum(tl.maximum(m0 + BLOCK_M2 + causal_off, 0), N_K)
             dq = _bwd_dq_block(
                 dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-                offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, dropout_p,
+                offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
                 UPCAST, INT64_ROWS, IEEE,
             )  # fmt: skip
@@ -524,7 +547,7 @@ def _attn_bwd_kernel(
             full_end = N_K
         dq = _bwd_dq_block(
             dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-            offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, dropout_p,
+            offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
             UPCAST, INT64_ROWS, IEEE,
         )  # fmt: skip
@@ -542,27 +565,39 @@ def _attn_bwd_kernel(
 def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
     """Forward tiles for one problem class: a fixed table, not runtime autotuning (no
     benchmarking on a first call, and the same tiles, hence the same summation order, on
-    every run). The entries are the usual Hopper choices of Triton's fused-attention tutorial,
-    NOT yet measured on this project's H200: `benchmarks/bench_attention.py --sweep` times the
-    candidates per (head dim, causal) and measures with the winners; copy them here."""
+    every run). bf16/fp16 entries are the winners of `benchmarks/bench_attention.py --sweep`
+    on an H200 (seq 4096, 2026-11-22; TFLOP/s in the comments, runner-up within 2% where
+    noted); rerun it on other GPUs."""
     if dtype == torch.float32:  # ieee fp32 runs on FMA units: small tiles, few registers
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if decode:  # n_q <= 16: a few queries against a long KV cache
         return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
-    if d <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if d <= 64 and causal:  # 381 (128x64, 4 warps: 375)
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if d <= 64:  # 436 (4 warps: 429)
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if causal:  # 422 (128x128: 419)
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}  # 493
 
 
 @functools.cache
 def _bwd_config(d: int, dtype: torch.dtype, causal: bool) -> dict:
     """Backward tiles: key blocks of BLOCK_N1 stepping over BLOCK_M1 queries (dK, dV), query
-    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ). See `_fwd_config`."""
+    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ). Sweep winners as in `_fwd_config`
+    (TFLOP/s counting the backward as 2.5 forwards)."""
     if dtype == torch.float32:
         return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
                 "num_warps": 4, "num_stages": 2}  # fmt: skip
-    return {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
-            "num_warps": 4, "num_stages": 3 if d > 64 else 4}  # fmt: skip
+    if d <= 64 and causal:  # 238
+        return {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                "num_warps": 4, "num_stages": 3}  # fmt: skip
+    if d <= 64:  # 338
+        return {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
+                "num_warps": 4, "num_stages": 3}  # fmt: skip
+    # d 128: 363 non-causal, 281 causal (the d <= 64 tiles: 158 and 134, register spills)
+    return {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+            "num_warps": 8, "num_stages": 3}  # fmt: skip
 
 
 # Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
@@ -606,6 +641,12 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
+def _threshold(dropout_p: float) -> int:
+    """The kernels' 16-bit dropout threshold: drop when the uniform r in [0, 2**16) is below
+    it, i.e. with probability p rounded to a multiple of 2**-16 (off by at most 2**-17)."""
+    return round(dropout_p * 2**16)
+
+
 def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
     lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only)."""
@@ -623,7 +664,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
         q, k, v, out, lse, kpm_arg, seed if dropping else q,
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
+        b * h, h, n_q, n_k, scale * LOG2E, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
@@ -670,7 +711,8 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
         *dq.stride(), *dk.stride(), *dv.stride(),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_p, 1.0 / (1.0 - dropout_p),
+        b * h, h, n_q, n_k, scale * LOG2E, scale, _threshold(dropout_p),
+        1.0 / (1.0 - dropout_p),
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,

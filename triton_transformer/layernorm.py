@@ -627,14 +627,20 @@ def rows_of(x: torch.Tensor) -> torch.Tensor:
 
 @triton_op("triton_transformer::layernorm_fwd", mutates_args=())
 def layernorm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, stable: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    stable: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, stats): y a new contiguous tensor shaped like x; stats (2 or 3, rows) fp32 holds
-    each row's mean, rstd (and scale when stable) for the backward."""
+    """(y, stats): y a new contiguous tensor shaped like x, in out_dtype (None: x's); stats
+    (2 or 3, rows) fp32 holds each row's mean, rstd (and scale when stable) for the
+    backward."""
     N = x.shape[-1]
     x2 = rows_of(x)
     M = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
     launch_fwd(x2, weight.contiguous(), bias, y.view(M, N), stats, eps, stable)
     return y, stats
@@ -664,7 +670,7 @@ def layernorm_bwd(
 
 
 def _ln_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, ctx.eps, ctx.stable = inputs
+    x, weight, bias, ctx.eps, ctx.stable, _ = inputs
     _, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.has_bias = exists(bias)
@@ -675,7 +681,7 @@ def _ln_setup_context(ctx, inputs, output) -> None:
 def _ln_backward(ctx, dy, _dstats):
     x, weight, bias, stats = ctx.saved_tensors
     dx, dweight, dbias = layernorm_bwd(dy, x, weight, bias, stats, ctx.eps, ctx.stable)
-    return dx, dweight, dbias if ctx.has_bias else None, None, None
+    return dx, dweight, dbias if ctx.has_bias else None, None, None, None
 
 
 layernorm_fwd.register_autograd(_ln_backward, setup_context=_ln_setup_context)
@@ -699,7 +705,12 @@ def _check_param(p: object, name: str, x: torch.Tensor, use_triton: bool) -> Non
 
 
 def _layernorm_torch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, stable: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    stable: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     dtype = x.dtype
     if stable:
@@ -708,9 +719,16 @@ def _layernorm_torch(
         # e.g. fp32 params with bf16 activations: compute in fp32, like the kernel does.
         x, weight = x.float(), weight.float()
         bias = bias.float() if exists(bias) else None
-    # `.to(dtype)`: output in the input's dtype, also under autocast (which runs layer_norm
-    # in fp32); a no-op otherwise.
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).to(dtype)
+    # `.to(...)`: output in the input's dtype (or out_dtype), also under autocast (which runs
+    # layer_norm in fp32); a no-op otherwise.
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).to(out_dtype or dtype)
+
+
+def check_out_dtype(out_dtype: object) -> None:
+    if out_dtype is not None and not (
+        isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point
+    ):
+        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
 
 
 def check_layernorm_args(x: object, weight: object, bias: object, use_triton: bool) -> None:
@@ -733,6 +751,8 @@ def layernorm(
     eps: float = 1e-5,
     stable: bool = False,
     use_triton: bool = False,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Layer normalisation over the last dim of `x`.
 
@@ -744,14 +764,18 @@ def layernorm(
         stable: divide each row by its max |x| (clamped to >= STABLE_CLAMP) first, so huge
             activations cannot overflow (CogView's PB-relax); differentiable through the scale.
         use_triton: run the Triton kernels instead of the PyTorch reference.
+        out_dtype: the output's float dtype (None: x's). The kernel computes in fp32 and
+            rounds once into it: an fp32 residual stream feeding bf16 matmuls under autocast
+            gets its bf16 input without a cast pass (and the gradient comes back in bf16).
 
     Returns:
-        (..., N) tensor in x's dtype: a new tensor, never a view (in-place ops on it work).
+        (..., N) tensor in out_dtype: a new tensor, never a view (in-place ops on it work).
     """
     check_layernorm_args(x, weight, bias, use_triton)
+    check_out_dtype(out_dtype)
     if not use_triton:
-        return _layernorm_torch(x, weight, bias, eps, stable)
-    return call_op(layernorm_fwd, x, weight, bias, float(eps), bool(stable))[0]
+        return _layernorm_torch(x, weight, bias, eps, stable, out_dtype)
+    return call_op(layernorm_fwd, x, weight, bias, float(eps), bool(stable), out_dtype)[0]
 
 
 class LayerNorm(nn.Module):
@@ -774,10 +798,18 @@ class LayerNorm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-        """x: (..., dim) -> (..., dim); `use_triton=None` uses the module's flag."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        use_triton: bool | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x: (..., dim) -> (..., dim) in out_dtype (None: x's); `use_triton=None` uses the
+        module's flag."""
         use_triton = self.use_triton if use_triton is None else use_triton
-        return layernorm(x, self.weight, self.bias, self.eps, self.stable, use_triton)
+        return layernorm(
+            x, self.weight, self.bias, self.eps, self.stable, use_triton, out_dtype=out_dtype
+        )
 
     def extra_repr(self) -> str:
         return f"{self.dim}, bias={self.bias is not None}, stable={self.stable}, eps={self.eps}"

@@ -49,6 +49,7 @@ from torch.library import triton_op
 from triton_transformer.layernorm import (
     _layernorm_torch,
     check_layernorm_args,
+    check_out_dtype,
     launch_bwd,
     launch_fwd,
     rows_of,
@@ -66,16 +67,18 @@ def residual_layernorm_fwd(
     stable: bool,
     p: float,
     seed: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_new, y, stats) with h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64
-    device tensor; unused when p == 0), y = layernorm(h_new); both new contiguous tensors
-    shaped like h. stats (2 or 3, rows) fp32 as in `layernorm_fwd`."""
+    device tensor; unused when p == 0), y = layernorm(h_new) in out_dtype (None: h_new's);
+    both new contiguous tensors shaped like h. stats (2 or 3, rows) fp32 as in
+    `layernorm_fwd`."""
     N = h.shape[-1]
     h2, br2 = rows_of(h), rows_of(branch)
     M = h2.shape[0]
     dtype = torch.promote_types(h.dtype, branch.dtype)
     h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
-    y = torch.empty(h.shape, dtype=dtype, device=h.device)
+    y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
     stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=h.device)
     launch_fwd(h_new.view(M, N), weight.contiguous(), bias, y.view(M, N), stats, eps, stable,
                h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
@@ -120,7 +123,7 @@ def residual_layernorm_bwd(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed = inputs
+    h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed, _ = inputs
     h_new, _, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.has_bias = exists(bias)
@@ -137,7 +140,7 @@ def _backward(ctx, dh_new, dy, _dstats):
     )  # fmt: skip
     if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
         dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
-    return dh, dbranch, dweight, dbias if ctx.has_bias else None, None, None, None, None
+    return dh, dbranch, dweight, dbias if ctx.has_bias else None, None, None, None, None, None
 
 
 residual_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -163,6 +166,7 @@ def residual_layernorm(
     eps: float = 1e-5,
     stable: bool = False,
     use_triton: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h_new, y): h_new = h + dropout(branch), y = layernorm(h_new) over the last dim.
 
@@ -173,11 +177,14 @@ def residual_layernorm(
         dropout_p: dropout probability on `branch`, in [0, 1); applied only when `training`.
         eps, stable: as in `layernorm.layernorm` (stable: PB-relax max-abs rescale).
         use_triton: one fused Triton kernel each way instead of the PyTorch reference.
+        out_dtype: y's float dtype (None: h_new's), e.g. bf16 under autocast for the matmul
+            that reads y, while h_new keeps the fp32 residual stream.
 
     Returns:
-        (h_new, y), new tensors shaped like h in the promoted dtype of (h, branch).
+        (h_new, y), new tensors shaped like h; h_new in the promoted dtype of (h, branch).
     """
     check_layernorm_args(h, weight, bias, use_triton)
+    check_out_dtype(out_dtype)
     if not isinstance(branch, torch.Tensor):
         raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
     if branch.shape != h.shape:
@@ -185,7 +192,7 @@ def residual_layernorm(
     p = _check_p(dropout_p) if training else 0.0
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
-        return h_new, _layernorm_torch(h_new, weight, bias, eps, stable)
+        return h_new, _layernorm_torch(h_new, weight, bias, eps, stable, out_dtype)
     check_triton_tensor(branch, "branch")
     if branch.device != h.device:
         raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
@@ -193,8 +200,9 @@ def residual_layernorm(
     # the op needs a tensor argument either way, and weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
     h_new, y, _ = call_op(
-        residual_layernorm_fwd, h, branch, weight, bias, float(eps), bool(stable), p, seed
-    )
+        residual_layernorm_fwd, h, branch, weight, bias, float(eps), bool(stable), p, seed,
+        out_dtype,
+    )  # fmt: skip
     return h_new, y
 
 

@@ -76,13 +76,22 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a matmul reading x computes in: autocast's when it is on for x's device
+    (None otherwise). The norms write their output in it directly, so the fp32 residual
+    stream's normalised copy needs no separate cast pass, nor its gradient one back."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _add_and_norm(
     h: torch.Tensor, branch: torch.Tensor, norm: LayerNorm, use_triton: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + branch, norm(h + branch)) in one fused op, with `norm`'s parameters."""
     return residual_layernorm(
-        h, branch, norm.weight, norm.bias, eps=norm.eps, stable=norm.stable, use_triton=use_triton
-    )
+        h, branch, norm.weight, norm.bias, eps=norm.eps, stable=norm.stable,
+        use_triton=use_triton, out_dtype=_matmul_dtype(h),
+    )  # fmt: skip
 
 
 def _is_int_tensor(t: object) -> bool:
@@ -322,7 +331,7 @@ class Transformer(nn.Module):
         # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
         # written so that each residual add and the norm that follows it are one fused op
         # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
-        y = self.layers[0][0].norm(h, use_triton=use_triton)
+        y = self.layers[0][0].norm(h, use_triton=use_triton, out_dtype=_matmul_dtype(h))
         for i, (attn, ff) in enumerate(self.layers):
             a = attn.from_normed(y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i)
             h, y = _add_and_norm(h, a, ff.norm, use_triton)
