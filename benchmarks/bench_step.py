@@ -130,25 +130,6 @@ def make_step(model: nn.Module, batch: torch.Tensor):
     return step
 
 
-def gpu_time_per_step(step, n: int = 5) -> tuple[float, list[dict]]:
-    """GPU kernel time per step (ms) from torch.profiler, and the kernels behind it: name,
-    µs per step and launches per step, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    kernels = [
-        {"kernel": e.key, "us/step": e.self_device_time_total / n, "calls/step": e.count / n}
-        for e in prof.key_averages()
-        if e.device_type.name == "CUDA" and e.self_device_time_total > 0
-    ]
-    kernels.sort(key=lambda k: -k["us/step"])
-    return sum(k["us/step"] for k in kernels) / 1e3, kernels
-
-
 def measure(provider: str, mode: str, p: dict, dropout: float, steps: int) -> dict:
     torch.manual_seed(0)
     torch.cuda.empty_cache()
@@ -166,7 +147,7 @@ def measure(provider: str, mode: str, p: dict, dropout: float, steps: int) -> di
         loss, _ = step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
-    gpu_ms, kernels = gpu_time_per_step(step)
+    gpu_ms, kernels = common.gpu_time_per_step(step)
     tokens = p["batch"] * p["seq"]
     tok_s = tokens / wall_ms * 1e3
     return {
@@ -254,30 +235,7 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     (out / f"step_{args.preset}.md").write_text(md)
     print(md)
-    (out / f"step_{args.preset}_kernels.md").write_text(kernel_tables(rows, args.top))
-
-
-def kernel_tables(rows: list[dict], top: int) -> str:
-    """Where each case's GPU time goes: its `top` longest kernels, µs and launches per step."""
-    lines = ["# GPU time per step by kernel (torch.profiler, summed over launches)", ""]
-    for r in rows:
-        if "kernels" not in r:
-            continue
-        lines += [
-            f"## {r['provider']} {r['mode']}, dropout {r['dropout']}: "
-            f"{r['gpu ms/step']:.2f} ms, {sum(k['calls/step'] for k in r['kernels']):.0f} "
-            "launches",
-            "",
-            "| kernel | µs/step | calls/step | share |",
-            "|---|---|---|---|",
-        ]
-        total = r["gpu ms/step"] * 1e3
-        for k in r["kernels"][:top]:
-            name = k["kernel"].replace("|", "/")[:90]
-            lines.append(f"| `{name}` | {k['us/step']:.0f} | {k['calls/step']:.0f} | "
-                         f"{k['us/step'] / total:.1%} |")  # fmt: skip
-        lines.append("")
-    return "\n".join(lines)
+    (out / f"step_{args.preset}_kernels.md").write_text(common.kernel_tables(rows, args.top))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
 
 from triton_transformer.config import apply_overrides, load_config  # noqa: E402
 from triton_transformer.trainer import Trainer  # noqa: E402
@@ -32,20 +35,6 @@ MODES = {
     "compile": {"train.compile": True},
     "triton-compile": {"model.use_triton": True, "train.compile": True},
 }
-
-
-def gpu_ms_per_step(trainer: Trainer, steps: int) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            trainer.train_step(sync=True)
-        torch.cuda.synchronize()
-    total_us = sum(
-        e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
-    )
-    return total_us / steps / 1e3
 
 
 def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
@@ -70,7 +59,9 @@ def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
     a, b = steady[0], steady[-1]
     ms_step = 1e3 * (b["train_time_s"] - a["train_time_s"]) / max(b["step"] - a["step"], 1)
     tok_s = (b["tokens"] - a["tokens"]) / max(b["train_time_s"] - a["train_time_s"], 1e-9)
-    gpu_ms = gpu_ms_per_step(trainer, args.profile_steps)
+    gpu_ms, kernels = common.gpu_time_per_step(
+        lambda: trainer.train_step(sync=True), args.profile_steps
+    )
     trainer.close()
     val = [r["val_loss"] for r in records if "val_loss" in r]
     return {
@@ -84,6 +75,7 @@ def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
         "last loss": b["loss"],
         "last val loss": val[-1] if val else float("nan"),
         "wall s": wall,
+        "kernels": kernels,
     }
 
 
@@ -104,7 +96,7 @@ def main() -> None:
             rows.append(run_mode(name, args, runs))
         except Exception as e:  # one failing mode must not hide the others
             rows.append({"mode": name, "error": repr(e)[:300]})
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}), flush=True)
         torch._dynamo.reset()
     (out / "train.json").write_text(json.dumps(rows, indent=1))
     keys = ["mode", "tokens/s", "ms/step", "gpu ms/step", "gpu busy", "peak MiB", "cuda graph",
@@ -132,6 +124,7 @@ def main() -> None:
         lines.append("| " + " | ".join([*cells, f"{ratio:.2f}"]) + " |")
     md = "\n".join(lines) + "\n"
     (out / "train.md").write_text(md)
+    (out / "train_kernels.md").write_text(common.kernel_tables(rows, 25))
     print(md)
     from triton_transformer.plotting import plot_runs
 

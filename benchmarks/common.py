@@ -199,3 +199,48 @@ def _plot(path: Path, rows: list[dict], *, x: str, y: str, group: Sequence[str],
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def gpu_time_per_step(step, n: int = 5) -> tuple[float, list[dict]]:
+    """GPU kernel time per step (ms) from torch.profiler, and the kernels behind it: name,
+    µs per step and launches per step, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    kernels = [
+        {"kernel": e.key, "us/step": e.self_device_time_total / n, "calls/step": e.count / n}
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k["us/step"])
+    return sum(k["us/step"] for k in kernels) / 1e3, kernels
+
+
+def kernel_tables(rows: list[dict], top: int) -> str:
+    """Where each case's GPU time goes: its `top` longest kernels, µs and launches per step."""
+    lines = ["# GPU time per step by kernel (torch.profiler, summed over launches)", ""]
+    for r in rows:
+        if "kernels" not in r:
+            continue
+        what = " ".join(str(r[k]) for k in ("provider", "mode") if k in r)
+        if "dropout" in r:
+            what += f", dropout {r['dropout']}"
+        lines += [
+            f"## {what}: "
+            f"{r['gpu ms/step']:.2f} ms, {sum(k['calls/step'] for k in r['kernels']):.0f} "
+            "launches",
+            "",
+            "| kernel | µs/step | calls/step | share |",
+            "|---|---|---|---|",
+        ]
+        total = r["gpu ms/step"] * 1e3
+        for k in r["kernels"][:top]:
+            name = k["kernel"].replace("|", "/")[:90]
+            lines.append(f"| `{name}` | {k['us/step']:.0f} | {k['calls/step']:.0f} | "
+                         f"{k['us/step'] / total:.1%} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)

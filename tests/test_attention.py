@@ -22,7 +22,7 @@ from triton_transformer.attention import (
     flash_attention_op,
     flash_attention_packed_op,
 )
-from triton_transformer.utils import draw_seed
+from triton_transformer.utils import draw_seed, draw_seeds
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 # dq and dk go through dS = P ∘ (dP - Δ) with Δ = rowsum(dO ∘ O) computed from the *stored*
@@ -505,3 +505,18 @@ def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["attention forward: ok", "attention backward: ok"]
+
+
+def test_dropout_explicit_seed(device):
+    # attention / attention_packed with a given seed tensor: the same seed, the same mask
+    b, h, n, d = 1, 2, 40, 16
+    qkv = torch.randn(b, n, 3 * h * d, device=device)
+    seeds = draw_seeds(device, 2)
+    kw = dict(causal=True, dropout_p=0.4, use_triton=True)
+    out = attention_packed(qkv, h, seed=seeds[0], **kw)
+    assert torch.equal(out, attention_packed(qkv, h, seed=seeds[0], **kw))
+    assert not torch.equal(out, attention_packed(qkv, h, seed=seeds[1], **kw))
+    q, k, v = qkv.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    assert torch.equal(out, attention(q, k, v, seed=seeds[0], **kw).transpose(1, 2).flatten(2))
+    with pytest.raises(TypeError, match="seed"):
+        attention(q, k, v, seed=seeds, **kw)

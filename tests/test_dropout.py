@@ -19,7 +19,7 @@ from triton_transformer.dropout import (
     dropout,
     dropout_op,
 )
-from triton_transformer.utils import call_op, draw_seed
+from triton_transformer.utils import call_op, draw_seed, draw_seeds
 
 # Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
 RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -337,3 +337,20 @@ def test_call_op_dispatches_only_when_needed(device, monkeypatch):
     assert calls == [1, 1] and out.grad_fn is not None
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.where(out != 0, 2.0, 0.0), rtol=0, atol=0)
+
+
+def test_explicit_seed(device):
+    # A given seed tensor (here views of one draw_seeds tensor) fixes the mask: the same
+    # view gives the same mask, another view another one; the generator is not touched.
+    x = torch.randn(5000, device=device) + 3.0
+    seeds = draw_seeds(device, 2)
+    state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+    a = dropout(x, 0.3, use_triton=True, seed=seeds[0])
+    assert torch.equal(a, dropout(x, 0.3, use_triton=True, seed=seeds[0]))
+    assert not torch.equal(a, dropout(x, 0.3, use_triton=True, seed=seeds[1]))
+    after = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+    assert torch.equal(state, after)
+    with pytest.raises(TypeError, match="seed"):
+        dropout(x, 0.3, use_triton=True, seed=seeds)  # not 0-dim
+    with pytest.raises(TypeError, match="seed"):
+        dropout(x, 0.3, use_triton=True, seed=seeds[0].int())

@@ -65,9 +65,9 @@ from triton_transformer.softmax import softmax
 from triton_transformer.utils import (
     call_op,
     check_triton_tensor,
-    draw_seed,
     interpreter_enabled,
     next_power_of_2,
+    seed_or_draw,
 )
 
 __all__ = ["HEAD_DIMS", "attention", "attention_naive", "attention_packed"]
@@ -115,7 +115,7 @@ def _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N: tl.constexpr,
     """Keep mask of the dropout on attention weights for queries offs_m (BLOCK_M,) and keys
     [start_n, start_n + BLOCK_N): a (BLOCK_M, BLOCK_N) int8 tile of 0/1, queries by keys.
 
-    One Philox call per query and group of 8 keys, counter = query · ⌈n_k / 8⌉ + key // 8: its
+    One Philox4x32-7 call per query and group of 8 keys, counter = query · ⌈n_k / 8⌉ + key // 8: its
     four 32-bit words are eight 16-bit uniforms r, and key 8g + j takes half j % 2 of word
     j // 2. Kept when r >= threshold = round(p · 2**16). Every kernel builds the tile in this
     (query, key) orientation (the key-block backward transposes it), so forward and backward
@@ -126,7 +126,9 @@ def _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N: tl.constexpr,
         counter = offs_m.to(tl.int64)[:, None] * groups + g[None, :]
     else:
         counter = offs_m[:, None] * groups + g[None, :]
-    w0, w1, w2, w3 = tl.randint4x(seed, counter)
+    # Philox4x32-7, as FlashAttention-2's CUDA dropout: 7 rounds pass BigCrush (Salmon et al.,
+    # SC'11); the default 10 add a safety margin at 40% more integer work per call
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, n_rounds=7)
     k0 = ((w0 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
     k1 = ((w0 >> 16).to(tl.int32) >= threshold).to(tl.int8)
     k2 = ((w1 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
@@ -955,6 +957,7 @@ def attention(
     training: bool = True,
     scale: float | None = None,
     use_triton: bool = False,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v, as `F.scaled_dot_product_attention`.
 
@@ -967,6 +970,8 @@ def attention(
         dropout_p: dropout on the attention weights (only when `training`).
         scale: score scale; None means 1 / sqrt(d).
         use_triton: run the fused FlashAttention kernel (else the PyTorch reference).
+        seed: Triton with dropout only: the 0-dim int64 device tensor the mask is drawn from
+            (e.g. a view of `utils.draw_seeds`); None draws one. The reference ignores it.
 
     Returns:
         (b, h, n_q, d) in q's dtype. A row that sees no key is zeros. From the Triton path it
@@ -978,7 +983,7 @@ def attention(
     scale = _check_scale(scale, q.shape[-1])
     if not use_triton:
         return _reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
-    seed = draw_seed(q.device) if dropout_p > 0.0 else None
+    seed = seed_or_draw(seed, q.device) if dropout_p > 0.0 else None
     out, _ = call_op(
         flash_attention_op,
         q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v),
@@ -996,6 +1001,7 @@ def attention_packed(
     training: bool = True,
     scale: float | None = None,
     use_triton: bool = False,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-attention over the packed qkv projection output.
 
@@ -1021,7 +1027,7 @@ def attention_packed(
     _check_inputs(q, k, v, key_padding_mask, use_triton=True)
     dropout_p = _check_dropout(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
-    seed = draw_seed(qkv.device) if dropout_p > 0.0 else None
+    seed = seed_or_draw(seed, qkv.device) if dropout_p > 0.0 else None
     out, _ = call_op(
         flash_attention_packed_op,
         qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv),

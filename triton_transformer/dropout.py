@@ -36,7 +36,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import cdiv, check_triton_tensor, draw_seed
+from triton_transformer.utils import cdiv, check_triton_tensor, seed_or_draw
 
 # Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
 # Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
@@ -168,7 +168,12 @@ dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_con
 
 
 def dropout(
-    x: torch.Tensor, p: float = 0.0, training: bool = True, use_triton: bool = False
+    x: torch.Tensor,
+    p: float = 0.0,
+    training: bool = True,
+    use_triton: bool = False,
+    *,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Zero each element of `x` with probability `p`; scale the rest by 1 / (1 - p).
 
@@ -178,6 +183,8 @@ def dropout(
             branches, without a kernel.
         training: dropout is applied only in training mode.
         use_triton: run the seeded Triton kernel instead of `F.dropout`.
+        seed: Triton only: the 0-dim int64 device tensor the mask is drawn from (e.g. a view
+            of `utils.draw_seeds`); None draws one (`utils.draw_seed`). `F.dropout` ignores it.
 
     Returns:
         Tensor shaped like `x`, in its dtype. `x` itself (no copy, no kernel) when p == 0 or
@@ -203,4 +210,4 @@ def dropout(
     # p == 1 (all zeros) and empty tensors need no kernel; F.dropout keeps them in the graph.
     if not use_triton or p == 1.0 or x.numel() == 0:
         return F.dropout(x, p=p, training=True)
-    return dropout_op(x, p, draw_seed(x.device))
+    return dropout_op(x, p, seed_or_draw(seed, x.device))

@@ -26,7 +26,7 @@ from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.dropout import dropout
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.residual_layernorm import residual_layernorm
-from triton_transformer.utils import check_not_capturing, default, exists
+from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
 
 __all__ = ["ATTN_IMPLS", "KVCache", "Transformer"]
 
@@ -154,9 +154,10 @@ class Attention(nn.Module):
         use_triton: bool,
         kv_cache: KVCache | None = None,
         layer: int = 0,
+        seed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
-        with the previous residual add)."""
+        with the previous residual add). `seed`: the attention dropout's (see `attention`)."""
         qkv = linear(y, self.to_qkv.weight, use_triton=use_triton)
         kwargs = dict(
             causal=self.causal,
@@ -165,6 +166,8 @@ class Attention(nn.Module):
             training=self.training,
             use_triton=use_triton,
         )
+        if self.attn_impl == "flash":
+            kwargs["seed"] = seed
         if self.attn_impl == "flash" and not exists(kv_cache):
             # q, k, v read in place from qkv; out is (b, n, h*d) without a copy
             out = attention_packed(qkv, self.heads, **kwargs)
@@ -193,11 +196,13 @@ class FeedForward(nn.Module):
         """x (b, n, dim) -> (b, n, dim)."""
         return self.from_normed(self.norm(x, use_triton=use_triton), use_triton=use_triton)
 
-    def from_normed(self, y: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
+    def from_normed(
+        self, y: torch.Tensor, *, use_triton: bool, seed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
-        with the previous residual add)."""
+        with the previous residual add). `seed`: the dropout's (see `dropout`)."""
         x = linear(y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton)
-        x = dropout(x, p=self.dropout, training=self.training, use_triton=use_triton)
+        x = dropout(x, p=self.dropout, training=self.training, use_triton=use_triton, seed=seed)
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 
 
@@ -298,6 +303,12 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
+    def _dropout_seeds(self, device: torch.device, use_triton: bool) -> torch.Tensor | None:
+        """All dropout seeds of one Triton forward, drawn with one launch: (2 · depth,), the
+        attention's and the feed-forward's of each layer (None when nothing drops)."""
+        dropping = self.training and any(m.dropout > 0.0 for pair in self.layers for m in pair)
+        return draw_seeds(device, 2 * self.depth) if use_triton and dropping else None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -332,10 +343,16 @@ class Transformer(nn.Module):
         # written so that each residual add and the norm that follows it are one fused op
         # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
         y = self.layers[0][0].norm(h, use_triton=use_triton, out_dtype=_matmul_dtype(h))
+        seeds = self._dropout_seeds(h.device, use_triton)
         for i, (attn, ff) in enumerate(self.layers):
-            a = attn.from_normed(y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i)
+            a = attn.from_normed(
+                y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i,
+                seed=seeds[2 * i] if exists(seeds) else None,
+            )  # fmt: skip
             h, y = _add_and_norm(h, a, ff.norm, use_triton)
-            f = ff.from_normed(y, use_triton=use_triton)
+            f = ff.from_normed(
+                y, use_triton=use_triton, seed=seeds[2 * i + 1] if exists(seeds) else None
+            )
             next_norm = self.layers[i + 1][0].norm if i + 1 < self.depth else self.norm
             h, y = _add_and_norm(h, f, next_norm, use_triton)
         logits = linear(y, self.to_logits.weight, use_triton=use_triton)

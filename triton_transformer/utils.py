@@ -47,6 +47,30 @@ def draw_seed(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
 
 
+def draw_seeds(device: torch.device | str, count: int) -> torch.Tensor:
+    """`count` seeds as one (count,) tensor, with one launch: `seeds[i]` (a 0-dim view) is
+    a seed for one op. A model draws all of a forward's dropout seeds this way instead of
+    paying one tiny random-number kernel per op."""
+    return torch.randint(0, 2**31 - 1, (count,), device=device, dtype=torch.int64)
+
+
+def seed_or_draw(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`seed` checked (a 0-dim int64 tensor on `device`), or a fresh one from `draw_seed`."""
+    if seed is None:
+        return draw_seed(device)
+    if not isinstance(seed, torch.Tensor) or seed.dim() != 0 or seed.dtype != torch.int64:
+        raise TypeError(f"seed must be a 0-dim int64 tensor, got {_describe(seed)}")
+    if seed.device != device:
+        raise ValueError(f"seed is on {seed.device} but the input is on {device}")
+    return seed
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
 def check_not_capturing(what: str) -> None:
     """Raise if a CUDA graph is being captured: `what` needs a host value that a replay
     would silently reuse (a stale seed, a checked flag)."""
