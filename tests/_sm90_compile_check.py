@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from triton_transformer import attention as attn
+from triton_transformer import bmm
 
 
 def signature(kernel, pointers: dict[str, str], floats: set[str], constants: dict) -> dict:
@@ -39,14 +40,28 @@ common = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True, HAS_KPM=False, DROPOUT=True,
               DROP_INT64=False, UPCAST=False, INT64_ROWS=False, IEEE=False)  # fmt: skip
 fwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, Out=bf16, LSE="*fp32", KPM=bf16, SEED="*i64")
 compile_sm90(
-    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "dropout_p", "out_scale"},
+    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(common, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True),
 )  # fmt: skip
 print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
                 DELTA="*fp32", KPM=bf16, SEED="*i64")  # fmt: skip
 compile_sm90(
-    attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "dropout_p", "drop_scale"},
+    attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
     dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
 )  # fmt: skip
 print("attention backward: ok")
+
+mm_ptrs = dict(A=bf16, B=bf16, C=bf16, R=bf16, AUX=bf16, WS="*fp32", SEED="*i64")
+compile_sm90(
+    bmm._mm_tma_kernel, mm_ptrs, {"drop_scale"},
+    dict(A_T=False, B_T=True, RELU_SQUARED=True, HAS_RESIDUAL=False, STORE_AUX=True,
+         DROPOUT=True, SPLIT=False, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+         GROUP_M=8, EPI_SUB=2, FLATTEN=True),
+)  # fmt: skip
+print("TMA matmul, relu² + dropout epilogue: ok")
+compile_sm90(
+    bmm._relu2_grad_kernel, dict(DY=bf16, S=bf16, DP=bf16, SEED="*i64"), {"drop_scale"},
+    dict(FROM_SQUARE=True, DROPOUT=True, BLOCK_M=16, BLOCK_N=256),
+)  # fmt: skip
+print("relu² gradient with dropout: ok")

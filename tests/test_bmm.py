@@ -9,6 +9,7 @@ import torch
 
 import triton_transformer.bmm as bmm_module
 from triton_transformer.bmm import bmm, linear
+from triton_transformer.utils import draw_seeds
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Norm-wise relative error allowed against float64 (fp32 uses ieee products, not tf32).
@@ -462,8 +463,11 @@ def test_split_k_choice():
         assert 1 <= split <= 16 and (split == 1 or tiles * split <= 2 * 132)
 
 
-def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1):
-    """The Hopper kernel with fixed small tiles (no autotuning), as the interpreter runs it."""
+def _run_tma_kernel(
+    a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1, drop=None
+):
+    """The Hopper kernel with fixed small tiles (no autotuning), as the interpreter runs it.
+    drop: (p, seed) of the epilogue dropout."""
     M, K = a.shape
     N = b.shape[1]
     la, lb = bmm_module._layout(a), bmm_module._layout(b)
@@ -474,9 +478,10 @@ def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, sp
     num_sms = 3  # fewer programs than tiles: each loops over several (persistent)
     bmm_module._mm_tma_kernel[(num_sms,)](
         a, b, c, residual if residual is not None else c, aux if save_relu else c, ws,
-        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split,
+        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split, *bmm_module._dropout_args(drop, c),
         A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
-        HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, SPLIT=split > 1,
+        HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, DROPOUT=drop is not None,
+        SPLIT=split > 1,
         NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
     )  # fmt: skip
     if split > 1:
@@ -485,17 +490,19 @@ def _run_tma_kernel(a, b, relu_squared=False, residual=None, save_relu=False, sp
 
 
 @pytest.mark.parametrize(
-    "a_t, b_t, relu_squared, has_res, save_relu, split, sub",
+    "a_t, b_t, relu_squared, has_res, save_relu, split, sub, p",
     [
-        (False, True, False, False, False, 1, 1),  # forward: X @ W^T
-        (False, False, False, False, False, 1, 2),  # dX = dY @ W, halves stored apart
-        (True, False, False, False, False, 3, 1),  # dW = dY^T @ X, split K
-        (True, True, False, False, False, 1, 1),
-        (False, True, True, True, True, 1, 2),  # relu², residual and relu(pre) together
-        (False, True, True, False, False, 1, 1),
+        (False, True, False, False, False, 1, 1, 0.0),  # forward: X @ W^T
+        (False, False, False, False, False, 1, 2, 0.0),  # dX = dY @ W, halves stored apart
+        (True, False, False, False, False, 3, 1, 0.0),  # dW = dY^T @ X, split K
+        (True, True, False, False, False, 1, 1, 0.0),
+        (False, True, True, True, True, 1, 2, 0.0),  # relu², residual and relu(pre) together
+        (False, True, True, False, False, 1, 1, 0.0),
+        (False, True, True, False, True, 1, 2, 0.25),  # + dropout, halves stored apart
+        (False, True, True, True, True, 1, 1, 0.5),
     ],
 )
-def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub, device):
+def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub, p, device):
     # Dims that are multiples of 8 (16-byte rows in fp16) but not of the 32-wide tiles: the
     # descriptors' zero padding and clipped stores cover the ragged edges. On a GPU this runs
     # on Hopper only; on the CPU in the interpreter.
@@ -512,7 +519,8 @@ def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub
     a = A.t().contiguous().t() if a_t else A
     b = B.t().contiguous().t() if b_t else B
     res = rand((M, N), dtype, device, mean=1.5) if has_res else None
-    c, aux = _run_tma_kernel(a, b, relu_squared, res, save_relu, split, sub)
+    drop = (p, draw_seeds(device, 1)[0]) if p > 0 else None
+    c, aux = _run_tma_kernel(a, b, relu_squared, res, save_relu, split, sub, drop)
     ref = A.double() @ B.double()
     if relu_squared:
         relu = ref.clamp_min(0)
@@ -520,6 +528,13 @@ def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub
         if save_relu:
             assert rel_err(aux, relu) < 1e-2
         ref = relu * relu
+    if drop is not None:
+        # the mask as the backward's relu2_grad kernel regenerates it (other tile shapes):
+        # d(pre) for dy = 1, relu(pre) = 1/2 is exactly keep / (1 - p)
+        half = torch.full((M, N), 0.5, device=device)
+        keep = bmm_module.relu2_grad_op(torch.ones_like(half), half, False, p, drop[1]) != 0
+        assert 0 < keep.double().mean() < 1
+        ref = torch.where(keep, ref / (1 - p), 0.0)
     if has_res:
         ref = ref + res.double()
     assert rel_err(c, ref) < 1e-2
@@ -696,3 +711,57 @@ def test_autotune_cache_per_shape_gpu(device, monkeypatch):
     assert len(bmm_module._mm_tma_tuned.cache) == n  # same shape: the cached config
     # Eager launches after the first skip the autotuner: its pick is kept per problem.
     assert any(k[:3] == (1024, 512, 512) for k in bmm_module._TUNED)
+
+
+# --- dropout fused into the relu² epilogue ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 24), (2, 3, 19, 40)], ids=str)
+def test_linear_relu2_dropout_matches_fp64(shape, dtype, device):
+    # y = dropout(relu(x Wᵀ)²): the mask is read off y where relu² > 0 (elsewhere it cannot
+    # matter), then forward and both gradients are compared with float64 under that mask.
+    p, N = 0.3, 72  # N > one 64-column tile and not a multiple of 16
+    x = rand(shape, dtype, device, mean=0.2, std=1.0).requires_grad_()
+    w = rand((N, shape[-1]), dtype, device, mean=0.0, std=0.3).requires_grad_()
+    y = linear(x, w, "relu_squared", use_triton=True, dropout_p=p)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    pre = x64 @ w64.T
+    relu2 = pre.clamp(min=0) ** 2
+    keep = y.detach().double() != 0
+    live = relu2 > 1e-3 * relu2.max()  # clearly nonzero: a zero output there means dropped
+    rate = keep[live].double().mean().item()
+    assert abs(rate - (1 - p)) < 3 * ((p * (1 - p)) / live.sum().item()) ** 0.5 + 1e-3
+    ref = torch.where(keep, relu2 / (1 - p), 0.0)
+    assert rel_err(y, ref) < TOL[dtype]
+    dy = torch.randn(y.shape, device=device).to(dtype)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    rx, rw = torch.autograd.grad(ref, (x64, w64), dy.double())
+    assert rel_err(gx, rx) < TOL[dtype] and rel_err(gw, rw) < TOL[dtype]
+
+
+def test_linear_relu2_dropout_seeds(device):
+    x = rand((33, 16), torch.float32, device, mean=0.5, std=1.0)
+    w = rand((48, 16), torch.float32, device, mean=0.0, std=0.5)
+    seeds = draw_seeds(device, 2)
+    a = linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5, seed=seeds[0])
+    assert torch.equal(a, linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5,
+                                 seed=seeds[0]))  # fmt: skip
+    assert not torch.equal(a, linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5,
+                                     seed=seeds[1]))  # fmt: skip
+    torch.manual_seed(4)
+    b = linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5)
+    torch.manual_seed(4)
+    assert torch.equal(b, linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_linear_dropout_arguments(use_triton, device):
+    x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
+    with pytest.raises(ValueError, match="relu_squared"):
+        linear(x, w, use_triton=use_triton, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        linear(x, w, "relu_squared", use_triton=use_triton, dropout_p=1.0)
+    # p = 0 is the plain op; the PyTorch branch drops with F.dropout
+    y = linear(x, w, "relu_squared", use_triton=use_triton, dropout_p=0.0)
+    assert torch.allclose(y, torch.relu(x @ w.T) ** 2, rtol=1e-4, atol=1e-4)

@@ -34,10 +34,8 @@ probabilities from q, k and the log-sum-exp.
 
 Dropout draws keep/drop per (row, key) from Philox keyed by a seed tensor on the device
 (`utils.draw_seed`) and the batch·head index: one Philox call per row and 8 keys, eight 16-bit
-uniforms (`_dropout_keep`). Philox is integer work the tensor cores cannot hide: one call per
-element made dropout 0.1 cost more than the attention itself (H200, d512/L8 step: 4.2 ms of
-9.8). The backward regenerates the same mask, nothing is stored, and a CUDA graph replay draws
-a new mask.
+uniforms (`_jit_helpers.dropout_keep_tile`, whose docstring says why). The backward regenerates
+the same mask, nothing is stored, and a CUDA graph replay draws a new mask.
 
 Layouts: q, k, v may have any strides (the model's are views of the packed qkv projection,
 (b, n, 3, h, d), read in place). The output is written as a contiguous (b, n_q, h, d) tensor,
@@ -59,12 +57,14 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
+from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
 from triton_transformer.utils import (
     call_op,
     check_triton_tensor,
+    dropout_threshold,
     interpreter_enabled,
     next_power_of_2,
     seed_or_draw,
@@ -107,40 +107,6 @@ def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
     if PAD_D:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
     return mask
-
-
-@triton.jit
-def _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N: tl.constexpr,
-                  DROP_INT64: tl.constexpr):  # fmt: skip
-    """Keep mask of the dropout on attention weights for queries offs_m (BLOCK_M,) and keys
-    [start_n, start_n + BLOCK_N): a (BLOCK_M, BLOCK_N) int8 tile of 0/1, queries by keys.
-
-    One Philox4x32-7 call per query and group of 8 keys, counter = query · ⌈n_k / 8⌉ + key // 8: its
-    four 32-bit words are eight 16-bit uniforms r, and key 8g + j takes half j % 2 of word
-    j // 2. Kept when r >= threshold = round(p · 2**16). Every kernel builds the tile in this
-    (query, key) orientation (the key-block backward transposes it), so forward and backward
-    draw the same mask whatever their tile shapes (all multiples of 8 keys)."""
-    groups = tl.cdiv(N_K, 8)
-    g = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    if DROP_INT64:
-        counter = offs_m.to(tl.int64)[:, None] * groups + g[None, :]
-    else:
-        counter = offs_m[:, None] * groups + g[None, :]
-    # Philox4x32-7, as FlashAttention-2's CUDA dropout: 7 rounds pass BigCrush (Salmon et al.,
-    # SC'11); the default 10 add a safety margin at 40% more integer work per call
-    w0, w1, w2, w3 = tl.randint4x(seed, counter, n_rounds=7)
-    k0 = ((w0 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k1 = ((w0 >> 16).to(tl.int32) >= threshold).to(tl.int8)
-    k2 = ((w1 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k3 = ((w1 >> 16).to(tl.int32) >= threshold).to(tl.int8)
-    k4 = ((w2 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k5 = ((w2 >> 16).to(tl.int32) >= threshold).to(tl.int8)
-    k6 = ((w3 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k7 = ((w3 >> 16).to(tl.int32) >= threshold).to(tl.int8)
-    # interleave(a, b) puts a at even, b at odd positions: three levels put k_j at 8g + j
-    even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
-    odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))
-    return tl.interleave(even, odd)
 
 
 @triton.jit
@@ -206,7 +172,7 @@ def _fwd_block(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
+            keep = dropout_keep_tile(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
             p = tl.where(keep != 0, p, 0.0)
         if MASKED:
             vmask = offs_n[:, None] < N_K
@@ -377,7 +343,9 @@ def _bwd_dkdv_block(
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
         dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
         if DROPOUT:
-            keepT = tl.trans(_dropout_keep(seed, offs_m, n0, N_K, threshold, BLOCK_N, DROP_INT64))
+            keepT = tl.trans(
+                dropout_keep_tile(seed, offs_m, n0, N_K, threshold, BLOCK_N, DROP_INT64)
+            )
             pdT = tl.where(keepT != 0, pT * drop_scale, 0.0)
             dpT = tl.where(keepT != 0, dpT * drop_scale, 0.0)
         else:
@@ -419,7 +387,7 @@ def _bwd_dq_block(
             p = tl.where(real[None, :] != 0, p, 0.0)
         dp = _mm(do, tl.trans(v), None, IEEE)
         if DROPOUT:
-            keep = _dropout_keep(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
+            keep = dropout_keep_tile(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
             dp = tl.where(keep != 0, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = _mm(ds.to(k.dtype), k, dq, IEEE)
@@ -643,12 +611,6 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
-def _threshold(dropout_p: float) -> int:
-    """The kernels' 16-bit dropout threshold: drop when the uniform r in [0, 2**16) is below
-    it, i.e. with probability p rounded to a multiple of 2**-16 (off by at most 2**-17)."""
-    return round(dropout_p * 2**16)
-
-
 def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
     lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only)."""
@@ -666,7 +628,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
         q, k, v, out, lse, kpm_arg, seed if dropping else q,
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        b * h, h, n_q, n_k, scale * LOG2E, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
@@ -713,7 +675,7 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
         *dq.stride(), *dk.stride(), *dv.stride(),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, scale, _threshold(dropout_p),
+        b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
         1.0 / (1.0 - dropout_p),
     )  # fmt: skip
     consts = dict(

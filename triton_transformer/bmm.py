@@ -71,7 +71,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import call_op, cdiv, check_triton_tensor, next_power_of_2
+from triton_transformer._jit_helpers import dropout_keep_tile
+from triton_transformer.utils import (
+    call_op,
+    cdiv,
+    check_triton_tensor,
+    dropout_threshold,
+    next_power_of_2,
+    seed_or_draw,
+)
 
 # What torch.compile hands an op body while tracing it.
 _TRACED_TENSORS = (FakeTensor, FunctionalTensor)
@@ -182,15 +190,24 @@ def _epilogue(
     stride_rm,
     stride_rn,
     stride_xm,
+    seed,
+    threshold,
+    drop_scale,
+    start_n,
     RELU_SQUARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
     ROUND: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    TILE_N: tl.constexpr,
 ):
-    """act(acc) [+ R] for one fp32 tile at rows offs_m and columns offs_n (int64).
+    """dropout(act(acc)) [+ R] for one fp32 tile at rows offs_m and columns offs_n (int64),
+    offs_n = start_n + arange(TILE_N).
 
     RELU_SQUARED: act(y) = relu(y)²; STORE_AUX also writes relu(y) to AUX (row stride
-    stride_xm, unit column stride). HAS_RESIDUAL adds R (any strides) after the activation.
+    stride_xm, unit column stride). DROPOUT: the mask of `dropout_keep_tile` over the
+    (M, N) output (the backward's `_relu2_grad_kernel` regenerates it). HAS_RESIDUAL adds R
+    (any strides) last.
     """
     if RELU_SQUARED:
         acc = tl.maximum(acc, 0.0)
@@ -202,6 +219,9 @@ def _epilogue(
             aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
             tl.store(aux_ptrs, aux.to(AUX.dtype.element_ty), mask=mask)
         acc = acc * acc
+    if DROPOUT:
+        keep = dropout_keep_tile(seed, offs_m, start_n, N, threshold, TILE_N, True)
+        acc = tl.where(keep != 0, acc * drop_scale, 0.0)
     if HAS_RESIDUAL:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         r_ptrs = R + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
@@ -233,9 +253,13 @@ def _mm_ptr_kernel(
     stride_rm,
     stride_rn,
     stride_xm,
+    SEED,
+    threshold,
+    drop_scale,
     RELU_SQUARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
+    DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -275,9 +299,13 @@ def _mm_ptr_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     acc = _epilogue(
-        acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
-        RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, UPCAST,
+        acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed, threshold,
+        tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX,
+        UPCAST, DROPOUT, BLOCK_N,
     )  # fmt: skip
     c_ptrs = C + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -301,11 +329,15 @@ def _mm_tma_kernel(
     stride_rn,
     stride_xm,
     split_k,
+    SEED,
+    threshold,
+    drop_scale,
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     RELU_SQUARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
+    DROPOUT: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -348,6 +380,10 @@ def _mm_tma_kernel(
         k_chunk = k_tiles
         num_work = num_pid_m * num_pid_n
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     for work in tl.range(start_pid, num_work, NUM_SMS, flatten=FLATTEN):
         if SPLIT:
             tile_id = work // split_k
@@ -387,15 +423,17 @@ def _mm_tma_kernel(
                 part = acc0 if h == 0 else acc1
                 offs_n = off_n.to(tl.int64) + h * SUB_N + tl.arange(0, SUB_N)
                 part = _epilogue(
-                    part, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
-                    RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
+                    part, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
+                    threshold, drop_scale, off_n + h * SUB_N, RELU_SQUARED, HAS_RESIDUAL,
+                    STORE_AUX, False, DROPOUT, SUB_N,
                 )  # fmt: skip
                 c_desc.store([off_m, off_n + h * SUB_N], part.to(C.dtype.element_ty))
         else:
             offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
             acc = _epilogue(
-                acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm,
-                RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
+                acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
+                threshold, drop_scale, off_n, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
+                DROPOUT, BLOCK_N,
             )  # fmt: skip
             c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
 
@@ -427,7 +465,7 @@ def _tma_configs() -> list[triton.Config]:
 
 
 _TMA_KEY = ["M", "N", "K", "split_k", "A_T", "B_T", "RELU_SQUARED", "HAS_RESIDUAL"]
-_TMA_KEY += ["STORE_AUX", "NUM_SMS"]  # NUM_SMS: a different GPU model tunes anew
+_TMA_KEY += ["STORE_AUX", "DROPOUT", "NUM_SMS"]  # NUM_SMS: a different GPU model tunes anew
 # The autotuner's key also holds every tensor argument's dtype.
 _mm_tma_tuned = triton.autotune(configs=_tma_configs(), key=_TMA_KEY)(_mm_tma_kernel)
 
@@ -454,20 +492,31 @@ def _relu2_grad_kernel(
     stride_dyn,
     stride_sm,
     stride_sn,
+    SEED,
+    threshold,
+    drop_scale,
     FROM_SQUARE: tl.constexpr,
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """DP (contiguous) = DY * 2·relu(pre), with relu(pre) = sqrt(S) if FROM_SQUARE else S."""
+    """DP (contiguous) = DY * 2·relu(pre), with relu(pre) = sqrt(S) if FROM_SQUARE else S;
+    DROPOUT: times the forward epilogue's keep mask · drop_scale (regenerated, same seed)."""
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_n = tl.program_id(1).to(tl.int64) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     dy = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask)
     s = tl.load(S + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask)
     s = s.to(tl.float32)
     if FROM_SQUARE:
+        if DROPOUT:  # S = relu(pre)² · drop_scale where kept (0 where dropped: d(pre) = 0)
+            s = s / tl.cast(drop_scale, tl.float32)
         s = tl.sqrt(s)
     dp = dy.to(tl.float32) * (2.0 * s)
+    if DROPOUT:
+        keep = dropout_keep_tile(tl.load(SEED), offs_m, start_n, N, threshold, BLOCK_N, True)
+        dp = tl.where(keep != 0, dp * tl.cast(drop_scale, tl.float32), 0.0)
     tl.store(DP + offs_m[:, None] * N + offs_n[None, :], dp.to(DP.dtype.element_ty), mask=mask)
 
 
@@ -614,7 +663,15 @@ def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 _TUNED: dict[tuple, tuple] = {}
 
 
-def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> None:
+def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Tensor) -> tuple:
+    """(SEED, threshold, drop_scale) kernel arguments of an epilogue dropout (p, seed)."""
+    if drop is None:
+        return placeholder, 0, 1.0
+    p, seed = drop
+    return seed, dropout_threshold(p), 1.0 / (1.0 - p)
+
+
+def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop) -> None:
     """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N)."""
     M, K = a.shape
     N = b.shape[1]
@@ -626,7 +683,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> 
     rs = r.stride() if r is not None else (0, 0)
     args = (
         a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
-        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split,
+        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split, *_dropout_args(drop, c),
     )  # fmt: skip
     flags = {
         "A_T": bool(a_lay[0]),
@@ -634,6 +691,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> 
         "RELU_SQUARED": relu_squared,
         "HAS_RESIDUAL": r is not None,
         "STORE_AUX": aux is not None,
+        "DROPOUT": drop is not None,
         "SPLIT": split > 1,
         "NUM_SMS": num_sms,
     }
@@ -648,6 +706,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> 
     else:
         key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
         key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
+        key += (drop is not None,)
         tuned = _TUNED.get(key)
         if tuned is not None:
             _mm_tma_kernel[tuned[0]](*args, **flags, **tuned[1])
@@ -661,7 +720,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms) -> 
         wrap_triton(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
 
 
-def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret) -> None:
+def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
     """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N)."""
     batch, M, K = a.shape
     N = b.shape[2]
@@ -682,9 +741,11 @@ def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret) -> None:
         wrap_triton(_mm_ptr_kernel)[(grid_mn, end - start)](
             a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
             M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], N,
+            *_dropout_args(drop, c_),
             RELU_SQUARED=relu_squared, HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None,
-            DOT_PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages,
+            DROPOUT=drop is not None, DOT_PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
 
 
@@ -695,10 +756,13 @@ def _mm2d_into(
     relu_squared: bool = False,
     residual: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
+    drop: tuple[float, torch.Tensor] | None = None,
 ) -> None:
-    """c = act(a @ b) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c (M, N) fresh.
+    """c = dropout(act(a @ b)) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c
+    (M, N) fresh.
 
     aux (M, N, contiguous, a's dtype): with relu_squared, also receives relu(a @ b).
+    drop: (p, seed) of a dropout after the activation (relu_squared only), or None.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -711,13 +775,13 @@ def _mm2d_into(
             c.copy_(residual)
         if aux is not None:
             aux.zero_()
-        return
+        return  # act(0) = 0: nothing for a dropout to scale
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         epi = _EPI[relu_squared, residual is not None]
-        cublas_ok = not relu_squared and c.dtype == a.dtype
+        cublas_ok = not relu_squared and drop is None and c.dtype == a.dtype
         if residual is not None:
             cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
@@ -727,7 +791,7 @@ def _mm2d_into(
             isinstance(a, _TRACED_TENSORS),
         )  # fmt: skip
         if plan[0] == "tma":
-            _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2])
+            _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
             return
     else:
         plan = _plan(device.type, 0, a.dtype, M, N, K, -1, -1, "", False, 0, "triton", None)
@@ -738,7 +802,9 @@ def _mm2d_into(
             torch.addmm(residual, a, b, out=c)
     else:
         interpret = device.type != "cuda"
-        _launch_ptr(a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret)
+        _launch_ptr(
+            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop
+        )
 
 
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
@@ -801,65 +867,90 @@ def _linear_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 @triton_op("triton_transformer::linear", mutates_args=())
 def linear_op(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, relu_squared: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    relu_squared: bool,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T) [+ residual] for 2-D x (M, K), weight (N, K), residual (M, N).
+    """dropout_p(act(x @ weight.T)) [+ residual] for 2-D x (M, K), weight (N, K), residual
+    (M, N); dropout (p > 0, relu_squared only) from `seed`, a 0-dim int64 device tensor.
 
     The output has x's dtype, promoted with the residual's. With relu_squared its backward
-    recovers relu(pre) as sqrt(output), so it needs no residual and fp32/bf16 (see the module
-    docstring); `linear_relu2_op` covers the other cases.
+    recovers relu(pre) as sqrt(output · (1 - p)) where the mask kept it (where it dropped,
+    d(pre) is 0 anyway), so it needs no residual and fp32/bf16 (see the module docstring);
+    `linear_relu2_op` covers the other cases.
     """
     y = _linear_out(x, weight, residual)
-    _mm2d_into(x, weight.t(), y, relu_squared, residual)
+    _mm2d_into(x, weight.t(), y, relu_squared, residual, None, (p, seed) if p > 0.0 else None)
     return y
 
 
 @triton_op("triton_transformer::linear_relu2", mutates_args=())
 def linear_relu2_op(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(relu(x @ weight.T)² [+ residual], relu(x @ weight.T)): the second output, written by
-    the same epilogue, is what the backward needs (it does not underflow in fp16)."""
+    """(dropout_p(relu(x @ weight.T)²) [+ residual], relu(x @ weight.T)): the second output,
+    written by the same epilogue, is what the backward needs (it does not underflow in fp16).
+    The dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device tensor."""
     y = _linear_out(x, weight, residual)
     r = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
-    _mm2d_into(x, weight.t(), y, True, residual, r)
+    _mm2d_into(x, weight.t(), y, True, residual, r, (p, seed) if p > 0.0 else None)
     return y, r
 
 
 @triton_op("triton_transformer::relu2_grad", mutates_args=())
-def relu2_grad_op(dy: torch.Tensor, s: torch.Tensor, from_square: bool) -> torch.Tensor:
-    """dy · 2·relu(pre) for 2-D dy and s (M, N), relu(pre) = sqrt(s) if from_square else s.
+def relu2_grad_op(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    from_square: bool,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dy · 2·relu(pre) for 2-D dy and s (M, N), relu(pre) = sqrt(s) if from_square else s;
+    with p > 0 also times the forward's dropout mask (from `seed`) / (1 - p).
 
     Any strides; returns a contiguous tensor in s's dtype.
     """
     M, N = s.shape
     dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
     if dp.numel():
+        drop = (p, seed) if p > 0.0 else None
         wrap_triton(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
-            dy, s, dp, M, N, *dy.stride(), *s.stride(),
-            FROM_SQUARE=from_square, BLOCK_M=16, BLOCK_N=256, num_warps=4,
+            dy, s, dp, M, N, *dy.stride(), *s.stride(), *_dropout_args(drop, s),
+            FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
+            num_warps=4,
         )  # fmt: skip
     return dp
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual, relu_squared = inputs
+    x, weight, residual, relu_squared, ctx.p, seed = inputs
     ctx.relu_squared = relu_squared
     ctx.from_square = True
     ctx.residual_dtype = None if residual is None else residual.dtype
     # relu(pre) = sqrt(y) only holds without a residual; linear() never asks for that grad.
     ctx.can_grad = not (relu_squared and residual is not None)
-    ctx.save_for_backward(x, weight, output if relu_squared and ctx.can_grad else None)
+    ctx.save_for_backward(
+        x, weight, output if relu_squared and ctx.can_grad else None, seed if ctx.p else None
+    )
 
 
 def _linear_relu2_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual = inputs
+    x, weight, residual, ctx.p, seed = inputs
     ctx.relu_squared = True
     ctx.from_square = False
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.can_grad = True
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x, weight, output[1])
+    # relu(pre) gets no gradient: without this autograd would fill an M×N zero tensor for it
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, weight, output[1], seed if ctx.p > 0.0 else None)
 
 
 def _linear_grads(ctx, dy: torch.Tensor):
@@ -868,10 +959,13 @@ def _linear_grads(ctx, dy: torch.Tensor):
             "linear_op with relu_squared and a residual saves no relu(pre): use "
             "linear_relu2_op (as linear() does) when gradients are needed"
         )
-    x, weight, s = ctx.saved_tensors
-    # d(pre) = dy · 2·relu(pre), one elementwise pass; without relu² d(pre) = dy, cast only
-    # when a wider residual promoted the output.
-    dpre = relu2_grad_op(dy, s, ctx.from_square) if ctx.relu_squared else dy.to(x.dtype)
+    x, weight, s, seed = ctx.saved_tensors
+    # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; without relu²
+    # d(pre) = dy, cast only when a wider residual promoted the output.
+    if ctx.relu_squared:
+        dpre = relu2_grad_op(dy, s, ctx.from_square, ctx.p, seed)
+    else:
+        dpre = dy.to(x.dtype)
     dx = dw = dres = None
     if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
         dx = bmm_op(dpre, weight)
@@ -884,12 +978,14 @@ def _linear_grads(ctx, dy: torch.Tensor):
 
 @once_differentiable
 def _linear_backward(ctx, dy: torch.Tensor):
-    return *_linear_grads(ctx, dy), None
+    return *_linear_grads(ctx, dy), None, None, None
 
 
 @once_differentiable
-def _linear_relu2_backward(ctx, dy: torch.Tensor, dr: torch.Tensor | None):
-    return _linear_grads(ctx, dy)
+def _linear_relu2_backward(ctx, dy: torch.Tensor | None, dr: torch.Tensor | None):
+    if dy is None:  # grads are not materialised: the output was not used
+        return None, None, None, None, None
+    return *_linear_grads(ctx, dy), None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -958,18 +1054,33 @@ def linear(
     activation: str | None = None,
     use_triton: bool = False,
     residual: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T) [+ residual], like F.linear without bias: x (..., K), weight (N, K).
+    """dropout(act(x @ weight.T)) [+ residual], like F.linear without bias: x (..., K),
+    weight (N, K); returns (..., N).
 
     activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue).
-    residual: optional tensor shaped like the output (..., N), added after the activation
-    in the same epilogue (e.g. the model's `h + proj_out(...)`); the output dtype is x's
+    dropout_p: dropout on the activation's output, in [0, 1) (relu_squared only; pass 0
+        outside training). Triton: drawn in the same epilogue from `seed` (a 0-dim int64
+        device tensor; None draws one, `utils.draw_seed`), and the backward's d(pre) pass
+        regenerates the mask: no dropout kernels, no mask stored. PyTorch: F.dropout.
+    residual: optional tensor shaped like the output (..., N), added last in the same
+    epilogue (e.g. the model's `h + proj_out(...)`); the output dtype is x's
     promoted with the residual's. The weight gradient is reduced over all leading dims of x
     in one deterministic matmul (no atomics).
     """
     x, weight = _check_pair(x, weight, "x", "weight")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0 and activation != "relu_squared":
+        raise ValueError("dropout_p > 0 needs activation='relu_squared'")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -991,6 +1102,8 @@ def linear(
         if relu_squared:
             y = F.relu(y)
             y = y * y  # not y.square(): CUDA autocast would run pow in fp32
+        if dropout_p > 0.0:
+            y = F.dropout(y, dropout_p)
         return y if residual is None else y + residual
     check_triton_tensor(x, "x")
     check_triton_tensor(weight, "weight")
@@ -1008,8 +1121,9 @@ def linear(
         and torch.is_grad_enabled()
         and (x.requires_grad or weight.requires_grad or (r2 is not None and r2.requires_grad))
     )
+    seed = seed_or_draw(seed, x.device) if dropout_p > 0.0 else None
     if save_relu:
-        y2 = call_op(linear_relu2_op, x2, weight, r2)[0]
+        y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed)[0]
     else:
-        y2 = call_op(linear_op, x2, weight, r2, relu_squared)
+        y2 = call_op(linear_op, x2, weight, r2, relu_squared, dropout_p, seed)
     return y2 if two_d else y2.view(out_shape)

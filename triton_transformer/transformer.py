@@ -23,7 +23,6 @@ from torch import nn
 from triton_transformer.attention import attention, attention_naive, attention_packed
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
-from triton_transformer.dropout import dropout
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
@@ -183,7 +182,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Pre-norm feed-forward: layernorm -> linear + relu(.)**2 (fused) -> dropout -> linear."""
+    """Pre-norm feed-forward: layernorm -> linear + relu(.)**2 + dropout (fused) -> linear."""
 
     def __init__(self, dim: int, *, mult: int, dropout: float, use_triton: bool) -> None:
         super().__init__()
@@ -201,8 +200,11 @@ class FeedForward(nn.Module):
     ) -> torch.Tensor:
         """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
         with the previous residual add). `seed`: the dropout's (see `dropout`)."""
-        x = linear(y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton)
-        x = dropout(x, p=self.dropout, training=self.training, use_triton=use_triton, seed=seed)
+        # relu² and the dropout after it run in the projection's epilogue (Triton)
+        x = linear(
+            y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton,
+            dropout_p=self.dropout if self.training else 0.0, seed=seed,
+        )  # fmt: skip
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 
 

@@ -47,6 +47,13 @@ def draw_seed(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
 
 
+def dropout_threshold(p: float) -> int:
+    """The 16-bit threshold of `_jit_helpers.dropout_keep_tile`: an element drops when its
+    uniform r in [0, 2**16) is below it, i.e. with probability p rounded to a multiple of
+    2**-16 (off by at most 2**-17; kept values are still scaled by exactly 1 / (1 - p))."""
+    return round(p * 2**16)
+
+
 def draw_seeds(device: torch.device | str, count: int) -> torch.Tensor:
     """`count` seeds as one (count,) tensor, with one launch: `seeds[i]` (a 0-dim view) is
     a seed for one op. A model draws all of a forward's dropout seeds this way instead of
