@@ -150,6 +150,14 @@ class TrainStep:
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self._graphed = GraphedStep(self._graph_body, warmup_steps)
 
+    def release_cuda_graph(self) -> None:
+        """Drop the captured graph (its memory pool, and any NCCL work captured in it) after
+        the device is done with it; steps run eagerly again. Called before the process group
+        is destroyed, so no live graph still refers to its communicator."""
+        if self._graphed is not None:
+            torch.cuda.synchronize(self.device)
+            self._graphed = None
+
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync (gradients accumulate locally, no all-reduce) when `skip`."""
         if skip and isinstance(self.train_model, nn.parallel.DistributedDataParallel):

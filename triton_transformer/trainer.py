@@ -295,6 +295,8 @@ class Trainer(GraphedSteps, Interrupts):
         if exists(getattr(self, "_lock", None)):
             self._lock.release()
             self._lock = None
+        if exists(getattr(self, "step_runner", None)):
+            self.step_runner.release_cuda_graph()
         if getattr(self, "_owns_process_group", False):
             self._owns_process_group = False
             destroy_distributed()
