@@ -3,10 +3,13 @@
 Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capture them):
 - `triton_transformer::bmm(a, b)`: a (..., M, K) @ b (..., K, N); any strides (a transposed
   view such as k.transpose(-1, -2) is read in place). Its backward uses the same op.
-- `triton_transformer::linear(x, weight, residual, relu_squared)`: act(x @ weight.T) [+ residual]
-  for 2-D x; and `triton_transformer::linear_relu2(x, weight, residual)`, which also returns
-  relu(x @ weight.T) for the backward (see "relu² backward" below).
-- `triton_transformer::relu2_grad(dy, s, from_square)`: d(pre) = dy · 2·relu(pre).
+- `triton_transformer::linear(x, weight, residual, relu_squared, p, seed)`:
+  dropout_p(act(x @ weight.T)) [+ residual] for 2-D x; and
+  `triton_transformer::linear_relu2(x, weight, residual, p, seed)`, which also returns
+  relu(x @ weight.T) for the backward (see "relu² backward" below). The dropout (relu² only)
+  runs in the epilogue, its mask drawn from a device seed (`_jit_helpers.dropout_keep_tile`).
+- `triton_transformer::relu2_grad(dy, s, from_square, p, seed)`: d(pre) = dy · keep / (1 - p)
+  · 2·relu(pre), the mask regenerated from the forward's seed.
 The backward of each is `@once_differentiable` (double backward raises) and calls these ops.
 
 Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype and device):
@@ -49,8 +52,9 @@ bf16's 8-bit exponent means y = relu(pre)² does not underflow for any relu(pre)
 fp16, y underflows (to 0, or to subnormals with few bits) for relu(pre) < ~8e-3, so the
 forward epilogue also writes relu(pre) (one extra M×N tensor, the memory PyTorch's own
 relu-then-square keeps) and the backward uses it; likewise with a residual, where y no longer
-determines relu(pre). d(pre) is one elementwise pass; then dX = d(pre) @ W and
-dW = d(pre)^T @ X are two plain GEMMs.
+determines relu(pre). With dropout, y = relu(pre)² / (1 - p) where kept and 0 where
+dropped, where d(pre) is 0 anyway: relu(pre) = sqrt(y · (1 - p)). d(pre) is one elementwise
+pass; then dX = d(pre) @ W and dW = d(pre)^T @ X are two plain GEMMs.
 
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under

@@ -199,7 +199,7 @@ class FeedForward(nn.Module):
         self, y: torch.Tensor, *, use_triton: bool, seed: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
-        with the previous residual add). `seed`: the dropout's (see `dropout`)."""
+        with the previous residual add). `seed`: the dropout's (see `bmm.linear`)."""
         # relu² and the dropout after it run in the projection's epilogue (Triton)
         x = linear(
             y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton,
