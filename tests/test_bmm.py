@@ -765,3 +765,16 @@ def test_linear_dropout_arguments(use_triton, device):
     # p = 0 is the plain op; the PyTorch branch drops with F.dropout
     y = linear(x, w, "relu_squared", use_triton=use_triton, dropout_p=0.0)
     assert torch.allclose(y, torch.relu(x @ w.T) ** 2, rtol=1e-4, atol=1e-4)
+
+
+def test_ops_reject_dropout_without_relu2_or_seed(device):
+    # the ops check for themselves what `linear` checks: their backward could not mask
+    x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
+    seed = draw_seeds(device, 1)[0]
+    with pytest.raises(ValueError, match="relu_squared"):
+        bmm_module.linear_op(x, w, None, False, 0.1, seed)
+    with pytest.raises(ValueError, match="seed"):
+        bmm_module.linear_op(x, w, None, True, 0.1, None)
+    with pytest.raises(ValueError, match="seed"):
+        bmm_module.relu2_grad_op(torch.ones(4, 8, device=device), torch.ones(4, 8, device=device),
+                                 False, 0.1, None)  # fmt: skip

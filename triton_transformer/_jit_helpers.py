@@ -79,6 +79,9 @@ def dropout_keep_tile(seed, rows, start_col, n_cols, threshold, BLOCK_N: tl.cons
     Philox4x32-7, as FlashAttention-2's CUDA dropout: 7 rounds pass BigCrush (Salmon et al.,
     SC'11); Triton's default 10 add a margin at 40% more work per call.
     """
+    tl.static_assert(BLOCK_N % 8 == 0, "dropout tiles span whole groups of 8 columns")
+    # `& 0xFFFF` on both halves: before Triton 3.4 an int64 counter made randint4x return
+    # 64-bit words, whose bits above 32 must not leak into the 16-bit uniforms
     groups = tl.cdiv(n_cols, 8)
     g = start_col // 8 + tl.arange(0, BLOCK_N // 8)
     if INT64:
@@ -87,13 +90,13 @@ def dropout_keep_tile(seed, rows, start_col, n_cols, threshold, BLOCK_N: tl.cons
         counter = rows[:, None] * groups + g[None, :]
     w0, w1, w2, w3 = tl.randint4x(seed, counter, n_rounds=7)
     k0 = ((w0 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k1 = ((w0 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k1 = (((w0 >> 16) & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
     k2 = ((w1 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k3 = ((w1 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k3 = (((w1 >> 16) & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
     k4 = ((w2 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k5 = ((w2 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k5 = (((w2 >> 16) & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
     k6 = ((w3 & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
-    k7 = ((w3 >> 16).to(tl.int32) >= threshold).to(tl.int8)
+    k7 = (((w3 >> 16) & 0xFFFF).to(tl.int32) >= threshold).to(tl.int8)
     # interleave(a, b) puts a at even, b at odd positions: three levels put k_j at 8g + j
     even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
     odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))

@@ -864,6 +864,16 @@ def _bmm_backward(ctx, dc: torch.Tensor):
 bmm_op.register_autograd(_bmm_backward, setup_context=_bmm_setup_context)
 
 
+def _check_epilogue_dropout(p: float, seed: torch.Tensor | None, relu_squared: bool) -> None:
+    """The ops' own check (`linear` checks its arguments first): a dropout needs relu² (the
+    only epilogue that applies it, and the only backward that regenerates its mask) and a
+    seed tensor."""
+    if p > 0.0 and not relu_squared:
+        raise ValueError("an epilogue dropout (p > 0) needs relu_squared")
+    if p > 0.0 and seed is None:
+        raise ValueError("an epilogue dropout (p > 0) needs a seed tensor")
+
+
 def _linear_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     return torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=dtype)
@@ -886,6 +896,7 @@ def linear_op(
     d(pre) is 0 anyway), so it needs no residual and fp32/bf16 (see the module docstring);
     `linear_relu2_op` covers the other cases.
     """
+    _check_epilogue_dropout(p, seed, relu_squared)
     y = _linear_out(x, weight, residual)
     _mm2d_into(x, weight.t(), y, relu_squared, residual, None, (p, seed) if p > 0.0 else None)
     return y
@@ -902,6 +913,7 @@ def linear_relu2_op(
     """(dropout_p(relu(x @ weight.T)²) [+ residual], relu(x @ weight.T)): the second output,
     written by the same epilogue, is what the backward needs (it does not underflow in fp16).
     The dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device tensor."""
+    _check_epilogue_dropout(p, seed, True)
     y = _linear_out(x, weight, residual)
     r = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
     _mm2d_into(x, weight.t(), y, True, residual, r, (p, seed) if p > 0.0 else None)
@@ -921,6 +933,7 @@ def relu2_grad_op(
 
     Any strides; returns a contiguous tensor in s's dtype.
     """
+    _check_epilogue_dropout(p, seed, True)
     M, N = s.shape
     dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
     if dp.numel():

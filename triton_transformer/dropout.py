@@ -94,7 +94,7 @@ def _dropout_kernel(
     offs = pid * BLOCK + idx
     for k in tl.static_range(8):
         w = w0 if k // 2 == 0 else (w1 if k // 2 == 1 else (w2 if k // 2 == 2 else w3))
-        r = (w & 0xFFFF) if k % 2 == 0 else (w >> 16)
+        r = (w & 0xFFFF) if k % 2 == 0 else ((w >> 16) & 0xFFFF)  # 64-bit words < 3.4
         _masked_scale(
             X, Y, offs + k * Q, r.to(tl.int32), n_elements, threshold, scale, size1, size2,
             size3, stride0, stride1, stride2, stride3, STRIDED,

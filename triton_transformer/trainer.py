@@ -295,11 +295,13 @@ class Trainer(GraphedSteps, Interrupts):
         if exists(getattr(self, "_lock", None)):
             self._lock.release()
             self._lock = None
-        if exists(getattr(self, "step_runner", None)):
-            self.step_runner.release_cuda_graph()
-        if getattr(self, "_owns_process_group", False):
-            self._owns_process_group = False
-            destroy_distributed()
+        try:
+            if exists(getattr(self, "step_runner", None)):
+                self.step_runner.release_cuda_graph()
+        finally:  # leave the group even when the device is in an error state
+            if getattr(self, "_owns_process_group", False):
+                self._owns_process_group = False
+                destroy_distributed()
 
     def _comm_error(self, exc: BaseException) -> DistributedError:
         return DistributedError(
