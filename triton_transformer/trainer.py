@@ -686,6 +686,10 @@ def train(
         config, resume=resume, corpus=corpus, callbacks=callbacks, overwrite=overwrite
     )
     try:
-        return trainer.fit()
+        result = trainer.fit()
+        # rank 0 may still be sampling or saving: leave the group together, or gloo can
+        # abort the process whose peer already tore its connections down
+        barrier()
+        return result
     finally:
         trainer.close()
