@@ -63,6 +63,7 @@ from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
 from triton_transformer.utils import (
     call_op,
+    check_dropout_p,
     check_triton_tensor,
     dropout_threshold,
     interpreter_enabled,
@@ -820,15 +821,6 @@ flash_attention_packed_op.register_autograd(_packed_backward, setup_context=_pac
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_dropout(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
-    dropout_p = float(dropout_p)
-    if math.isnan(dropout_p) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return dropout_p
-
-
 def _check_scale(scale, d: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
@@ -941,7 +933,7 @@ def attention(
         (b, n_q, h·d) without a copy.
     """
     _check_inputs(q, k, v, key_padding_mask, use_triton)
-    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     if not use_triton:
         return _reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
@@ -987,7 +979,7 @@ def attention_packed(
         )  # fmt: skip
         return out.transpose(1, 2).reshape(b, n, -1)
     _check_inputs(q, k, v, key_padding_mask, use_triton=True)
-    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     seed = seed_or_draw(seed, qkv.device) if dropout_p > 0.0 else None
     out, _ = call_op(
@@ -1019,7 +1011,7 @@ def attention_naive(
     if use_triton:
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             check_triton_tensor(t, name)
-    dropout_p = _check_dropout(dropout_p) if training else 0.0
+    dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     # k's transposed view goes to bmm as is: its kernel reads strides, so nothing is copied.
     scores = bmm(q * scale, k.transpose(-1, -2), use_triton=use_triton)

@@ -79,6 +79,7 @@ from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.utils import (
     call_op,
     cdiv,
+    check_dropout_p,
     check_triton_tensor,
     dropout_threshold,
     next_power_of_2,
@@ -1091,11 +1092,7 @@ def linear(
     x, weight = _check_pair(x, weight, "x", "weight")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
-    dropout_p = float(dropout_p)
-    if not 0.0 <= dropout_p < 1.0:  # also rejects NaN
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_p = check_dropout_p(dropout_p)
     if dropout_p > 0.0 and activation != "relu_squared":
         raise ValueError("dropout_p > 0 needs activation='relu_squared'")
     if weight.dim() != 2:

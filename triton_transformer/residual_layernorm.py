@@ -38,8 +38,6 @@ with the existing LayerNorm modules' parameters (state dicts unchanged):
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,7 +52,13 @@ from triton_transformer.layernorm import (
     launch_fwd,
     rows_of,
 )
-from triton_transformer.utils import call_op, check_triton_tensor, draw_seed, exists
+from triton_transformer.utils import (
+    call_op,
+    check_dropout_p,
+    check_triton_tensor,
+    draw_seed,
+    exists,
+)
 
 
 @triton_op("triton_transformer::residual_layernorm_fwd", mutates_args=())
@@ -146,15 +150,6 @@ def _backward(ctx, dh_new, dy, _dstats):
 residual_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_p(p: object) -> float:
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number, got {p!r}")
-    p = float(p)
-    if not 0.0 <= p < 1.0:  # also rejects NaN (math.isnan would graph-break under Dynamo)
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return p
-
-
 def residual_layernorm(
     h: torch.Tensor,
     branch: torch.Tensor,
@@ -189,7 +184,7 @@ def residual_layernorm(
         raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
     if branch.shape != h.shape:
         raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
-    p = _check_p(dropout_p) if training else 0.0
+    p = check_dropout_p(dropout_p) if training else 0.0
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
         return h_new, _layernorm_torch(h_new, weight, bias, eps, stable, out_dtype)
@@ -224,7 +219,7 @@ class ResidualLayerNorm(nn.Module):
     ):
         super().__init__()
         self.dim, self.stable, self.eps, self.use_triton = dim, stable, eps, use_triton
-        self.dropout = _check_p(dropout)
+        self.dropout = check_dropout_p(dropout)
         self.weight = nn.Parameter(torch.ones(dim))
         if bias:
             self.bias = nn.Parameter(torch.zeros(dim))

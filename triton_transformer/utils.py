@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from typing import Any, TypeVar
 
@@ -45,6 +46,17 @@ def draw_seed(device: torch.device | str) -> torch.Tensor:
     the tensor for backward, which regenerates the same mask from it.
     """
     return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+
+
+def check_dropout_p(p: object) -> float:
+    """`p` as a float in [0, 1): the drop probability of an op whose kernels scale by
+    1 / (1 - p). Raises TypeError for a non-number (bool included), ValueError otherwise."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {p!r}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:  # also rejects NaN (math.isnan would graph-break under Dynamo)
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
 
 
 def dropout_threshold(p: float) -> int:
