@@ -25,7 +25,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} # torchrun would otherwise set 1; s
 common=(--config "$CONFIG" --use-triton --max-steps "$STEPS"
     --set data.download=false --set eval.eval_every=0 --set eval.generate_every=0
     --set log.checkpoint_every=0 --set log.log_every=10 --set log.progress=false
-    --cuda-graph "${CUDA_GRAPH:-true}") # the same step mode on 1 and 2 GPUs (auto: eager on 2)
+    --cuda-graph "${CUDA_GRAPH:-auto}") # auto: one graph per step on 1 and on 2 GPUs
 log="$OUT/ddp_log.txt"
 : >"$log"
 status=0

@@ -57,7 +57,7 @@ def _gpu_config(run_dir, corpus_file, **kw):
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_gpu_graphed_run_matches_eager(tmp_path, corpus_file, corpus, use_triton):
     losses = {}
-    for graph in ("false", "true"):
+    for graph in ("false", "auto"):
         config = _gpu_config(
             tmp_path / graph, corpus_file, train__cuda_graph=graph, model__use_triton=use_triton
         )
@@ -108,11 +108,12 @@ def test_gpu_triton_compile_with_graphs_trains(tmp_path, corpus_file, corpus, ca
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_ranks_with_graphs_match_eager(tmp_path, corpus_file, monkeypatch):
-    """NCCL all-reduce captured in the graph: 11 eager DDP steps, then replays."""
+    """NCCL all-reduce captured in the graph (auto does so under DDP): 11 eager steps, then
+    replays, matching an eager DDP run."""
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on shared hosts
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     results = {}
-    for graph in ("false", "true"):
+    for graph in ("false", "auto"):
         values = tiny_overrides(
             tmp_path / f"ddp-{graph}", corpus_file, model__use_triton=True,
             train__device="cuda", train__precision="bf16", train__max_steps=16,
@@ -120,8 +121,9 @@ def test_gpu_two_ranks_with_graphs_match_eager(tmp_path, corpus_file, monkeypatc
         )  # fmt: skip
         launch = Launch(tmp_path, f"launch-{graph}", {"config": values})
         results[graph] = launch.results()
-        assert f"CUDA graph {'on' if graph == 'true' else 'off'}" in launch.stdout(0)
-    r0, r1 = results["true"]
+        expected = "on, DDP all-reduces captured" if graph == "auto" else "off"
+        assert f"CUDA graph {expected}" in launch.stdout(0)
+    r0, r1 = results["auto"]
     _check_in_sync([r0, r1], list(range(1, 17)))
     eager = results["false"][0]["losses"]
     for step, loss in r0["losses"].items():

@@ -41,16 +41,11 @@ class GraphedSteps:
             # the all-reduces from Python hooks between the pieces; capturing that whole is
             # not a combination PyTorch supports, so these steps stay eager
             return False, "off (DDP with torch.compile: steps run eagerly)"
-        if self.dist.enabled and mode == "auto":
-            # NCCL all-reduces can be captured, and train.cuda_graph=true does so: on 2 H200s
-            # (torch 2.11) it trained at 98% scaling, but the run did not exit after its last
-            # step (killed at shutdown). Until that is understood, auto keeps DDP eager.
-            return False, "off under DDP by default (train.cuda_graph=true captures DDP steps)"
         if self.dist.enabled:
-            return True, (
-                "on, DDP captured (experimental: a 2-GPU run trained but hung at exit; "
-                "train.cuda_graph=auto runs DDP eagerly)"
-            )
+            # the NCCL all-reduces are captured with the rest of the step (DDP needs 11 eager
+            # steps first, see TrainStep); 2 x H200, torch 2.11: 97% scaling, and the runs
+            # exit cleanly since the graph is released before the process group
+            return True, "on, DDP all-reduces captured"
         return True, "on"
 
     def _non_finite(self, step: int, loss: float, norm: float) -> NonFiniteLossError:
