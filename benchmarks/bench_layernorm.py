@@ -413,7 +413,7 @@ def _tune_shape(M: int, N: int, sms: int, shard: tuple[int, int] | None) -> list
     launch_fwd(x, w, b, y, stats, EPS, False)
     for bm, warps in _bwd_candidates(block_n):
         for prefetch in (False, True):
-            for per_sm in (1, 2, 4):
+            for per_sm in (1, 2, 4, 8):
                 tiles = cdiv(M, bm)
                 programs = max(1, min(tiles, per_sm * sms))
                 rpp = cdiv(tiles, programs) * bm

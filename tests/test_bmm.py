@@ -157,6 +157,47 @@ def test_linear_and_bmm_follow_autocast(use_triton, device):
     assert rel_err(x.grad, x64.grad) < 3e-2
 
 
+def check_mixed_precision_weight_grad(M: int, K: int, N: int, activation, device) -> None:
+    """An fp32 weight under bf16 autocast gets its gradient straight from the fp32 accumulator:
+    within fp32 rounding of the float64 product of the bf16 operands, not rounded to bf16
+    (which would be ~1e-3 off). The forward uses the weight rounded to bf16, as autocast does."""
+    x = rand((M, K), torch.bfloat16, device, mean=0.2).requires_grad_()
+    w = rand((N, K), torch.float32, device, mean=0.01, std=K**-0.5).requires_grad_()
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        y = linear(x, w, activation, use_triton=True)
+    assert y.dtype == torch.bfloat16
+    grad = rand(y.shape, torch.bfloat16, device, mean=0.3)
+    y.backward(grad)
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+    w16 = w.detach().to(torch.bfloat16).double()
+    dpre = grad.double()
+    if activation == "relu_squared":  # d(pre) in bf16 from the op's own pass (tested apart)
+        dpre = bmm_module.relu2_grad_op(grad, y.detach(), True).double()
+    assert rel_err(w.grad, dpre.T @ x.detach().double()) < 1e-5
+    ref_y = x.detach().double() @ w16.T
+    if activation == "relu_squared":
+        ref_y = torch.relu(ref_y).square()
+    assert rel_err(y, ref_y) < 1e-2
+
+
+@pytest.mark.parametrize("activation", [None, "relu_squared"])
+def test_mixed_precision_weight_grad_is_not_rounded(activation, device):
+    check_mixed_precision_weight_grad(21, 45, 29, activation, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("M, K, N", [(2048, 512, 1536), (8192, 2048, 512), (2048, 512, 2048)])
+def test_mixed_precision_weight_grad_gpu(M, K, N, impl, device, monkeypatch):
+    # auto: cuBLAS writes the fp32 gradient (mm with out_dtype); triton: the TMA kernel's fp32
+    # store (and split-K reduction), at the model's projection shapes
+    monkeypatch.setattr(bmm_module, "matmul_impl", impl)
+    check_mixed_precision_weight_grad(M, K, N, None, device)
+    if N == 2048:
+        check_mixed_precision_weight_grad(M, K, N, "relu_squared", device)
+
+
 def test_linear_transposed_input_and_weight(device):
     x = rand((45, 3, 6), torch.float32, device, mean=0.3).permute(1, 2, 0).requires_grad_()
     weight = rand((45, 29), torch.float32, device, mean=-0.05).t().requires_grad_()

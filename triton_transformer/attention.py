@@ -737,11 +737,15 @@ def flash_attention_backward_op(
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for lse on every call
     ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
 
 
 @once_differentiable
-def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+def _backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
+    if dout is None:  # grads are not materialised: the output was not used
+        return (None,) * 9
     q, k, v, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention was called with need_lse=False; cannot backward")
@@ -799,11 +803,15 @@ def flash_attention_packed_backward_op(
 def _packed_setup_context(ctx, inputs, output) -> None:
     qkv, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for lse on every call
     ctx.save_for_backward(qkv, out, lse, kpm, seed)
 
 
 @once_differentiable
-def _packed_backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
+    if dout is None:  # grads are not materialised: the output was not used
+        return (None,) * 7
     qkv, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention_packed was called with need_lse=False")

@@ -89,6 +89,11 @@ from triton_transformer.utils import (
 # What torch.compile hands an op body while tracing it.
 _TRACED_TENSORS = (FakeTensor, FunctionalTensor)
 
+
+def _is_traced(t: torch.Tensor) -> bool:
+    return isinstance(t, _TRACED_TENSORS)
+
+
 ACTIVATIONS = (None, "relu_squared")
 MATMUL_IMPLS = ("auto", "triton", "cublas")
 
@@ -202,7 +207,7 @@ def _epilogue(
     RELU_SQUARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND_AUX: tl.constexpr,
     DROPOUT: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
@@ -218,7 +223,7 @@ def _epilogue(
         acc = tl.maximum(acc, 0.0)
         if STORE_AUX:
             aux = acc
-            if ROUND:
+            if ROUND_AUX:
                 aux = _round_bf16(aux)
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
@@ -231,8 +236,6 @@ def _epilogue(
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         r_ptrs = R + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
         acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ROUND:
-        acc = _round_bf16(acc)
     return acc
 
 
@@ -312,6 +315,8 @@ def _mm_ptr_kernel(
         tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX,
         UPCAST, DROPOUT, BLOCK_N,
     )  # fmt: skip
+    if UPCAST and C.dtype.element_ty == tl.bfloat16:
+        acc = _round_bf16(acc)  # as a GPU's cast would (a wider C keeps the fp32 sum)
     c_ptrs = C + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -786,14 +791,17 @@ def _mm2d_into(
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         epi = _EPI[relu_squared, residual is not None]
-        cublas_ok = not relu_squared and drop is None and c.dtype == a.dtype
+        # cuBLAS computes plain products, addmm's residual in one dtype, and (eagerly)
+        # fp16/bf16 products written in fp32: the weight gradients of mixed precision
+        widen = c.dtype == torch.float32 and residual is None and not _is_traced(a)
+        cublas_ok = not relu_squared and drop is None and (c.dtype == a.dtype or widen)
         if residual is not None:
             cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
             "cuda", device.index, a.dtype, M, N, K,
             a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
             epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
-            isinstance(a, _TRACED_TENSORS),
+            _is_traced(a),
         )  # fmt: skip
         if plan[0] == "tma":
             _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
@@ -801,7 +809,9 @@ def _mm2d_into(
     else:
         plan = _plan(device.type, 0, a.dtype, M, N, K, -1, -1, "", False, 0, "triton", None)
     if plan[0] == "cublas":  # plain, or the residual as cuBLAS's own C input (beta = 1)
-        if residual is None:
+        if residual is None and c.dtype != a.dtype:
+            torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
+        elif residual is None:
             torch.mm(a, b, out=c)
         else:
             torch.addmm(residual, a, b, out=c)
@@ -824,7 +834,7 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         c.zero_()
         return
     interpret = a.device.type != "cuda"
-    if not interpret and matmul_impl == "cublas":
+    if not interpret and matmul_impl == "cublas" and c.dtype == a.dtype:
         torch.bmm(a, b, out=c)
         return
     cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
@@ -837,9 +847,12 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
 
 
 @triton_op("triton_transformer::bmm", mutates_args=())
-def bmm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for 2-D a (M, K), b (K, N) or 3-D a (B, M, K), b (B, K, N); any strides."""
-    c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=a.dtype)
+def bmm_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a @ b for 2-D a (M, K), b (K, N) or 3-D a (B, M, K), b (B, K, N); any strides.
+
+    out_dtype: the output's dtype (None: a's). The fp32 accumulator is rounded once, into
+    it: fp32 weight gradients of bf16 products need no separate cast pass."""
+    c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype or a.dtype)
     if a.dim() == 2:
         _mm2d_into(a, b, c)
     else:
@@ -848,18 +861,20 @@ def bmm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _bmm_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    a, b, _ = inputs
+    ctx.save_for_backward(a, b)
 
 
 @once_differentiable
 def _bmm_backward(ctx, dc: torch.Tensor):
     a, b = ctx.saved_tensors
+    dc = dc.to(a.dtype)  # a no-op unless out_dtype widened the output
     da = db = None
     if ctx.needs_input_grad[0]:  # dA = dC @ B^T, B^T a view
         da = bmm_op(dc, b.transpose(-1, -2))
     if ctx.needs_input_grad[1]:  # dB = A^T @ dC
         db = bmm_op(a.transpose(-1, -2), dc)
-    return da, db
+    return da, db, None
 
 
 bmm_op.register_autograd(_bmm_backward, setup_context=_bmm_setup_context)
@@ -888,9 +903,14 @@ def linear_op(
     relu_squared: bool,
     p: float = 0.0,
     seed: torch.Tensor | None = None,
+    weight_lp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dropout_p(act(x @ weight.T)) [+ residual] for 2-D x (M, K), weight (N, K), residual
     (M, N); dropout (p > 0, relu_squared only) from `seed`, a 0-dim int64 device tensor.
+
+    weight_lp: the weight in x's dtype when `weight` is wider (mixed precision: an fp32
+    weight under bf16 autocast), else None. The product uses it; the weight's gradient is
+    written in the weight's own dtype by the dW GEMM, with no cast pass either way.
 
     The output has x's dtype, promoted with the residual's. With relu_squared its backward
     recovers relu(pre) as sqrt(output · (1 - p)) where the mask kept it (where it dropped,
@@ -898,8 +918,9 @@ def linear_op(
     `linear_relu2_op` covers the other cases.
     """
     _check_epilogue_dropout(p, seed, relu_squared)
-    y = _linear_out(x, weight, residual)
-    _mm2d_into(x, weight.t(), y, relu_squared, residual, None, (p, seed) if p > 0.0 else None)
+    w = weight if weight_lp is None else weight_lp
+    y = _linear_out(x, w, residual)
+    _mm2d_into(x, w.t(), y, relu_squared, residual, None, (p, seed) if p > 0.0 else None)
     return y
 
 
@@ -910,14 +931,17 @@ def linear_relu2_op(
     residual: torch.Tensor | None,
     p: float = 0.0,
     seed: torch.Tensor | None = None,
+    weight_lp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dropout_p(relu(x @ weight.T)²) [+ residual], relu(x @ weight.T)): the second output,
     written by the same epilogue, is what the backward needs (it does not underflow in fp16).
-    The dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device tensor."""
+    The dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device tensor; weight_lp
+    as in `linear_op`."""
     _check_epilogue_dropout(p, seed, True)
-    y = _linear_out(x, weight, residual)
-    r = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
-    _mm2d_into(x, weight.t(), y, True, residual, r, (p, seed) if p > 0.0 else None)
+    w = weight if weight_lp is None else weight_lp
+    y = _linear_out(x, w, residual)
+    r = torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=x.dtype)
+    _mm2d_into(x, w.t(), y, True, residual, r, (p, seed) if p > 0.0 else None)
     return y, r
 
 
@@ -948,27 +972,32 @@ def relu2_grad_op(
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual, relu_squared, ctx.p, seed = inputs
+    x, weight, residual, relu_squared, ctx.p, seed, weight_lp = inputs
     ctx.relu_squared = relu_squared
     ctx.from_square = True
     ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.weight_dtype = weight.dtype
     # relu(pre) = sqrt(y) only holds without a residual; linear() never asks for that grad.
     ctx.can_grad = not (relu_squared and residual is not None)
     ctx.save_for_backward(
-        x, weight, output if relu_squared and ctx.can_grad else None, seed if ctx.p else None
-    )
+        x, weight if weight_lp is None else weight_lp,
+        output if relu_squared and ctx.can_grad else None, seed if ctx.p else None,
+    )  # fmt: skip
 
 
 def _linear_relu2_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual, ctx.p, seed = inputs
+    x, weight, residual, ctx.p, seed, weight_lp = inputs
     ctx.relu_squared = True
     ctx.from_square = False
     ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.weight_dtype = weight.dtype
     ctx.can_grad = True
     ctx.mark_non_differentiable(output[1])
     # relu(pre) gets no gradient: without this autograd would fill an M×N zero tensor for it
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, weight, output[1], seed if ctx.p > 0.0 else None)
+    ctx.save_for_backward(
+        x, weight if weight_lp is None else weight_lp, output[1], seed if ctx.p > 0.0 else None
+    )
 
 
 def _linear_grads(ctx, dy: torch.Tensor):
@@ -977,7 +1006,7 @@ def _linear_grads(ctx, dy: torch.Tensor):
             "linear_op with relu_squared and a residual saves no relu(pre): use "
             "linear_relu2_op (as linear() does) when gradients are needed"
         )
-    x, weight, s, seed = ctx.saved_tensors
+    x, w, s, seed = ctx.saved_tensors  # w: the weight as the product used it
     # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; without relu²
     # d(pre) = dy, cast only when a wider residual promoted the output.
     if ctx.relu_squared:
@@ -986,9 +1015,9 @@ def _linear_grads(ctx, dy: torch.Tensor):
         dpre = dy.to(x.dtype)
     dx = dw = dres = None
     if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
-        dx = bmm_op(dpre, weight)
-    if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view
-        dw = bmm_op(dpre.t(), x)
+        dx = bmm_op(dpre, w)
+    if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
+        dw = bmm_op(dpre.t(), x, ctx.weight_dtype)
     if ctx.needs_input_grad[2]:
         dres = dy.to(ctx.residual_dtype)
     return dx, dw, dres
@@ -996,14 +1025,14 @@ def _linear_grads(ctx, dy: torch.Tensor):
 
 @once_differentiable
 def _linear_backward(ctx, dy: torch.Tensor):
-    return *_linear_grads(ctx, dy), None, None, None
+    return *_linear_grads(ctx, dy), None, None, None, None
 
 
 @once_differentiable
 def _linear_relu2_backward(ctx, dy: torch.Tensor | None, dr: torch.Tensor | None):
     if dy is None:  # grads are not materialised: the output was not used
-        return None, None, None, None, None
-    return *_linear_grads(ctx, dy), None, None
+        return (None,) * 6
+    return *_linear_grads(ctx, dy), None, None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -1017,22 +1046,28 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_pair(
-    a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str
+    a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str, *, cast_b: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate two matmul operands; under torch.autocast cast both to its dtype.
+    """Validate two matmul operands; under torch.autocast cast them to its dtype.
 
     Autocast does not reach inside a custom op, so without this the Triton path would run
     in fp32 under bf16 autocast (and mixed bf16 activations / fp32 weights would be
-    refused). The cast is differentiable: fp32 weights still get fp32 grads.
+    refused). The cast is differentiable: fp32 weights still get fp32 grads. cast_b=False
+    leaves b (a weight) as it is under autocast: `linear` casts it without autograd and
+    has the GEMM write its gradient in its own dtype.
     """
     for t, name in ((a, name_a), (b, name_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     device_type = a.device.type
+    mixed = False  # an uncast b under autocast may be wider than a
     if a.is_floating_point() and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        a, b = a.to(dtype), b.to(dtype)
-    if a.dtype != b.dtype:
+        a = a.to(dtype)
+        if cast_b:
+            b = b.to(dtype)
+        mixed = not cast_b and b.is_floating_point()
+    if a.dtype != b.dtype and not mixed:
         raise TypeError(f"{name_a} ({a.dtype}) and {name_b} ({b.dtype}) must have the same dtype")
     if a.device != b.device:
         raise ValueError(f"{name_a} ({a.device}) and {name_b} ({b.device}) must share a device")
@@ -1089,7 +1124,7 @@ def linear(
     promoted with the residual's. The weight gradient is reduced over all leading dims of x
     in one deterministic matmul (no atomics).
     """
-    x, weight = _check_pair(x, weight, "x", "weight")
+    x, weight = _check_pair(x, weight, "x", "weight", cast_b=False)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     dropout_p = check_dropout_p(dropout_p)
@@ -1136,8 +1171,11 @@ def linear(
         and (x.requires_grad or weight.requires_grad or (r2 is not None and r2.requires_grad))
     )
     seed = seed_or_draw(seed, x.device) if dropout_p > 0.0 else None
+    # Mixed precision (autocast left an fp32 weight uncast): the product reads a copy in x's
+    # dtype, made outside autograd; the op returns the weight's gradient in fp32 directly.
+    weight_lp = weight.detach().to(x.dtype) if weight.dtype != x.dtype else None
     if save_relu:
-        y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed)[0]
+        y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed, weight_lp)[0]
     else:
-        y2 = call_op(linear_op, x2, weight, r2, relu_squared, dropout_p, seed)
+        y2 = call_op(linear_op, x2, weight, r2, relu_squared, dropout_p, seed, weight_lp)
     return y2 if two_d else y2.view(out_shape)

@@ -353,11 +353,14 @@ def _cross_entropy_setup_context(ctx, inputs, output) -> None:
     logits, labels, ctx.ignore_index = inputs
     _, lse, n_valid = output
     ctx.mark_non_differentiable(lse, n_valid)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for lse and n_valid
     ctx.save_for_backward(logits, labels, lse, n_valid)
 
 
 @once_differentiable
 def _cross_entropy_backward(ctx, dloss, _dlse, _dn_valid):
+    if dloss is None:  # grads are not materialised: the loss was not used
+        return None, None, None
     logits, labels, lse, n_valid = ctx.saved_tensors
     dx = cross_entropy_backward_op(dloss, logits, labels, lse, n_valid, ctx.ignore_index)
     return dx, None, None

@@ -75,17 +75,21 @@ MAX_BLOCK_N = 8192
 
 # Launch configurations keyed by the power-of-two column block. Forward: (rows per program,
 # warps). Backward: (rows per tile, warps, programs per SM, prefetch the next tile). Blocks not
-# listed fall back to the nearest entry. These are the configurations measured on an H200 at
-# revision 4b80779 (benchmarks/RESULTS.md: a 2048-element tile, `calc_num_warps` warps, 4
-# backward programs per SM); `benchmarks/bench_layernorm.py --tune` sweeps the alternatives
-# (kernel time from CUDA-graph replays) and prints a replacement table.
+# listed fall back to the nearest entry. N = 512 (the model's width) is from the H200 sweep of
+# 2026-11-22 at 2048 and 8192 rows (`benchmarks/bench_layernorm.py --tune --shapes
+# 2048x512,8192x512`, kernel times): the backward is fastest with one row per tile, 4 warps and
+# the next row's loads prefetched (7.2 / 12.5 µs, against 24.9 / 29.4 for the old (4, 8, 4)
+# entry: 8 warps on 2048 elements spend the time in cross-warp reductions); the forward with
+# 2 rows and 2 warps (2.6 / 4.6 µs, was 2.7 / 6.0). The other entries are the configurations
+# measured at revision 4b80779 (a 2048-element tile, `calc_num_warps` warps, 4 backward
+# programs per SM); --tune sweeps the alternatives and prints a replacement table.
 _FWD_TABLE: dict[int, tuple[int, int]] = {
     16: (128, 8),
     32: (64, 8),
     64: (32, 8),
     128: (16, 8),
     256: (8, 8),
-    512: (4, 8),
+    512: (2, 2),
     1024: (2, 8),
     2048: (1, 8),
     4096: (1, 16),
@@ -97,7 +101,7 @@ _BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
     64: (32, 8, 4, False),
     128: (16, 8, 4, False),
     256: (8, 8, 4, False),
-    512: (4, 8, 4, False),
+    512: (1, 4, 4, True),
     1024: (2, 8, 4, False),
     2048: (1, 8, 4, False),
     4096: (1, 16, 4, False),
@@ -673,12 +677,16 @@ def _ln_setup_context(ctx, inputs, output) -> None:
     x, weight, bias, ctx.eps, ctx.stable, _ = inputs
     _, stats = output
     ctx.mark_non_differentiable(stats)
+    # stats get no gradient: without this autograd would zero-fill one for every call
+    ctx.set_materialize_grads(False)
     ctx.has_bias = exists(bias)
     ctx.save_for_backward(x, weight, bias, stats)
 
 
 @once_differentiable
 def _ln_backward(ctx, dy, _dstats):
+    if dy is None:  # grads are not materialised: y was not used
+        return None, None, None, None, None, None
     x, weight, bias, stats = ctx.saved_tensors
     dx, dweight, dbias = layernorm_bwd(dy, x, weight, bias, stats, ctx.eps, ctx.stable)
     return dx, dweight, dbias if ctx.has_bias else None, None, None, None

@@ -130,6 +130,9 @@ def _setup_context(ctx, inputs, output) -> None:
     h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed, _ = inputs
     h_new, _, stats = output
     ctx.mark_non_differentiable(stats)
+    # unused outputs get no zero-filled gradient (stats never has one; h_new has none after
+    # the last block): the backward takes None for them
+    ctx.set_materialize_grads(False)
     ctx.has_bias = exists(bias)
     ctx.h_dtype, ctx.branch_dtype = h.dtype, branch.dtype
     ctx.save_for_backward(h_new, weight, bias, stats, seed)
@@ -137,7 +140,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 @once_differentiable
 def _backward(ctx, dh_new, dy, _dstats):
+    if dy is None and dh_new is None:
+        return (None,) * 9
     h_new, weight, bias, stats, seed = ctx.saved_tensors
+    if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
+        dy = torch.zeros_like(h_new)
     dh, dbranch, dweight, dbias = residual_layernorm_bwd(
         dy, dh_new, h_new, weight, bias, stats, ctx.eps, ctx.stable, ctx.p, seed,
         ctx.h_dtype, ctx.branch_dtype,
