@@ -75,14 +75,14 @@ MAX_BLOCK_N = 8192
 
 # Launch configurations keyed by the power-of-two column block. Forward: (rows per program,
 # warps). Backward: (rows per tile, warps, programs per SM, prefetch the next tile). Blocks not
-# listed fall back to the nearest entry. N = 512 (the model's width) is from the H200 sweep of
-# 2026-11-22 at 2048 and 8192 rows (`benchmarks/bench_layernorm.py --tune --shapes
-# 2048x512,8192x512`, kernel times): the backward is fastest with one row per tile, 4 warps and
-# the next row's loads prefetched (7.2 / 12.5 µs, against 24.9 / 29.4 for the old (4, 8, 4)
-# entry: 8 warps on 2048 elements spend the time in cross-warp reductions); the forward with
-# 2 rows and 2 warps (2.6 / 4.6 µs, was 2.7 / 6.0). The other entries are the configurations
-# measured at revision 4b80779 (a 2048-element tile, `calc_num_warps` warps, 4 backward
-# programs per SM); --tune sweeps the alternatives and prints a replacement table.
+# listed fall back to the nearest entry. Blocks 512-4096 come from the H200 sweep of 2026-11-22
+# (`benchmarks/bench_layernorm.py --tune --shapes ...`, kernel times, bf16) at 2048 and 8192 x
+# 512, 4096 and 16384 x 1024, 4096 x 2048 and 4096 x 4096: each entry is within 6% of the
+# best at every swept shape. The backward wants few elements per thread (4-8), 4 warps up to
+# N = 1024, and the next tile's loads prefetched: at 2048 x 512 it takes 7.2 µs against 24.9
+# for the old (4 rows, 8 warps, 4 per SM) entry, at 4096 x 1024 9.9 against 24.6. The other
+# blocks keep the configurations of revision 4b80779 (a 2048-element tile, `calc_num_warps`
+# warps, 4 backward programs per SM), not yet swept.
 _FWD_TABLE: dict[int, tuple[int, int]] = {
     16: (128, 8),
     32: (64, 8),
@@ -90,9 +90,9 @@ _FWD_TABLE: dict[int, tuple[int, int]] = {
     128: (16, 8),
     256: (8, 8),
     512: (2, 2),
-    1024: (2, 8),
-    2048: (1, 8),
-    4096: (1, 16),
+    1024: (4, 4),
+    2048: (4, 4),
+    4096: (2, 8),
     8192: (1, 16),
 }
 _BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
@@ -102,9 +102,9 @@ _BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
     128: (16, 8, 4, False),
     256: (8, 8, 4, False),
     512: (1, 4, 4, True),
-    1024: (2, 8, 4, False),
-    2048: (1, 8, 4, False),
-    4096: (1, 16, 4, False),
+    1024: (4, 4, 2, True),
+    2048: (2, 8, 2, True),
+    4096: (1, 8, 2, True),
     8192: (1, 16, 4, False),
 }
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
