@@ -1122,7 +1122,9 @@ def linear(
     residual: optional tensor shaped like the output (..., N), added last in the same
     epilogue (e.g. the model's `h + proj_out(...)`); the output dtype is x's
     promoted with the residual's. The weight gradient is reduced over all leading dims of x
-    in one deterministic matmul (no atomics).
+    in one deterministic matmul (no atomics). Under torch.autocast x is cast to its dtype and
+    a wider (fp32) weight is read through a copy in that dtype: the Triton path's dW GEMM
+    writes the fp32 gradient directly, never rounded to bf16 nor cast in a separate pass.
     """
     x, weight = _check_pair(x, weight, "x", "weight", cast_b=False)
     if activation not in ACTIVATIONS:
