@@ -791,17 +791,17 @@ def _mm2d_into(
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         epi = _EPI[relu_squared, residual is not None]
+        traced = _is_traced(a)
         # cuBLAS computes plain products, addmm's residual in one dtype, and (eagerly)
         # fp16/bf16 products written in fp32: the weight gradients of mixed precision
-        widen = c.dtype == torch.float32 and residual is None and not _is_traced(a)
+        widen = c.dtype == torch.float32 and residual is None and not traced
         cublas_ok = not relu_squared and drop is None and (c.dtype == a.dtype or widen)
         if residual is not None:
             cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
             "cuda", device.index, a.dtype, M, N, K,
             a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
-            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
-            _is_traced(a),
+            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH, traced,
         )  # fmt: skip
         if plan[0] == "tma":
             _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
