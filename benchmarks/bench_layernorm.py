@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import importlib
 import json
 import os
@@ -99,63 +98,17 @@ def ceilings() -> dict:
     return {"copy_gbps": 2 * n * 4 / (ms * 1e-3) / 1e9}
 
 
-@functools.cache
-def _flush_buffer() -> torch.Tensor:
-    return torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-
-
-def _device_us(body: Callable[[], object], iters: int) -> float:
-    """Summed CUDA kernel time (us) of `iters` calls of body, each after an L2 flush."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = _flush_buffer()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush.zero_()
-            body()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-
-
-@functools.cache
-def _flush_us(iters: int) -> float:
-    return _device_us(lambda: None, iters)
-
-
-def profiled_kernel_ms(fn: Callable[[], object], iters: int = 10) -> float:
-    """GPU time of the kernels `fn` launches, per call, with a cold L2 before each call.
-
-    torch.profiler sums device-side kernel durations, so host overhead and launch gaps are
-    excluded (`do_bench`'s events are not: when an op's host time exceeds the L2 flush, about
-    75 us on an H200, they time the host); the flushes, timed alone, are subtracted.
-    """
-    fn()
-    torch.cuda.synchronize()
-    return (_device_us(fn, iters) - _flush_us(iters)) / iters / 1e3
-
-
 def time_op(fn: Callable[[], object]) -> dict:
-    """{"kernel_ms": profiled kernel time, "wall_us": host wall per call in a tight loop}
-    (plus "event_ms", common.time_op's do_bench time, when benchmarks/common.py exists)."""
-    extra = {}
-    if common is not None and hasattr(common, "time_op"):
+    """{"kernel_ms": profiled kernel time (`common.kernel_ms`), "event_ms": do_bench's time,
+    "wall_us": host wall per call in a tight loop}; on the CPU only the wall time."""
+    if common is not None:
         t = common.time_op(fn)
-        extra = {"event_ms": t.get("ms", t.get("kernel_ms"))}
-        wall = t["wall_us"]
-    else:
-        iters = 1 if DEVICE == "cpu" else 50
-        for _ in range(3):
-            fn()
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync()
-        wall = (time.perf_counter() - t0) / iters * 1e6
-    ms = float("nan") if DEVICE == "cpu" else profiled_kernel_ms(fn)
-    return {"kernel_ms": ms, "wall_us": wall, **extra}
+        return {"kernel_ms": t["ms"], "event_ms": t["event_ms"], "wall_us": t["wall_us"]}
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    return {"kernel_ms": float("nan"), "wall_us": (time.perf_counter() - t0) * 1e6}
 
 
 def _kernel_ms(fn: Callable[[], object]) -> float:

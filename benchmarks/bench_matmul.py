@@ -65,44 +65,12 @@ def layout_key(M: int, N: int, K: int, a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{M}x{N}x{K}:{ch(la)}{ch(lb)}"
 
 
-_FLUSH: list[torch.Tensor] = []
-
-
-def kernel_ms(fn, iters: int = 10) -> float:
-    """GPU time of the kernels `fn` launches, per call, L2 flushed before each call.
-
-    torch.profiler sums device-side kernel durations, so host overhead (which do_bench's
-    events would count whenever the host is slower than the GPU) is excluded; the flush is
-    timed alone and subtracted.
-    """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-
-    def device_us(body) -> float:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                _FLUSH[0].zero_()
-                body()
-            torch.cuda.synchronize()
-        return sum(
-            e.self_device_time_total
-            for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA
-        )
-
-    return (device_us(fn) - device_us(lambda: None)) / iters / 1e3
-
-
 def timed(fn) -> dict | None:
     """{"ms": kernel time (profiler), "event_ms": do_bench median, "wall_us": host per call}."""
     try:
         fn()  # warm-up (autotuning, compilation)
         torch.cuda.synchronize()
-        t = common.time_op(fn)
-        return {"ms": kernel_ms(fn), "event_ms": t["ms"], "wall_us": t["wall_us"]}
+        return common.time_op(fn)
     except Exception:
         traceback.print_exc()
         return None
