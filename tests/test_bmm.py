@@ -6,6 +6,7 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles, so sizes 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
 from triton_transformer.bmm import bmm, linear
@@ -184,6 +185,55 @@ def check_mixed_precision_weight_grad(M: int, K: int, N: int, activation, device
 @pytest.mark.parametrize("activation", [None, "relu_squared"])
 def test_mixed_precision_weight_grad_is_not_rounded(activation, device):
     check_mixed_precision_weight_grad(21, 45, 29, activation, device)
+
+
+class _CountCasts(TorchDispatchMode):
+    """Counts the bf16 copies (`aten._to_copy`) of tensors shaped `shape` inside the context."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("dtype") == torch.bfloat16
+            and tuple(args[0].shape) == self.shape
+        ):
+            self.casts += 1
+        return func(*args, **kwargs)
+
+
+def test_reuse_weight_casts_shares_one_copy_until_the_weight_changes(device):
+    # two micro-batches, one cast of w; an in-place update inside the context is seen (the
+    # version counter moves: a stale copy would give the old product); the gradients match
+    # those of casting per call
+    dev = torch.device(device).type
+    w = rand((24, 40), torch.float32, device, mean=0.01, std=0.2).requires_grad_()
+    xs = [rand((9, 40), torch.bfloat16, device, mean=0.2) for _ in range(2)]
+
+    def micro_batches():
+        for x in xs:
+            with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+                y = linear(x, w, use_triton=True)
+            y.float().square().sum().backward()
+
+    micro_batches()
+    grad_per_call, w.grad = w.grad.clone(), None
+    with _CountCasts(w.shape) as counter, bmm_module.reuse_weight_casts():
+        micro_batches()
+        assert counter.casts == 1
+        with torch.no_grad():
+            w.mul_(-2.0)
+        with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+            y = linear(xs[0], w, use_triton=True)
+        assert counter.casts == 2
+    torch.testing.assert_close(w.grad, grad_per_call, rtol=0, atol=0)
+    ref = xs[0].double() @ w.detach().to(torch.bfloat16).double().T
+    assert rel_err(y, ref) < 1e-2
+    assert bmm_module._weight_casts is None  # copies dropped on exit
 
 
 @pytest.mark.gpu

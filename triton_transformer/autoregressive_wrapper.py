@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from triton_transformer.bmm import reuse_weight_casts
 from triton_transformer.transformer import KVCache
 from triton_transformer.utils import default, exists
 
@@ -99,7 +100,8 @@ class AutoregressiveWrapper(nn.Module):
         self.net.eval()
         try:
             sample_args = (temperature, filter_thres, generator)
-            out = self._generate(prompt, length, eos_token, use_kv_cache, sample_args, kwargs)
+            with reuse_weight_casts():  # one bf16 copy of each weight under autocast
+                out = self._generate(prompt, length, eos_token, use_kv_cache, sample_args, kwargs)
         finally:
             self.net.train(was_training)
         return out[0] if is_1d else out

@@ -63,8 +63,10 @@ torch.compile the Triton paths run the pointer kernel unless `COMPILE_TMA` is se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -1101,6 +1103,48 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     return c.view(*a.shape[:-1], b.shape[-1])
 
 
+# Low-precision copies of wider weights shared within a `reuse_weight_casts` context:
+# (id(weight), dtype) -> (weight, its version counter when cast, the copy). None: no context.
+_weight_casts: dict | None = None
+
+
+@contextlib.contextmanager
+def reuse_weight_casts() -> Iterator[None]:
+    """Within this context `linear` casts each wider weight (fp32 under bf16 autocast) to the
+    activations' dtype once and reuses that copy: the micro-batches of one optimizer step read
+    one bf16 copy per weight instead of casting it again each (132 launches, ~280 µs per step
+    of the enwik8 config on an H200). A weight changed in place inside the context (its
+    version counter moves) is cast again. Copies are dropped on exit; nested contexts share
+    the outer one's. Not used while torch.compile traces (the compiled graph casts itself).
+    """
+    global _weight_casts
+    outer = _weight_casts
+    if outer is None:
+        _weight_casts = {}
+    try:
+        yield
+    finally:
+        _weight_casts = outer
+
+
+def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """weight's copy in dtype made outside autograd (reused inside `reuse_weight_casts`), or
+    None when weight is already in dtype."""
+    if weight.dtype == dtype:
+        return None
+    # is_compiling first: Dynamo then never reads (and guards on) the module global
+    if torch.compiler.is_compiling() or _is_traced(weight) or _weight_casts is None:
+        return weight.detach().to(dtype)
+    cache = _weight_casts
+    key = (id(weight), dtype)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is weight and hit[1] == weight._version:
+        return hit[2]
+    copy = weight.detach().to(dtype)
+    cache[key] = (weight, weight._version, copy)
+    return copy
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1174,8 +1218,9 @@ def linear(
     )
     seed = seed_or_draw(seed, x.device) if dropout_p > 0.0 else None
     # Mixed precision (autocast left an fp32 weight uncast): the product reads a copy in x's
-    # dtype, made outside autograd; the op returns the weight's gradient in fp32 directly.
-    weight_lp = weight.detach().to(x.dtype) if weight.dtype != x.dtype else None
+    # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
+    # weight's gradient in fp32 directly.
+    weight_lp = _weight_in(weight, x.dtype)
     if save_relu:
         y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed, weight_lp)[0]
     else:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from triton_transformer.bmm import reuse_weight_casts
 from triton_transformer.config import TrainConfig
 from triton_transformer.cuda_graph import GraphedStep, StaticInputs
 
@@ -179,11 +180,12 @@ class TrainStep:
         """
         self.phase = "forward"
         total = torch.zeros((), device=self.device)
-        for i in range(self.grad_accum_steps):
-            if i and should_stop is not None and should_stop():
-                raise StepInterrupted  # phase stays "forward": the caller discards the step
-            batch = next_batch().to(self.device, non_blocking=True)
-            total += self._micro_batch(batch, last=i == self.grad_accum_steps - 1)
+        with reuse_weight_casts():  # the weights are fixed until the optimizer step
+            for i in range(self.grad_accum_steps):
+                if i and should_stop is not None and should_stop():
+                    raise StepInterrupted  # phase stays "forward": the caller discards it
+                batch = next_batch().to(self.device, non_blocking=True)
+                total += self._micro_batch(batch, last=i == self.grad_accum_steps - 1)
         return total / self.grad_accum_steps, self._clip()
 
     def _micro_batch(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
@@ -204,10 +206,11 @@ class TrainStep:
         """The captured step: reads the micro-batches from the static input buffer."""
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         batches = self._inputs.device_buffer
-        total = sum(
-            self._micro_batch(batches[i], last=i == self.grad_accum_steps - 1)
-            for i in range(self.grad_accum_steps)
-        )
+        with reuse_weight_casts():
+            total = sum(
+                self._micro_batch(batches[i], last=i == self.grad_accum_steps - 1)
+                for i in range(self.grad_accum_steps)
+            )
         grad_norm = self._clip()
         self.optimizer.step()
         return total / self.grad_accum_steps, grad_norm
