@@ -31,7 +31,7 @@ for stage in "${stages[@]}"; do
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     ops)
-        for bench in benchmarks/bench_{layernorm,softmax,cross_entropy,dropout,matmul,attention}.py; do
+        for bench in benchmarks/bench_{layernorm,softmax,cross_entropy,dropout,embedding,matmul,attention}.py; do
             [ -f "$bench" ] || continue
             echo "--- $bench"
             python3 "$bench" --out "$OUT" $quick 2>&1 | tail -n 30 || status=1

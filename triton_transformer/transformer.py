@@ -23,6 +23,7 @@ from torch import nn
 from triton_transformer.attention import attention, attention_naive, attention_packed
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
+from triton_transformer.embedding import embedding
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
@@ -340,7 +341,7 @@ class Transformer(nn.Module):
         if x.dtype not in (torch.int32, torch.int64):
             x = x.long()  # embedding takes int32/int64 ids
 
-        h = self.token_emb(x) + self.pos_emb.weight[start : start + n]
+        h = embedding(x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton)
         # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
         # written so that each residual add and the norm that follows it are one fused op
         # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.

@@ -1,0 +1,132 @@
+"""Token + positional embedding: the Triton op vs a float64 run of the PyTorch branch.
+
+Forward and both table gradients at sizes that reach every code path: vocabularies and
+widths that are not multiples of the tiles, several token tiles, repeated and absent ids,
+a window of positions that starts past 0 (a KV-cache step), no positional table, and
+fp32/fp16/bf16 tables. fp32 gradients go through the three-way bf16 split on a GPU, so
+they must still agree to ~1e-5.
+"""
+
+import pytest
+import torch
+
+from triton_transformer.embedding import ONE_HOT_MAX_VOCAB, embedding
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _tables(n_vocab, dim, max_len, dtype, device):
+    w = (0.7 + torch.randn(n_vocab, dim, device=device)).to(dtype).requires_grad_()
+    p = (-0.4 + torch.randn(max_len, dim, device=device)).to(dtype).requires_grad_()
+    return w, p
+
+
+def _check(b, n, n_vocab, dim, max_len, start, dtype, device, with_pos=True, id_dtype=None):
+    ids = torch.randint(0, n_vocab, (b, n), device=device, dtype=id_dtype or torch.int64)
+    ids[0, 0] = n_vocab - 1  # the last vocab row, in the ragged last vocab tile
+    w, p = _tables(n_vocab, dim, max_len, dtype, device)
+    pos = p if with_pos else None
+    g = 1.5 + torch.randn(b, n, dim, device=device)  # off-centre upstream gradient
+
+    h = embedding(ids, w, pos, start, use_triton=True)
+    assert h.shape == (b, n, dim) and h.dtype == dtype
+    h.backward(g.to(dtype))
+
+    w64 = w.detach().double().requires_grad_()
+    p64 = p.detach().double().requires_grad_()
+    ref = embedding(ids, w64, p64 if with_pos else None, start, use_triton=False)
+    ref.backward(g.to(dtype).double())
+
+    tol = TOL[dtype]
+    torch.testing.assert_close(h.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=tol, atol=tol * 10)
+    if with_pos:
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=tol, atol=tol * 10)
+    else:
+        assert p.grad is None
+
+
+@pytest.mark.parametrize(
+    "b, n, n_vocab, dim, max_len, start",
+    [
+        (2, 17, 40, 48, 32, 0),  # ragged everything, several token tiles
+        (3, 5, 7, 32, 20, 9),  # a window of positions past 0, tiny vocab
+        (1, 1, 16, 16, 4, 3),  # one token at the last position
+        (4, 33, 70, 80, 40, 7),  # several vocab and column tiles
+    ],
+)
+def test_matches_float64_reference(b, n, n_vocab, dim, max_len, start, device):
+    _check(b, n, n_vocab, dim, max_len, start, torch.float32, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_tables(dtype, device):
+    _check(2, 19, 50, 48, 24, 2, dtype, device)
+
+
+def test_strided_ids(device):
+    # a (b, 1) column of a wider id tensor (a decode step's slice) and a transposed view
+    seq = torch.randint(0, 30, (3, 12), device=device)
+    w, p = _tables(30, 16, 12, torch.float32, device)
+    for ids, start in ((seq[:, 5:6], 5), (seq[:, 2:9], 2), (seq.T[:4], 0)):
+        h = embedding(ids, w, p, start, use_triton=True)
+        torch.testing.assert_close(h, embedding(ids, w, p, start), rtol=0, atol=0)
+
+
+def test_no_positional_table_and_int32_ids(device):
+    _check(2, 21, 33, 32, 21, 0, torch.float32, device, with_pos=False, id_dtype=torch.int32)
+
+
+def test_repeated_ids_sum_their_gradients(device):
+    # every token is id 3: its row's gradient is the sum of all rows of g, the others zero
+    ids = torch.full((2, 9), 3, device=device)
+    w, p = _tables(10, 16, 9, torch.float32, device)
+    g = torch.randn(2, 9, 16, device=device)
+    embedding(ids, w, p, use_triton=True).backward(g)
+    expected = torch.zeros(10, 16, device=device, dtype=torch.float64)
+    expected[3] = g.double().sum((0, 1))
+    torch.testing.assert_close(w.grad.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p.grad, g.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic(device):
+    ids = torch.randint(0, 30, (3, 40), device=device)
+    w, p = _tables(30, 32, 40, torch.float32, device)
+    g = torch.randn(3, 40, 32, device=device)
+    grads = []
+    for _ in range(2):
+        w.grad = p.grad = None
+        embedding(ids, w, p, use_triton=True).backward(g)
+        grads.append((w.grad.clone(), p.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_large_vocab_takes_pytorch_path(device):
+    ids = torch.randint(0, ONE_HOT_MAX_VOCAB + 5, (1, 6), device=device)
+    w, p = _tables(ONE_HOT_MAX_VOCAB + 5, 16, 6, torch.float32, device)
+    h = embedding(ids, w, p, use_triton=True)
+    torch.testing.assert_close(h, w[ids] + p[:6])
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (lambda w, p: (torch.zeros(2, 3), w, p), "int32/int64"),
+        (lambda w, p: (torch.zeros(6, dtype=torch.long), w, p), r"\(batch, seq\)"),
+        (lambda w, p: (torch.zeros(1, 3, dtype=torch.long), w[0], p), "weight must be"),
+        (lambda w, p: (torch.zeros(1, 3, dtype=torch.long), w, p[:, :4]), "pos_weight's dim"),
+        (lambda w, p: (torch.zeros(1, 5, dtype=torch.long), w, p, 2), "outside pos_weight"),
+        (lambda w, p: (torch.zeros(1, 3, dtype=torch.long), w, p.half()), "must match"),
+    ],
+)
+def test_bad_input(args, match):
+    w, p = _tables(10, 8, 6, torch.float32, "cpu")
+    with pytest.raises((TypeError, ValueError), match=match):
+        embedding(*args(w.detach(), p.detach()), use_triton=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, n", [(4, 512), (16, 512), (3, 1000)])
+def test_gpu_model_shapes(b, n, dtype):
+    _check(b, n, 256, 512, 1024, 0, dtype, "cuda")
