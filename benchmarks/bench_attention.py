@@ -10,8 +10,9 @@ and the naive bmm -> softmax -> bmm composition; generation tokens/s; training t
   b·seq is fixed).
 - `--sweep`: times every candidate tile configuration at seq 4096 (compiled in parallel first)
   — the table behind `attention._fwd_config` / `_bwd_config`.
-- Generation tokens/s (`AutoregressiveWrapper.generate`, batch 1 and 16) and training
-  tokens/s of the enwik8 model with attn_impl flash vs naive vs PyTorch.
+- Generation tokens/s (`AutoregressiveWrapper.generate`, batch 1 and 16) of the enwik8 model
+  with attn_impl flash vs naive vs PyTorch (`--model-only`: just these). Training tokens/s of
+  flash vs naive: `bench_train.py --modes triton triton-naive`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,71 @@ def bench_case(rows, n, d, causal, providers, out_dir):
             t.grad = None
         torch.cuda.empty_cache()
     (Path(out_dir) / "attention_rows.json").write_text(json.dumps(rows, indent=1))
+
+
+# ---- with dropout ----------------------------------------------------------------------------
+
+# (b, h, n, d): the enwik8 config's micro-batch, the d512/L8 step's batch, a longer sequence
+DROPOUT_CASES = [(4, 8, 512, 64), (16, 8, 512, 64), (4, 8, 2048, 64)]
+
+
+def dropout_benchmarks(out_dir, p=0.1):
+    """Causal attention with dropout p: forward and forward+backward kernel time, ours against
+    SDPA's FA2 and cuDNN backends (all three draw the mask in-kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def ours(q, k, v):
+        return A.attention(q, k, v, causal=True, dropout_p=p, use_triton=True)
+
+    def sdpa(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+        return fn
+
+    providers = {
+        "ours": ours,
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }  # fmt: skip
+    rows = []
+    for b, h, n, d in DROPOUT_CASES:
+        q, k, v = make_inputs(b, h, n, d)
+        dout = torch.randn(b, h, n, d, device="cuda", dtype=DTYPE)
+        for name, fn in providers.items():
+            for mode in ("fwd", "fwd+bwd"):
+
+                def run(fn=fn, mode=mode, q=q, k=k, v=v, dout=dout):
+                    o = fn(q, k, v)
+                    if mode == "fwd+bwd":
+                        o.backward(dout)
+
+                try:
+                    run()
+                    t = common.time_op(run, wall_iters=3)
+                except Exception as e:  # a backend that does not take this case
+                    print(f"{name} {b}x{h}x{n}x{d}: {type(e).__name__}: {e}"[:200], flush=True)
+                    continue
+                tf = flops(b, h, n, d, True, mode) / t["ms"] / 1e9
+                rows.append(dict(b=b, h=h, seq=n, d=d, mode=mode, provider=name,
+                                 us=t["ms"] * 1e3, **{"TFLOP/s": tf}))  # fmt: skip
+                print(f"dropout {name:14} {b}x{h}x{n}x{d} {mode:8} {t['ms'] * 1e3:8.1f} us",
+                      flush=True)  # fmt: skip
+        for t in (q, k, v):
+            t.grad = None
+    keys = ["b", "h", "seq", "d", "mode", "provider", "us", "TFLOP/s"]
+    lines = [
+        f"# causal attention with dropout {p}, bf16 ({common.env_info()['device']})",
+        "",
+        "us = GPU kernel time per call (torch.profiler, L2 flushed).",
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+    ]
+    lines += ["| " + " | ".join(common._fmt(r[k]) for k in keys) + " |" for r in rows]
+    (Path(out_dir) / "attention_dropout.md").write_text("\n".join(lines) + "\n")
+    return rows
 
 
 # ---- tile sweep ------------------------------------------------------------------------------
@@ -225,7 +291,7 @@ def sweep(out_dir):
     return results
 
 
-# ---- model-level: generation and training ----------------------------------------------------
+# ---- model-level: generation -------------------------------------------------------------
 
 
 def model_benchmarks(out_dir, quick):
@@ -262,34 +328,8 @@ def model_benchmarks(out_dir, quick):
                 flush=True,
             )
 
-    # training: enwik8 config (batch 4 x 512, dropout 0.1), bf16 autocast, AdamW
-    for impl, use_triton in variants:
-        name = f"{impl}/{'triton' if use_triton else 'torch'}"
-        torch.manual_seed(0)
-        net = Transformer(**cfg, attn_dropout=0.1, ff_dropout=0.1, attn_impl=impl,
-                          use_triton=use_triton, check_token_ids=False)  # fmt: skip
-        model = AutoregressiveWrapper(net.cuda())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        seq = torch.randint(0, 256, (4, 513), device="cuda")
-
-        def step(model=model, seq=seq, opt=opt):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(seq)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        steps = 10 if quick else 30
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        tps = steps * 4 * 512 / (time.perf_counter() - t0)
-        rows.append(dict(what="train", impl=name, batch=4, tokens_per_s=tps))
-        print(f"train    {name:13} batch  4x512: {tps:9.0f} tokens/s", flush=True)
+    # training tokens/s of flash vs naive: `bench_train.py --modes triton triton-naive` (the
+    # real trainer, CUDA graphs on), not an eager loop here
     (Path(out_dir) / "attention_model.json").write_text(json.dumps(rows, indent=1))
     lines = ["| what | impl | batch | tokens/s |", "|---|---|---|---|"]
     lines += [
@@ -304,10 +344,18 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="tile sweep, then use its winners")
     parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--model-only", action="store_true", help="generation tokens/s only")
+    parser.add_argument("--dropout-only", action="store_true", help="the dropout cases only")
     parser.add_argument("--providers", default="sdpa-flash,ours,sdpa-cudnn,naive")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model_only:
+        model_benchmarks(out, args.quick)
+        return
+    if args.dropout_only:
+        dropout_benchmarks(out)
+        return
     if args.sweep:
         use_sweep_winners(sweep(out))
     print(common.env_info(), common.ceilings(), flush=True)
@@ -340,6 +388,7 @@ def main():
         )  # fmt: skip
     (out / "attention_ratios.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+    dropout_benchmarks(out)
     if not args.skip_model:
         model_benchmarks(out, args.quick)
 

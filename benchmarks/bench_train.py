@@ -7,7 +7,8 @@ torch.profiler: GPU busy = GPU kernel time per step / wall time per step (steady
 metrics.jsonl). Finally the loss curves of all modes go into one PNG: they must overlap.
 
 Modes: torch (PyTorch ops), triton (--use-triton), compile (--compile), triton-compile
-(--use-triton --compile).   Usage: python3 benchmarks/bench_train.py --out DIR [--steps 300]
+(--use-triton --compile), triton-naive (--use-triton with model.attn_impl = "naive").
+Usage: python3 benchmarks/bench_train.py --out DIR [--steps 300]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ MODES = {
     "triton": {"model.use_triton": True},
     "compile": {"train.compile": True},
     "triton-compile": {"model.use_triton": True, "train.compile": True},
+    # the score-matrix composition (bmm -> softmax -> dropout -> bmm) instead of the fused
+    # attention kernel: issue #8's end-to-end comparison
+    "triton-naive": {"model.use_triton": True, "model.attn_impl": "naive"},
 }
 
 
