@@ -156,7 +156,7 @@ def sweep(args) -> list[dict]:
 
                 for mode, fn in (("fwd-inplace", fwd), ("pure fwd+bwd", pure_step)):
                     ms = triton.testing.do_bench(fn, return_mode="median")
-                    row = {"cfg": label, "V": V, "mode": mode, "ms": ms}
+                    row = {"provider": label, "V": V, "mode": mode, "ms": ms}
                     out.append(row)
                     print(row)
         except Exception as e:

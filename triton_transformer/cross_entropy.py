@@ -64,12 +64,19 @@ from triton_transformer.utils import (
 # Longest row the forward holds in registers in one pass, and the backward's block; longer rows
 # loop over blocks of this size. Short rows are packed several per program, so that a tile
 # holds about ROW_TILE elements. Module-level so tests can reach the looped paths and
-# benchmarks can sweep them (`benchmarks/bench_cross_entropy.py --sweep`; not yet tuned on an
-# H200: 16384 / 32 warps follows Liger-Kernel's H100 choice of 32768-element blocks, 32 warps).
+# benchmarks can sweep them (`benchmarks/bench_cross_entropy.py --sweep`).
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 ROW_TILE = 4096
-# Warps per program; None: derived from the tile size (benchmarks sweep these).
+# Rows longer than FWD_MAX_BLOCK: a forward that also writes the gradient (in place, the
+# model's loss path) reads each row twice and writes it once, looping over blocks of
+# INPLACE_LOOP_BLOCK. Looped kernels run LOOP_NUM_WARPS warps. From the H200 sweep (8192
+# rows, 2026-11-22): the in-place forward takes 1.58 ms at V = 128256 (with 16384-element
+# blocks and 32 warps, Liger-Kernel's H100 choice: 1.93; Liger's fwd+bwd: 1.78) and 0.40 ms
+# at V = 32000 (0.56); 8 warps beat 16 and 32 at every looped block size tried.
+INPLACE_LOOP_BLOCK = 4096
+LOOP_NUM_WARPS = 8
+# Warps per program; None: derived from the tile (benchmarks sweep these).
 FWD_NUM_WARPS: int | None = None
 BWD_NUM_WARPS: int | None = None
 # Block of the one-program reductions (loss sum, valid count): up to 8192 rows are summed in
@@ -263,14 +270,16 @@ def _launch_params(
     block_m = max(1, row_tile // block_n) if single_pass else 1
     tile = block_m * block_n
     if num_warps is None:
-        num_warps = calc_num_warps(tile) if tile <= 8192 else 32
+        num_warps = calc_num_warps(tile) if single_pass else LOOP_NUM_WARPS
     return block_m, block_n, single_pass, num_warps
 
 
 # The vocabulary size picks the constexpr block sizes, so it is made concrete (int(): under
 # torch.compile's dynamic shapes, one compiled kernel per vocabulary size; rows stay symbolic).
-def _fwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(int(n_cols), FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS)
+def _fwd_params(n_cols: int, write_grad: bool = False) -> tuple[int, int, bool, int]:
+    n_cols = int(n_cols)
+    max_block = INPLACE_LOOP_BLOCK if write_grad and n_cols > FWD_MAX_BLOCK else FWD_MAX_BLOCK
+    return _launch_params(n_cols, max_block, ROW_TILE, FWD_NUM_WARPS)
 
 
 def _bwd_params(n_cols: int) -> tuple[int, int, bool, int]:
@@ -285,7 +294,7 @@ def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
 def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize):
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
-    block_m, block_n, single_pass, num_warps = _fwd_params(n_cols)
+    block_m, block_n, single_pass, num_warps = _fwd_params(n_cols, write_grad)
     wrap_triton(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, n_valid, loss_rows, lse,
         *_strides_2level(logits), *_strides_2level(labels),
