@@ -547,8 +547,8 @@ def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if d <= 64:  # 436 (4 warps: 429)
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    if causal:  # 422 (128x128: 419)
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if causal:  # 442 at 4096, 225 at 512 (128x64, 8 warps: 432 and 203; profiler, 2026-11-22)
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}  # 493
 
 
