@@ -194,7 +194,8 @@ def report(
         f"# {title or op}",
         "",
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}. "
-        f"ms = GPU kernel time (median, L2 flushed); wall_us = host time per call; "
+        f"ms = GPU kernel time per call (torch.profiler, L2 flushed before each call); "
+        f"wall_us = host time per call; "
         f"frac = {y} over its measured ceiling.",
         "",
         "| " + " | ".join(keys) + " |",
