@@ -119,10 +119,11 @@ def test_large_vocab_takes_pytorch_path(device):
         (lambda w, p: (torch.zeros(1, 3, dtype=torch.long), w, p.half()), "must match"),
     ],
 )
-def test_bad_input(args, match):
-    w, p = _tables(10, 8, 6, torch.float32, "cpu")
+def test_bad_input(args, match, device):
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    ids, *tables = args(w.detach(), p.detach())
     with pytest.raises((TypeError, ValueError), match=match):
-        embedding(*args(w.detach(), p.detach()), use_triton=True)
+        embedding(ids.to(device), *tables, use_triton=True)
 
 
 @pytest.mark.gpu

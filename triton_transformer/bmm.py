@@ -1112,10 +1112,11 @@ _weight_casts: dict | None = None
 def reuse_weight_casts() -> Iterator[None]:
     """Within this context `linear` casts each wider weight (fp32 under bf16 autocast) to the
     activations' dtype once and reuses that copy: the micro-batches of one optimizer step read
-    one bf16 copy per weight instead of casting it again each (132 launches, ~280 µs per step
-    of the enwik8 config on an H200). A weight changed in place inside the context (its
-    version counter moves) is cast again. Copies are dropped on exit; nested contexts share
-    the outer one's. Not used while torch.compile traces (the compiled graph casts itself).
+    one bf16 copy per weight instead of casting it again each (the enwik8 config on an H200:
+    132 -> 33 cast launches, 379 -> 95 µs per step). A weight changed in place inside the
+    context (its version counter moves) is cast again. Copies are dropped on exit; nested
+    contexts share the outer one's. Not used while torch.compile traces (the compiled graph
+    casts itself).
     """
     global _weight_casts
     outer = _weight_casts

@@ -71,8 +71,8 @@ ROW_TILE = 4096
 # Rows longer than FWD_MAX_BLOCK: a forward that also writes the gradient (in place, the
 # model's loss path) reads each row twice and writes it once, looping over blocks of
 # INPLACE_LOOP_BLOCK. Looped kernels run LOOP_NUM_WARPS warps. From the H200 sweep (8192
-# rows, 2026-11-22): the in-place forward takes 1.58 ms at V = 128256 (with 16384-element
-# blocks and 32 warps, Liger-Kernel's H100 choice: 1.93; Liger's fwd+bwd: 1.78) and 0.40 ms
+# rows, 2026-11-22): the in-place forward takes 1.57 ms at V = 128256 (with 16384-element
+# blocks and 32 warps, Liger-Kernel's H100 choice: 1.93; Liger's fwd+bwd: 1.41) and 0.40 ms
 # at V = 32000 (0.56); 8 warps beat 16 and 32 at every looped block size tried.
 INPLACE_LOOP_BLOCK = 4096
 LOOP_NUM_WARPS = 8

@@ -242,7 +242,8 @@ def embedding_backward_op(
     n_tokens = b * n
     g = _rows(dh.reshape(n_tokens, dim))
     # whole token tiles per split, and no empty split
-    per_split = cdiv(cdiv(n_tokens, _n_splits(n_tokens, n_vocab, dim, dh.device)), tile["BLOCK_T"])
+    splits = _n_splits(int(n_tokens), int(n_vocab), int(dim), dh.device)  # int: a cache key
+    per_split = cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])
     per_split *= tile["BLOCK_T"]
     n_splits = cdiv(n_tokens, per_split)
     partial = torch.empty((n_splits, n_vocab, dim), device=dh.device, dtype=torch.float32)
