@@ -25,7 +25,6 @@ in place through its strides (up to 4 dims after merging adjacent ones; more are
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -36,7 +35,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import cdiv, check_triton_tensor, seed_or_draw
+from triton_transformer.utils import cdiv, check_triton_tensor, dropout_threshold, seed_or_draw
 
 # Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
 # Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
@@ -121,11 +120,6 @@ def _strided_layout(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
     return [1] * pad + sizes, [0] * pad + strides
 
 
-@functools.cache
-def _threshold(p: float) -> int:
-    return round(p * 65536)
-
-
 @triton_op("triton_transformer::dropout", mutates_args=())
 def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """x * keep(seed) / (1 - p) elementwise in row-major order, for 0 <= p < 1.
@@ -145,7 +139,7 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     int64 = max(n + BLOCK, span + 1) >= 2**31
     if n:
         wrap_triton(_dropout_kernel)[(cdiv(n, BLOCK),)](
-            x, seed, out, n, _threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
+            x, seed, out, n, dropout_threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
             STRIDED=layout is not None, BLOCK=BLOCK, INT64=int64,
             num_warps=NUM_WARPS,
         )  # fmt: skip

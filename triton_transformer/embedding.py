@@ -43,7 +43,14 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import call_op, cdiv, check_triton_tensor, interpreter_enabled
+from triton_transformer.utils import (
+    as_rows,
+    call_op,
+    cdiv,
+    check_triton_tensor,
+    describe,
+    interpreter_enabled,
+)
 
 __all__ = ["ONE_HOT_MAX_VOCAB", "embedding"]
 
@@ -194,11 +201,6 @@ def _bwd_flags(dtype: torch.dtype, interpret: bool) -> dict:
     }
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t with unit column stride (the kernels step rows by a stride, columns by 1)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @triton_op("triton_transformer::embedding", mutates_args=())
 def embedding_op(
     ids: torch.Tensor, weight: torch.Tensor, pos_weight: torch.Tensor | None, start: int
@@ -211,8 +213,8 @@ def embedding_op(
     if h.numel() == 0:
         return h
     flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
-    weight = _rows(weight)
-    pos = _rows(pos_weight) if pos_weight is not None else weight
+    weight = as_rows(weight)
+    pos = as_rows(pos_weight) if pos_weight is not None else weight
     tile = _FWD_TILE
     grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
     wrap_triton(_embedding_fwd_kernel)[grid](
@@ -240,7 +242,7 @@ def embedding_backward_op(
     tile = _INTERP_BWD_TILE if interpret else _BWD_TILE
     reduce_tile = _INTERP_REDUCE_TILE if interpret else _REDUCE_TILE
     n_tokens = b * n
-    g = _rows(dh.reshape(n_tokens, dim))
+    g = as_rows(dh)
     # whole token tiles per split, and no empty split
     splits = _n_splits(int(n_tokens), int(n_vocab), int(dim), dh.device)  # int: a cache key
     per_split = cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])
@@ -306,16 +308,16 @@ def embedding(
             different widths, or positions start .. start + n outside the positional table.
     """
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"ids must be an int32/int64 tensor, got {_kind(ids)}")
+        raise TypeError(f"ids must be an int32/int64 tensor, got {describe(ids)}")
     if ids.dim() != 2:
         raise ValueError(f"ids must have shape (batch, seq), got {tuple(ids.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D (vocab, dim) tensor, got {_kind(weight)}")
+        raise ValueError(f"weight must be a 2-D (vocab, dim) tensor, got {describe(weight)}")
     n = ids.shape[1]
     if pos_weight is not None:
         if not isinstance(pos_weight, torch.Tensor) or pos_weight.dim() != 2:
             raise ValueError(
-                f"pos_weight must be a 2-D (max_len, dim) tensor, got {_kind(pos_weight)}"
+                f"pos_weight must be a 2-D (max_len, dim) tensor, got {describe(pos_weight)}"
             )
         if pos_weight.shape[1] != weight.shape[1]:
             raise ValueError(
@@ -340,9 +342,3 @@ def embedding(
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device}, weight on {weight.device}")
     return call_op(embedding_op, ids, weight, pos_weight, int(start))
-
-
-def _kind(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__

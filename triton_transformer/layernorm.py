@@ -43,7 +43,6 @@ Triton design:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -622,13 +621,6 @@ def launch_bwd(
 # ----------------------------------------------------------------------------- torch.library ops
 
 
-def rows_of(x: torch.Tensor) -> torch.Tensor:
-    """`utils.as_rows`, also for empty tensors (which launch nothing)."""
-    if x.numel() == 0:
-        return x.new_empty((math.prod(x.shape[:-1]), x.shape[-1]))
-    return as_rows(x)
-
-
 @triton_op("triton_transformer::layernorm_fwd", mutates_args=())
 def layernorm_fwd(
     x: torch.Tensor,
@@ -642,7 +634,7 @@ def layernorm_fwd(
     (2 or 3, rows) fp32 holds each row's mean, rstd (and scale when stable) for the
     backward."""
     N = x.shape[-1]
-    x2 = rows_of(x)
+    x2 = as_rows(x)
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
@@ -662,7 +654,7 @@ def layernorm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); dbias is an empty (0,) tensor when bias is None."""
     N = x.shape[-1]
-    x2, dy2 = rows_of(x), rows_of(dy)
+    x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dweight = torch.empty_like(weight)

@@ -50,9 +50,9 @@ from triton_transformer.layernorm import (
     check_out_dtype,
     launch_bwd,
     launch_fwd,
-    rows_of,
 )
 from triton_transformer.utils import (
+    as_rows,
     call_op,
     check_dropout_p,
     check_triton_tensor,
@@ -78,7 +78,7 @@ def residual_layernorm_fwd(
     both new contiguous tensors shaped like h. stats (2 or 3, rows) fp32 as in
     `layernorm_fwd`."""
     N = h.shape[-1]
-    h2, br2 = rows_of(h), rows_of(branch)
+    h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
     dtype = torch.promote_types(h.dtype, branch.dtype)
     h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
@@ -108,7 +108,7 @@ def residual_layernorm_bwd(
     dbranch = dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and
     the same dtype: the caller reuses dh); dbias empty (0,) when bias is None."""
     N = h_new.shape[-1]
-    x2, dy2 = rows_of(h_new), rows_of(dy)
+    x2, dy2 = as_rows(h_new), as_rows(dy)
     M = x2.shape[0]
     dh = torch.empty(h_new.shape, dtype=h_dtype, device=h_new.device)
     separate = p > 0.0 or branch_dtype != h_dtype
@@ -120,7 +120,7 @@ def residual_layernorm_bwd(
     launch_bwd(
         dy2, x2, weight.contiguous(), stats, dh.view(M, N), dweight,
         dbias if exists(bias) else None, eps, stable,
-        dhn2=rows_of(dh_new) if exists(dh_new) else None,
+        dhn2=as_rows(dh_new) if exists(dh_new) else None,
         dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
     )  # fmt: skip
     return dh, dbranch, dweight, dbias

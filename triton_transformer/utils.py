@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import os
 from typing import Any, TypeVar
@@ -60,7 +61,8 @@ def check_dropout_p(p: object) -> float:
 
 
 def dropout_threshold(p: float) -> int:
-    """The 16-bit threshold of `_jit_helpers.dropout_keep_tile`: an element drops when its
+    """The 16-bit threshold of the dropout kernels (`dropout.py`'s and
+    `_jit_helpers.dropout_keep_tile`): an element drops when its
     uniform r in [0, 2**16) is below it, i.e. with probability p rounded to a multiple of
     2**-16 (off by at most 2**-17; kept values are still scaled by exactly 1 / (1 - p))."""
     return round(p * 2**16)
@@ -78,13 +80,14 @@ def seed_or_draw(seed: torch.Tensor | None, device: torch.device) -> torch.Tenso
     if seed is None:
         return draw_seed(device)
     if not isinstance(seed, torch.Tensor) or seed.dim() != 0 or seed.dtype != torch.int64:
-        raise TypeError(f"seed must be a 0-dim int64 tensor, got {_describe(seed)}")
+        raise TypeError(f"seed must be a 0-dim int64 tensor, got {describe(seed)}")
     if seed.device != device:
         raise ValueError(f"seed is on {seed.device} but the input is on {device}")
     return seed
 
 
-def _describe(t: object) -> str:
+def describe(t: object) -> str:
+    """What an argument is, for error messages: a tensor's dtype and shape, else its type."""
     if isinstance(t, torch.Tensor):
         return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
     return type(t).__name__
@@ -173,8 +176,11 @@ def check_triton_tensor(x: Any, name: str) -> None:
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View `x` of shape (..., N) as a 2-D (rows, N) tensor whose last dim is unit-stride.
 
-    Copies only when no such view exists (e.g. a transposed input).
+    Copies only when no such view exists (e.g. a transposed input). An empty x gives an empty
+    (rows, N) tensor (reshape(-1, 0) would be ambiguous), for ops that then launch nothing.
     """
+    if x.numel() == 0:
+        return x.new_empty((math.prod(x.shape[:-1]), x.shape[-1]))
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
