@@ -89,6 +89,16 @@ def test_repeated_ids_sum_their_gradients(device):
     torch.testing.assert_close(p.grad, g.sum(0), rtol=1e-5, atol=1e-5)
 
 
+def test_empty_batch(device):
+    # no tokens: an empty output, and zero gradients for both tables
+    ids = torch.zeros((0, 3), dtype=torch.int64, device=device)
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    h = embedding(ids, w, p, 2, use_triton=True)
+    assert h.shape == (0, 3, 8)
+    h.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(p.grad, torch.zeros_like(p))
+
+
 def test_deterministic(device):
     ids = torch.randint(0, 30, (3, 40), device=device)
     w, p = _tables(30, 32, 40, torch.float32, device)

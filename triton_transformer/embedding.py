@@ -243,17 +243,18 @@ def embedding_backward_op(
     reduce_tile = _INTERP_REDUCE_TILE if interpret else _REDUCE_TILE
     n_tokens = b * n
     g = as_rows(dh)
-    # whole token tiles per split, and no empty split
+    # whole token tiles per split (at least one), and no empty split: no tokens, no splits,
+    # and the reduce pass writes zeros
     splits = _n_splits(int(n_tokens), int(n_vocab), int(dim), dh.device)  # int: a cache key
-    per_split = cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])
-    per_split *= tile["BLOCK_T"]
+    per_split = max(1, cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])) * tile["BLOCK_T"]
     n_splits = cdiv(n_tokens, per_split)
     partial = torch.empty((n_splits, n_vocab, dim), device=dh.device, dtype=torch.float32)
-    grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
-    wrap_triton(_embedding_bwd_partial_kernel)[grid](
-        g, ids.reshape(-1).contiguous(), partial, g.stride(0), n_tokens, per_split, n_vocab,
-        dim, **_bwd_flags(g.dtype, interpret), **tile,
-    )  # fmt: skip
+    if n_splits:
+        grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
+        wrap_triton(_embedding_bwd_partial_kernel)[grid](
+            g, ids.reshape(-1).contiguous(), partial, g.stride(0), n_tokens, per_split,
+            n_vocab, dim, **_bwd_flags(g.dtype, interpret), **tile,
+        )  # fmt: skip
     block_r = reduce_tile["BLOCK_R"]
     n_programs = cdiv(n_vocab, block_r) + cdiv(n_pos, block_r)
     wrap_triton(_embedding_bwd_reduce_kernel)[(n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))](
