@@ -11,7 +11,8 @@ and the naive bmm -> softmax -> bmm composition; generation tokens/s; training t
 - `--sweep`: times every candidate tile configuration at seq 4096 (compiled in parallel first)
   — the table behind `attention._fwd_config` / `_bwd_config`.
 - Generation tokens/s (`AutoregressiveWrapper.generate`, batch 1 and 16) of the enwik8 model
-  with attn_impl flash vs naive vs PyTorch (`--model-only`: just these). Training tokens/s of
+  with attn_impl flash vs naive vs PyTorch, decode step graphed or eager, and the kernel time
+  of one decode step's attention against SDPA (`--model-only`: just these). Training tokens/s of
   flash vs naive: `bench_train.py --modes triton triton-naive`.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import functools
 import json
 import multiprocessing as mp
 import sys
@@ -294,48 +296,123 @@ def sweep(out_dir):
 # ---- model-level: generation -------------------------------------------------------------
 
 
+def _decode_case(batch: int, cache_len: int, copy_gbps: float) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    h, d = 8, 64
+    q = torch.randn(batch, h, 1, d, device="cuda", dtype=DTYPE)
+    k, v = (torch.randn(batch, h, 8192, d, device="cuda", dtype=DTYPE) for _ in "kv")
+    length = torch.tensor(cache_len, device="cuda")
+    ks, vs = k[:, :, :cache_len], v[:, :, :cache_len]
+
+    def sdpa(backend):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, ks, vs)
+
+    providers = {
+        "ours": lambda: A.attention_cached(q, k, v, length, use_triton=True),
+        "sdpa-flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-efficient": lambda: sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa-cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+    nbytes = 4 * batch * h * cache_len * d
+    rows = []
+    for name, fn in providers.items():
+        try:
+            ms = common.kernel_ms(fn)
+        except RuntimeError as e:  # a backend that does not take this shape
+            print(f"decode {name} b{batch} len {cache_len}: {e}".split("\n")[0])
+            continue
+        gbps = nbytes / ms / 1e6
+        rows.append(dict(batch=batch, cache_len=cache_len, provider=name, us=ms * 1e3,
+                         gbps=gbps, of_copy=gbps / copy_gbps))  # fmt: skip
+        print(f"decode b{batch} len {cache_len} {name:14} {ms * 1e3:7.1f} us", flush=True)
+    return rows
+
+
+def decode_benchmarks(out_dir):
+    """Kernel time of one decode step's attention: n_q = 1 query per sequence against a KV
+    cache of cache_len tokens (b, 8 heads, d 64, bf16). Ours reads the length from the device
+    (`attention_cached`, what a graphed decode step runs); SDPA gets the exact-length slice
+    (n_q = 1 non-causal is the same attention). Bytes: K and V once, 4·b·h·len·d."""
+    copy_gbps = common.ceilings()["copy_gbps"]
+    rows = []
+    for batch in (1, 16):
+        for cache_len in (128, 512, 2048, 8192):
+            rows += _decode_case(batch, cache_len, copy_gbps)
+    lines = [
+        "| batch | cache len | provider | µs | GB/s | of copy ceiling |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['batch']} | {r['cache_len']} | {r['provider']} | {r['us']:.1f} | "
+              f"{r['gbps']:.0f} | {r['of_copy']:.0%} |" for r in rows]  # fmt: skip
+    (Path(out_dir) / "attention_decode.md").write_text(
+        f"# Decode attention, kernel time (L2 flushed), {common.env_info()}\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    (Path(out_dir) / "attention_decode.json").write_text(json.dumps(rows, indent=1))
+
+
 def model_benchmarks(out_dir, quick):
+    """Generation tokens/s of the enwik8-sized model (d512, 8 layers, bf16 weights): a 64-token
+    prompt, then sampled tokens (top-k, temperature 1) up to max_seq_len, batch 1 and 16;
+    with the decode step as a CUDA graph or eager, per attention implementation. GPU ms per
+    token from the profiler over one generate call; wall time from a synchronised call."""
     from triton_transformer import AutoregressiveWrapper, Transformer
 
     cfg = dict(num_tokens=256, dim=512, max_seq_len=512, depth=8, heads=8, dim_head=64, causal=True)
-    variants = [("flash", True), ("naive", True), ("flash", False)]
+    variants = [  # (attn_impl, use_triton, cuda_graph)
+        ("flash", True, True), ("flash", False, True),
+        ("flash", True, False), ("naive", True, False), ("flash", False, False),
+    ]  # fmt: skip
     rows = []
-    for impl, use_triton in variants:
+    for impl, use_triton, graph in variants:
         name = f"{impl}/{'triton' if use_triton else 'torch'}"
         torch.manual_seed(0)
         net = Transformer(**cfg, attn_impl=impl, use_triton=use_triton, check_token_ids=False)
         model = AutoregressiveWrapper(net.cuda().to(DTYPE)).eval()
-        with torch.no_grad():  # the three variants compute the same function
-            x = torch.randint(0, 256, (4, 512), device="cuda")
-            if name == "flash/triton":
-                ref_logits = net(x, use_triton=False).float()
-            err = ((net(x).float() - ref_logits).norm() / ref_logits.norm()).item()
-            print(f"{name}: logits rel err vs flash/torch {err:.1e}", flush=True)
         for batch in (1, 16):
             prompt = torch.randint(0, 256, (batch, 64), device="cuda")
-            model.generate(prompt, 16)  # compile / warm up
+            model.generate(prompt, 16, cuda_graph=graph)  # compile / warm up
             torch.cuda.synchronize()
             length = 448 if not quick else 128
             t0 = time.perf_counter()
-            model.generate(prompt, length)
+            model.generate(prompt, length, cuda_graph=graph)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            rows.append(
-                dict(what="generate", impl=name, batch=batch, tokens_per_s=batch * length / dt)
+            gpu_ms, _ = common.gpu_time_per_step(
+                functools.partial(model.generate, prompt, 64, cuda_graph=graph), n=1
             )
+            row = dict(
+                what="generate", impl=name, cuda_graph=graph, batch=batch,
+                tokens_per_s=batch * length / dt, wall_ms_per_step=dt / length * 1e3,
+                gpu_ms_per_step=gpu_ms / 64,
+            )  # fmt: skip
+            rows.append(row)
             print(
-                f"generate {name:13} batch {batch:2d}: {batch * length / dt:9.0f} tokens/s",
+                f"generate {name:13} graph {graph!s:5} batch {batch:2d}: "
+                f"{row['tokens_per_s']:9.0f} tokens/s, {row['wall_ms_per_step']:.3f} ms/step "
+                f"(GPU {row['gpu_ms_per_step']:.3f})",
                 flush=True,
             )
 
     # training tokens/s of flash vs naive: `bench_train.py --modes triton triton-naive` (the
     # real trainer, CUDA graphs on), not an eager loop here
     (Path(out_dir) / "attention_model.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| what | impl | batch | tokens/s |", "|---|---|---|---|"]
-    lines += [
-        f"| {r['what']} | {r['impl']} | {r['batch']} | {r['tokens_per_s']:,.0f} |" for r in rows
+    lines = [
+        "| impl | decode step | batch | tokens/s | wall ms/step | GPU ms/step |",
+        "|---|---|---|---|---|---|",
     ]
-    (Path(out_dir) / "attention_model.md").write_text("\n".join(lines) + "\n")
+    lines += [
+        f"| {r['impl']} | {'CUDA graph' if r['cuda_graph'] else 'eager'} | {r['batch']} | "
+        f"{r['tokens_per_s']:,.0f} | {r['wall_ms_per_step']:.3f} | {r['gpu_ms_per_step']:.3f} |"
+        for r in rows
+    ]
+    (Path(out_dir) / "attention_model.md").write_text(
+        f"# Generation, {common.env_info()}\n\n" + "\n".join(lines) + "\n"
+    )
+    decode_benchmarks(out_dir)
 
 
 def main():
@@ -344,7 +421,9 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="tile sweep, then use its winners")
     parser.add_argument("--skip-model", action="store_true")
-    parser.add_argument("--model-only", action="store_true", help="generation tokens/s only")
+    parser.add_argument(
+        "--model-only", action="store_true", help="generation and decode attention only"
+    )
     parser.add_argument("--dropout-only", action="store_true", help="the dropout cases only")
     parser.add_argument("--providers", default="sdpa-flash,ours,sdpa-cudnn,naive")
     args = parser.parse_args()

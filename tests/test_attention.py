@@ -17,6 +17,7 @@ import torch
 
 from triton_transformer.attention import (
     attention,
+    attention_cached,
     attention_naive,
     attention_packed,
     flash_attention_op,
@@ -396,6 +397,73 @@ def test_bad_inputs(device):
         attention_packed(torch.randn(1, 4, 96, device=device), 5, use_triton=True)
 
 
+# --- attention over a KV cache whose length is on the device ---------------------------------
+
+
+def check_cached(b, h, n_q, cache_len, capacity, d, dtype, device):
+    """attention_cached (Triton and PyTorch) against float64 causal attention over the
+    cache's first cache_len positions; stale positions hold NaN (must never be read)."""
+    q, k, v = make_qkv(b, h, n_q, cache_len, d, dtype, device)
+    k_cache = torch.full((b, h, capacity, d), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    k_cache[:, :, :cache_len], v_cache[:, :, :cache_len] = k, v
+    length = torch.tensor(cache_len, device=device)
+    ref = ref_attention(q, k, v, causal=True)
+    for use_triton in (True, False):
+        out = attention_cached(q, k_cache, v_cache, length, use_triton=use_triton)
+        assert out.shape == (b, h, n_q, d) and out.dtype == dtype
+        assert rel_err(out, ref) < TOL[dtype], (use_triton, rel_err(out, ref))
+
+
+@pytest.mark.parametrize(
+    "n_q, cache_len, capacity",
+    [(1, 1, 40), (1, 37, 40), (1, 40, 40), (3, 17, 64), (17, 17, 70), (16, 65, 100)],
+)
+@pytest.mark.parametrize("d", [16, 48])
+def test_cached_attention(n_q, cache_len, capacity, d, device):
+    check_cached(2, 2, n_q, cache_len, capacity, d, torch.float32, device)
+
+
+def test_cached_attention_bf16_and_scale(device):
+    check_cached(1, 3, 2, 50, 64, 64, torch.bfloat16, device)
+    q, k, v = make_qkv(1, 2, 1, 30, 16, torch.float32, device)
+    length = torch.tensor(30, device=device)
+    ref = ref_attention(q, k, v, causal=True, scale=0.7)
+    for use_triton in (True, False):
+        out = attention_cached(q, k, v, length, scale=0.7, use_triton=use_triton)
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_cached_attention_reads_the_length_each_call(device):
+    # one set of buffers, the length changed in place: what a replayed CUDA graph sees
+    q, k, v = make_qkv(1, 2, 1, 48, 16, torch.float32, device)
+    length = torch.tensor(0, device=device)
+    for n in (5, 33, 48):
+        length.fill_(n)
+        ref = ref_attention(q, k[:, :, :n], v[:, :, :n], causal=True)
+        out = attention_cached(q, k, v, length, use_triton=True)
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_cached_attention_bad_inputs(device):
+    q, k, v = make_qkv(1, 2, 3, 10, 16, torch.float32, device)
+    for use_triton in (False, True):
+        with pytest.raises(TypeError, match="cache_len must be a 0-dim integer tensor"):
+            attention_cached(q, k, v, 10, use_triton=use_triton)
+        with pytest.raises(TypeError, match="cache_len must be a 0-dim integer tensor"):
+            attention_cached(q, k, v, torch.tensor([10], device=device), use_triton=use_triton)
+        with pytest.raises(TypeError, match="cache_len must be a 0-dim integer tensor"):
+            attention_cached(q, k, v, torch.tensor(1.0, device=device), use_triton=use_triton)
+        with pytest.raises(ValueError, match="cache_len is on meta"):
+            attention_cached(q, k, v, torch.tensor(3, device="meta"), use_triton=use_triton)
+        with pytest.raises(ValueError, match="do not fit a cache of capacity 2"):
+            attention_cached(q, k[:, :, :2], v[:, :, :2], torch.tensor(2, device=device))
+        with pytest.raises(ValueError, match="n_k"):
+            attention_cached(q, k, v[:, :, :4], torch.tensor(4, device=device))
+    with pytest.raises(ValueError, match="head dim 8 is not supported"):
+        attention_cached(q[..., :8], k[..., :8], v[..., :8], torch.tensor(3), use_triton=True)
+
+
 # --- GPU: real shapes, the tutorial's check, capture and compile -----------------------------
 
 
@@ -505,6 +573,7 @@ def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["attention forward: ok", "attention backward: ok"]
+    assert "attention over a KV cache whose length is on the device: ok" in proc.stdout
 
 
 def test_dropout_explicit_seed(device):

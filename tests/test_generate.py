@@ -92,7 +92,7 @@ def test_cache_then_window_feeds(device):
     model = make_wrapper(device)
     fed = []
     model.net.register_forward_pre_hook(lambda m, args: fed.append(args[0].shape[1]))
-    model.generate(tokens(device, n=10), 10, temperature=0.0)
+    model.generate(tokens(device, n=10), 10, temperature=0.0, cuda_graph=False)
     # the prompt, single tokens while positions fit (up to 16), then 16-token windows
     assert fed == [10, 1, 1, 1, 1, 1, 1, 16, 16, 16]
 
@@ -242,6 +242,9 @@ def test_validation(device):
         model.generate(prompt.float(), 4)
     with pytest.raises(ValueError, match="causal"):
         AutoregressiveWrapper(Transformer(num_tokens=8, dim=8, max_seq_len=4, depth=1))
+    if device == "cpu":
+        with pytest.raises(ValueError, match="cuda_graph=True needs a prompt on a CUDA device"):
+            model.generate(prompt, 4, cuda_graph=True)
 
 
 @pytest.mark.gpu
@@ -255,3 +258,26 @@ def test_generate_with_triton_matches_pytorch_gpu(device):
     torch.testing.assert_close(model.generate(prompt, 128, temperature=0.0), ref)
     out = model.generate(prompt, 128, temperature=0.0, use_triton=True)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_gpu_graphed_decode_matches_eager_cache(device, use_triton):
+    """The CUDA-graphed decode (StaticKVCache, one captured step replayed) picks the tokens
+    the eager KV-cache loop picks, through the cache and then the sliding window; only the
+    prompt, two warm-up steps and the capture run the net's Python."""
+    cfg = dict(num_tokens=256, dim=512, max_seq_len=256, depth=4, heads=8, dim_head=64)
+    model = make_wrapper(device, **cfg)
+    prompt = torch.randint(0, 256, (4, 100), device=device)
+    eager = model.generate(prompt, 180, temperature=0.0, cuda_graph=False, use_triton=use_triton)
+    fed = []
+    model.net.register_forward_pre_hook(lambda m, args: fed.append(args[0].shape[1]))
+    graphed = model.generate(prompt, 180, temperature=0.0, cuda_graph=True, use_triton=use_triton)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    # one-token cached steps up to position 256 (156 of them), then 256-token windows (23)
+    assert fed == [100, 1, 1, 1] + [256] * 23
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # the training dtype: bf16 matmuls
+        kw = dict(temperature=0.0, use_triton=use_triton)
+        eager = model.generate(prompt, 40, cuda_graph=False, **kw)
+        graphed = model.generate(prompt, 40, cuda_graph=True, **kw)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)

@@ -71,7 +71,7 @@ from triton_transformer.utils import (
     seed_or_draw,
 )
 
-__all__ = ["HEAD_DIMS", "attention", "attention_naive", "attention_packed"]
+__all__ = ["HEAD_DIMS", "attention", "attention_cached", "attention_naive", "attention_packed"]
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = tuple(range(16, 129, 16))  # head dims the fused kernels take
@@ -200,7 +200,7 @@ def _fwd_block(
 # length, e.g. each step of a growing KV cache, never recompiles.
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, LSE, KPM, SEED,
+    Q, K, V, Out, LSE, KPM, SEED, KV_LEN,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
     skpm_b, skpm_n,
     BH, H, N_Q, N_K, qk_scale, threshold, out_scale,
@@ -208,9 +208,14 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
+    if HAS_KV_LEN:
+        # a KV cache whose length lives on the device (a CUDA-graphed decode step): only its
+        # first N_K keys are real, and the causal diagonal is placed by that length
+        N_K = tl.load(KV_LEN).to(tl.int32)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -617,9 +622,10 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
-def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
+def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv_len=None):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
-    lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only)."""
+    lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only).
+    kv_len: a 0-dim integer device tensor; only keys [0, kv_len) of k, v are real."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
@@ -631,7 +637,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
     dropping = dropout_p > 0.0
     kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
     args = (
-        q, k, v, out, lse, kpm_arg, seed if dropping else q,
+        q, k, v, out, lse, kpm_arg, seed if dropping else q, q if kv_len is None else kv_len,
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
         b * h, h, n_q, n_k, scale * LOG2E, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
@@ -640,7 +646,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None):
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
-        FOLD_SCALE=scale > 0,
+        FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     if config is None:
@@ -831,6 +837,18 @@ def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None)
 flash_attention_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
 
 
+@triton_op("triton_transformer::flash_attention_cached", mutates_args=())
+def flash_attention_cached_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of (b, h, n_q, d) q over the first cache_len positions of
+    (b, h, capacity, d) caches (cache_len: 0-dim integer device tensor). Inference only: no
+    log-sum-exp, no autograd. Returns a contiguous (b, n_q, h, d) tensor."""
+    out, _ = _fwd(q, k_cache, v_cache, None, None, True, scale, 0.0, False, kv_len=cache_len)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation and the public functions
 # ---------------------------------------------------------------------------------------------
@@ -1002,6 +1020,61 @@ def attention_packed(
         qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv),
     )  # fmt: skip
     return out.view(b, n, -1)
+
+
+def attention_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_triton: bool = False,
+) -> torch.Tensor:
+    """Causal attention of new queries over a KV cache whose length lives on the device.
+
+    The decode step of a CUDA-graphed generation loop: the buffers keep one shape and the
+    number of cached tokens is read by the kernel, so no host value changes between steps.
+
+    Args:
+        q: (b, h, n_q, d) queries of the n_q newest tokens.
+        k_cache, v_cache: (b, h, capacity, d); positions [0, cache_len) are real, the last
+            n_q of them the new tokens' own keys and values. Later positions are never read.
+        cache_len: 0-dim integer tensor on q's device, n_q <= cache_len <= capacity (not
+            checked: it is a device value).
+        scale: score scale; None means 1 / sqrt(d).
+        use_triton: the fused kernel (else the PyTorch reference, over the whole capacity).
+
+    Returns:
+        (b, h, n_q, d): query i attends to keys j <= cache_len - n_q + i. Inference only:
+        nothing is recorded for autograd.
+    """
+    _check_inputs(q, k_cache, v_cache, None, use_triton)
+    if (
+        not isinstance(cache_len, torch.Tensor)
+        or cache_len.dim() != 0
+        or cache_len.dtype.is_floating_point
+        or cache_len.dtype == torch.bool
+    ):
+        raise TypeError(f"cache_len must be a 0-dim integer tensor, got {cache_len!r}")
+    if cache_len.device != q.device:
+        raise ValueError(f"cache_len is on {cache_len.device}, q on {q.device}")
+    if q.shape[2] > k_cache.shape[2]:
+        raise ValueError(f"{q.shape[2]} queries do not fit a cache of capacity {k_cache.shape[2]}")
+    scale = _check_scale(scale, q.shape[-1])
+    with torch.no_grad():
+        if use_triton:
+            out = call_op(flash_attention_cached_op, q, k_cache, v_cache, cache_len, scale)
+            return out.transpose(1, 2)
+        n_q, capacity = q.shape[2], k_cache.shape[2]
+        rows = torch.arange(n_q, device=q.device)[:, None]
+        cols = torch.arange(capacity, device=q.device)[None, :]
+        visible = cols <= rows + (cache_len - n_q)  # also keeps every key < cache_len
+        scores = torch.matmul(q, k_cache.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        # stale positions may hold anything (0 · NaN is NaN): zero them, not just their weights
+        stale = (cols >= cache_len).transpose(0, 1)  # (capacity, 1)
+        return torch.matmul(torch.softmax(scores, dim=-1) * visible, v_cache.masked_fill(stale, 0))
 
 
 def attention_naive(

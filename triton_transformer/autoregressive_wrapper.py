@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from triton_transformer.bmm import reuse_weight_casts
-from triton_transformer.transformer import KVCache
+from triton_transformer.cuda_graph import GraphedStep
+from triton_transformer.transformer import KVCache, StaticKVCache
 from triton_transformer.utils import default, exists
 
 __all__ = ["AutoregressiveWrapper", "top_k"]
@@ -20,6 +24,61 @@ def top_k(logits: torch.Tensor, thres: float = 0.9) -> torch.Tensor:
     k = max(1, int((1 - thres) * logits.shape[-1]))
     val, ind = logits.topk(k, dim=-1)
     return torch.full_like(logits, float("-inf")).scatter_(-1, ind, val)
+
+
+class _CachedDecode:
+    """Feeds a generation to the net through a `KVCache`: each call passes only the tokens
+    the cache has not seen and returns the last position's logits (b, V)."""
+
+    def __init__(self, net: nn.Module, kwargs: dict) -> None:
+        self.net, self.kwargs = net, kwargs
+        self.cache = KVCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1]
+
+
+@contextlib.contextmanager
+def _ids_unchecked(net: nn.Module) -> Iterator[None]:
+    """Skip the net's token-id range check: it reads the device, which capture forbids, and
+    a sampled id is in range by construction."""
+    checked = net.check_token_ids
+    net.check_token_ids = False
+    try:
+        yield
+    finally:
+        net.check_token_ids = checked
+
+
+class _GraphedDecode:
+    """Feeds a generation to the net through a `StaticKVCache`: the prompt in one eager call,
+    then every one-token step as a replay of one captured CUDA graph (after two eager
+    warm-up steps). A step's host cost is then one graph launch instead of a launch per
+    kernel, which is what limits decoding a small model."""
+
+    def __init__(self, net: nn.Module, batch: int, device: torch.device, kwargs: dict) -> None:
+        self.net, self.kwargs = net, kwargs
+        self.cache = StaticKVCache()
+        self.length = 0  # tokens fed so far, counted on the host
+        self.token = torch.empty((batch, 1), dtype=torch.long, device=device)
+        self.step = GraphedStep(self._step, warmup_steps=2)
+
+    def _step(self) -> torch.Tensor:
+        with _ids_unchecked(self.net):
+            return self.net(self.token, kv_cache=self.cache, **self.kwargs)[:, -1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.length == 0:  # the prompt: any length, once
+            logits = self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1]
+        else:
+            self.token.copy_(x)  # x is (b, 1): the token sampled last
+            logits = self.step()  # the graph's output: read it before the next step
+        self.length += x.shape[1]
+        return logits
 
 
 class AutoregressiveWrapper(nn.Module):
@@ -60,6 +119,7 @@ class AutoregressiveWrapper(nn.Module):
         eos_token: int | None = None,
         *,
         use_kv_cache: bool = True,
+        cuda_graph: bool | None = None,
         generator: torch.Generator | None = None,
         **kwargs,
     ) -> torch.Tensor:
@@ -79,6 +139,10 @@ class AutoregressiveWrapper(nn.Module):
         (`use_kv_cache=False` recomputes the whole prefix each step, for checking); past that,
         each step recomputes over the last max_seq_len tokens (sliding window). kwargs go to
         the net (e.g. use_triton).
+
+        cuda_graph: run the cached one-token steps as replays of one captured CUDA graph
+        (a `StaticKVCache` holds the length on the device). None: on whenever the KV cache is
+        used on a CUDA device. The logits match the eager cached steps to rounding.
         """
         if not isinstance(prompt, torch.Tensor) or prompt.ndim not in (1, 2):
             raise ValueError("prompt must be a (batch, n) or (n,) tensor of token ids")
@@ -100,8 +164,15 @@ class AutoregressiveWrapper(nn.Module):
         self.net.eval()
         try:
             sample_args = (temperature, filter_thres, generator)
+            if cuda_graph is None:
+                cuda_graph = use_kv_cache and prompt.is_cuda
+            if cuda_graph and not prompt.is_cuda:
+                raise ValueError(
+                    f"cuda_graph=True needs a prompt on a CUDA device, not {prompt.device}"
+                )
+            decode = (cuda_graph, use_kv_cache)
             with reuse_weight_casts():  # one bf16 copy of each weight under autocast
-                out = self._generate(prompt, length, eos_token, use_kv_cache, sample_args, kwargs)
+                out = self._generate(prompt, length, eos_token, decode, sample_args, kwargs)
         finally:
             self.net.train(was_training)
         return out[0] if is_1d else out
@@ -111,26 +182,33 @@ class AutoregressiveWrapper(nn.Module):
         prompt: torch.Tensor,
         length: int,
         eos_token: int | None,
-        use_kv_cache: bool,
+        decode: tuple[bool, bool],
         sample_args: tuple,
         kwargs: dict,
     ) -> torch.Tensor:
         b, t = prompt.shape
         seq = prompt.new_empty(b, t + length)  # prompt, then the tokens sampled so far
         seq[:, :t] = prompt
-        cache = KVCache() if use_kv_cache and t <= self.max_seq_len else None
+        cuda_graph, use_kv_cache = decode
+        cached = None
+        if use_kv_cache and t <= self.max_seq_len:
+            cached = (
+                _GraphedDecode(self.net, b, prompt.device, kwargs)
+                if cuda_graph
+                else _CachedDecode(self.net, kwargs)
+            )
         done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
 
         cur = t
         for _ in range(length):
-            if exists(cache) and cur <= self.max_seq_len:
+            if exists(cached) and cur <= self.max_seq_len:
                 # feed only what the cache has not seen: the prompt, then one token a step
-                logits = self.net(seq[:, cache.length : cur], kv_cache=cache, **kwargs)
+                logits = cached(seq[:, cached.length : cur])
             else:
                 # positions are absolute, so a window that slides needs a full recompute
-                cache = None
-                logits = self.net(seq[:, max(0, cur - self.max_seq_len) : cur], **kwargs)
-            sample = self._pick(logits[:, -1], *sample_args)
+                cached = None
+                logits = self.net(seq[:, max(0, cur - self.max_seq_len) : cur], **kwargs)[:, -1]
+            sample = self._pick(logits, *sample_args)
             if exists(eos_token):
                 # finished sequences keep emitting eos (a valid id to feed back)
                 sample = sample.masked_fill(done, eos_token)

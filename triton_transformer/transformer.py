@@ -8,7 +8,8 @@ bias-free projection to logits. All projections are bias-free and the norms have
 reference); the parameters, and so the state dict, are the same either way.
 
 Incremental decoding: pass a `KVCache()` to `forward` of a causal model; each call appends
-the new tokens' keys/values and attends over everything cached so far.
+the new tokens' keys/values and attends over everything cached so far. A `StaticKVCache()`
+does the same with its length on the device, so that a decode step can be a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from triton_transformer.attention import attention, attention_naive, attention_packed
+from triton_transformer.attention import (
+    attention,
+    attention_cached,
+    attention_naive,
+    attention_packed,
+)
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.embedding import embedding
@@ -28,7 +34,7 @@ from triton_transformer.layernorm import LayerNorm
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
 
-__all__ = ["ATTN_IMPLS", "KVCache", "Transformer"]
+__all__ = ["ATTN_IMPLS", "KVCache", "StaticKVCache", "Transformer"]
 
 ATTN_IMPLS = ("flash", "naive")
 
@@ -74,6 +80,68 @@ class KVCache:
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class StaticKVCache:
+    """A KV cache for CUDA-graphed decoding: fixed buffers, and the length on the device.
+
+    Used like `KVCache` (pass it to every `Transformer.forward` of one generation), but the
+    number of cached tokens is `length`, a 0-dim int64 tensor on the model's device that each
+    forward reads and advances on the device. A forward over it therefore bakes in no host
+    value that changes per step, and a decode step can be captured once and replayed
+    (`AutoregressiveWrapper.generate(cuda_graph=True)`). Attention reads the buffers through
+    `attention_cached`, whichever `attn_impl` the model has.
+
+    The buffers are zero-filled when first allocated; `reset()` forgets every cached token.
+    Since the length is a device value, a forward cannot check that it stays within
+    max_seq_len: the caller keeps count (an out-of-range write fails in `index_copy_`).
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length: torch.Tensor | None = None  # tokens cached, before the current forward
+        self._positions: torch.Tensor | None = None  # the current forward's tokens
+        self._seen: torch.Tensor | None = None  # length + their number
+        self.filled = False  # a forward has written every layer (a host flag, set once)
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.keys[0].shape[0] if self.keys else None
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers are kept for reuse)."""
+        if self.length is not None:
+            self.length.zero_()
+
+    def begin(self, n: int, device: torch.device) -> torch.Tensor:
+        """Start a forward of n tokens; returns their positions (n,) int64 on the device."""
+        if self.length is None:
+            self.length = torch.zeros((), dtype=torch.int64, device=device)
+        self._positions = self.length + torch.arange(n, device=device)
+        self._seen = self.length + n
+        return self._positions
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write layer `layer`'s new k, v (b, h, n, d) at the current positions.
+
+        Returns the whole buffers (b, h, capacity, d) and the number of real positions in
+        them (0-dim device tensor), for `attention_cached`.
+        """
+        if layer == len(self.keys):  # first use of this layer: allocate its buffers
+            shape = (*k.shape[:2], capacity, k.shape[-1])
+            self.keys.append(k.new_zeros(shape))
+            self.values.append(v.new_zeros(shape))
+        self.keys[layer].index_copy_(2, self._positions, k)
+        self.values[layer].index_copy_(2, self._positions, v)
+        return self.keys[layer], self.values[layer], self._seen
+
+    def finish(self) -> None:
+        """Advance `length` past the current forward's tokens (on the device)."""
+        self.length.copy_(self._seen)
+        self.filled = True
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -138,7 +206,7 @@ class Attention(nn.Module):
         *,
         mask: torch.Tensor | None,
         use_triton: bool,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
         """x (b, n, dim) -> (b, n, dim). With a `kv_cache` the new keys/values are appended
@@ -152,7 +220,7 @@ class Attention(nn.Module):
         *,
         mask: torch.Tensor | None,
         use_triton: bool,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         seed: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -173,11 +241,15 @@ class Attention(nn.Module):
             out = attention_packed(qkv, self.heads, **kwargs)
         else:
             q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
-            if exists(kv_cache):
-                k, v = kv_cache.append(layer, k, v, self.max_seq_len)
-            # causal attention is bottom-right aligned, so n_q < n_k (a cache step) is right.
-            attend = attention if self.attn_impl == "flash" else attention_naive
-            out = attend(q, k, v, **kwargs)
+            if isinstance(kv_cache, StaticKVCache):
+                k_cache, v_cache, seen = kv_cache.append(layer, k, v, self.max_seq_len)
+                out = attention_cached(q, k_cache, v_cache, seen, use_triton=use_triton)
+            else:
+                if exists(kv_cache):
+                    k, v = kv_cache.append(layer, k, v, self.max_seq_len)
+                # causal attention is bottom-right aligned: n_q < n_k (a cache step) is right
+                attend = attention if self.attn_impl == "flash" else attention_naive
+                out = attend(q, k, v, **kwargs)
             out = rearrange(out, "b h n d -> b n (h d)")  # a view for the fused kernel's output
         return linear(out, self.to_out.weight, use_triton=use_triton)
 
@@ -320,7 +392,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         ignore_index: int | None = None,
         use_triton: bool | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
     ) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when `labels` is given.
 
@@ -332,8 +404,9 @@ class Transformer(nn.Module):
         labels: optional (b, n) integer targets; positions equal to `ignore_index` are left
             out of the mean (None: nothing is ignored).
         use_triton: None uses the constructor's flag.
-        kv_cache: optional `KVCache` (causal models only): x holds the n tokens that follow
-            the kv_cache.length cached ones; their positions are offset accordingly.
+        kv_cache: optional `KVCache` or `StaticKVCache` (causal models only): x holds the n
+            tokens that follow the kv_cache.length cached ones; their positions are offset
+            accordingly.
         Returns logits (b, n, num_tokens), or a scalar loss when `labels` is given.
         """
         use_triton = default(use_triton, self.use_triton)
@@ -341,7 +414,15 @@ class Transformer(nn.Module):
         if x.dtype not in (torch.int32, torch.int64):
             x = x.long()  # embedding takes int32/int64 ids
 
-        h = embedding(x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton)
+        if isinstance(kv_cache, StaticKVCache):
+            # the positions follow a length that lives on the device: gather them there
+            positions = kv_cache.begin(n, x.device)
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton)
+            h = h + self.pos_emb.weight[positions]
+        else:
+            h = embedding(
+                x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton
+            )
         # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
         # written so that each residual add and the norm that follows it are one fused op
         # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
@@ -360,8 +441,10 @@ class Transformer(nn.Module):
             h, y = _add_and_norm(h, f, next_norm, use_triton)
         logits = linear(y, self.to_logits.weight, use_triton=use_triton)
 
-        if exists(kv_cache):
-            # advanced only after every layer has written its keys/values
+        # the cache advances only after every layer has written its keys/values
+        if isinstance(kv_cache, StaticKVCache):
+            kv_cache.finish()
+        elif exists(kv_cache):
             kv_cache.length = start + n
 
         if not exists(labels):
@@ -383,7 +466,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None,
         labels: torch.Tensor | None,
         ignore_index: int | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | StaticKVCache | None,
     ) -> tuple[int, int]:
         """Validate forward's arguments; returns (n, position of x's first token)."""
         if not isinstance(x, torch.Tensor):
@@ -401,9 +484,10 @@ class Transformer(nn.Module):
             if not self.causal:
                 raise ValueError("kv_cache needs a causal model (causal=True)")
             n_layers = len(kv_cache.keys)  # < depth only if a first call failed midway
+            filled = kv_cache.length if isinstance(kv_cache, KVCache) else kv_cache.filled
             if (
                 n_layers > self.depth
-                or (kv_cache.length and n_layers != self.depth)
+                or (filled and n_layers != self.depth)
                 or (
                     n_layers
                     and kv_cache.keys[0].shape[1:] != (self.heads, self.max_seq_len, self.dim_head)
@@ -414,7 +498,7 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"kv_cache holds batch size {kv_cache.batch_size}, but x has batch size {b}"
                 )
-            start = kv_cache.length
+            start = kv_cache.length if isinstance(kv_cache, KVCache) else 0  # static: unknown
         if start + n > self.max_seq_len:
             cached = f" after {start} cached tokens" if start else ""
             raise ValueError(f"sequence length {n}{cached} exceeds max_seq_len {self.max_seq_len}")
