@@ -276,8 +276,13 @@ def test_gpu_graphed_decode_matches_eager_cache(device, use_triton):
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
     # one-token cached steps up to position 256 (156 of them), then 256-token windows (23)
     assert fed == [100, 1, 1, 1] + [256] * 23
-    with torch.autocast("cuda", dtype=torch.bfloat16):  # the training dtype: bf16 matmuls
-        kw = dict(temperature=0.0, use_triton=use_triton)
-        eager = model.generate(prompt, 40, cuda_graph=False, **kw)
-        graphed = model.generate(prompt, 40, cuda_graph=True, **kw)
-    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    if use_triton:
+        # bf16 matmuls (the training dtype): the graphed step runs the same kernels as the
+        # eager one, so the same tokens. (PyTorch's graphed step attends over the whole
+        # capacity with explicit masked math, eager's calls SDPA on the exact length: bf16
+        # rounding differs there, and a near tie can flip a greedy pick.)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            kw = dict(temperature=0.0, use_triton=True)
+            eager = model.generate(prompt, 40, cuda_graph=False, **kw)
+            graphed = model.generate(prompt, 40, cuda_graph=True, **kw)
+        torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
