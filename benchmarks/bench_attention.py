@@ -381,13 +381,16 @@ def model_benchmarks(out_dir, quick):
             model.generate(prompt, length, cuda_graph=graph)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            gpu_ms, _ = common.gpu_time_per_step(
+            gpu_ms, kernels = common.gpu_time_per_step(
                 functools.partial(model.generate, prompt, 64, cuda_graph=graph), n=1
             )
             row = dict(
                 what="generate", impl=name, cuda_graph=graph, batch=batch,
                 tokens_per_s=batch * length / dt, wall_ms_per_step=dt / length * 1e3,
                 gpu_ms_per_step=gpu_ms / 64,
+                launches_per_step=sum(k["calls/step"] for k in kernels) / 64,
+                kernels=[{**k, "us/step": k["us/step"] / 64, "calls/step": k["calls/step"] / 64}
+                         for k in kernels[:15]],
             )  # fmt: skip
             rows.append(row)
             print(
@@ -401,14 +404,20 @@ def model_benchmarks(out_dir, quick):
     # real trainer, CUDA graphs on), not an eager loop here
     (Path(out_dir) / "attention_model.json").write_text(json.dumps(rows, indent=1))
     lines = [
-        "| impl | decode step | batch | tokens/s | wall ms/step | GPU ms/step |",
-        "|---|---|---|---|---|---|",
+        "| impl | decode step | batch | tokens/s | wall ms/step | GPU ms/step | launches/step |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['impl']} | {'CUDA graph' if r['cuda_graph'] else 'eager'} | {r['batch']} | "
-        f"{r['tokens_per_s']:,.0f} | {r['wall_ms_per_step']:.3f} | {r['gpu_ms_per_step']:.3f} |"
+        f"{r['tokens_per_s']:,.0f} | {r['wall_ms_per_step']:.3f} | {r['gpu_ms_per_step']:.3f} | "
+        f"{r['launches_per_step']:.0f} |"
         for r in rows
     ]
+    for r in rows[:2]:  # where a graphed step's GPU time goes (flash/triton, batch 1 and 16)
+        lines += ["", f"## {r['impl']}, CUDA graph, batch {r['batch']}: kernels per step", "",
+                  "| kernel | µs/step | calls/step |", "|---|---|---|"]  # fmt: skip
+        lines += [f"| `{k['kernel'][:80]}` | {k['us/step']:.1f} | {k['calls/step']:.2f} |"
+                  for k in r["kernels"]]  # fmt: skip
     (Path(out_dir) / "attention_model.md").write_text(
         f"# Generation, {common.env_info()}\n\n" + "\n".join(lines) + "\n"
     )

@@ -476,6 +476,17 @@ def test_gpu_real_shapes(n, d, causal, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "b, n_q, cache_len, capacity, d",
+    [(1, 1, 4000, 4096, 64), (16, 1, 300, 512, 64), (2, 5, 1000, 2048, 128), (1, 16, 77, 8192, 80)],
+)
+def test_gpu_cached_attention_split_keys(b, n_q, cache_len, capacity, d, dtype, device):
+    # a few queries per head: the keys are split among programs, then combined
+    check_cached(b, 8, n_q, cache_len, capacity, d, dtype, device)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_and_padding_and_kv_cache(device):
     check_attention(*make_qkv(2, 4, 300, 300, 64, torch.float32, device), causal=True)
     q, k, v = make_qkv(4, 8, 256, 256, 64, torch.bfloat16, device)

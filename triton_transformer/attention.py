@@ -200,15 +200,15 @@ def _fwd_block(
 # length, e.g. each step of a growing KV cache, never recompiles.
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, LSE, KPM, SEED, KV_LEN,
+    Q, K, V, Out, LSE, KPM, SEED, KV_LEN, PART_ACC, PART_ML,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
     skpm_b, skpm_n,
-    BH, H, N_Q, N_K, qk_scale, threshold, out_scale,
+    BH, H, N_Q, N_K, qk_scale, threshold, out_scale, SPLIT_LEN, N_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
@@ -222,6 +222,10 @@ def _attn_fwd_kernel(
         return
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
     pid_m = tl.program_id(0)
+    split = 0
+    if SPLIT_K:  # grid dim 0 holds (split, query block) pairs
+        split = pid_m // n_blocks
+        pid_m = pid_m % n_blocks
     if CAUSAL:
         pid_m = n_blocks - 1 - pid_m  # the longest rows (most key blocks) start first
     b = (bh // H).to(tl.int64)
@@ -264,18 +268,37 @@ def _attn_fwd_kernel(
     else:
         full_end = (N_K // BLOCK_N) * BLOCK_N
         hi = N_K
+    # unmasked key blocks [lo, mid), masked ones [mid2, end)
+    lo = 0
+    mid = full_end
+    mid2 = full_end
+    end = hi
+    if SPLIT_K:  # this program's share: keys [split·SPLIT_LEN, (split + 1)·SPLIT_LEN)
+        lo = split * SPLIT_LEN
+        mid = tl.maximum(tl.minimum(full_end, lo + SPLIT_LEN), lo)
+        mid2 = tl.maximum(full_end, lo)
+        end = tl.minimum(hi, lo + SPLIT_LEN)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-        offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
+        offs_m, offs_d, lo, mid, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
-        offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
+        offs_m, offs_d, mid2, end, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
+
+    if SPLIT_K:
+        # the split's unnormalised accumulator and its (m, l): `_attn_combine_kernel` merges
+        part = (bh.to(tl.int64) * N_SPLITS + split) * N_Q + offs_m
+        in_q = offs_m < N_Q
+        tl.store(PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=in_q[:, None])
+        tl.store(PART_ML + part * 2, m_i, mask=in_q)
+        tl.store(PART_ML + part * 2 + 1, l_i, mask=in_q)
+        return
 
     seen = l_i > 0.0  # rows that saw no key output zeros
     inv_l = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
@@ -286,6 +309,51 @@ def _attn_fwd_kernel(
         # +inf for rows that saw nothing: the backward's exp2(s - lse) is then 0
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
         tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+
+
+# Split-K decoding (FlashDecoding): with a few queries per head, b·h programs leave most of the
+# GPU idle over a long KV cache, so the keys are split among programs. Split s returns its
+# running max m_s (log2 units), sum l_s = Σ_j 2^(x_j - m_s) and accumulator a_s = Σ_j
+# 2^(x_j - m_s) v_j; with M = max_s m_s the attention output is
+#     o = Σ_s 2^(m_s - M) a_s / Σ_s 2^(m_s - M) l_s,
+# summed over s in a fixed order (deterministic). A split that saw no key has m_s = -inf,
+# l_s = 0 and drops out; a row no split saw outputs zeros.
+@triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_SPLITS"])
+def _attn_combine_kernel(
+    PART_ACC, PART_ML, Out, sob, soh, son, BH, H, N_Q, N_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    bh = _bh_index()
+    if bh >= BH:
+        return
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_q = offs_m < N_Q
+    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(N_SPLITS):
+        part = (bh.to(tl.int64) * N_SPLITS + s) * N_Q + offs_m
+        m_s = tl.load(PART_ML + part * 2, mask=in_q, other=float("-inf"))
+        l_s = tl.load(PART_ML + part * 2 + 1, mask=in_q, other=0.0)
+        a_s = tl.load(
+            PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], mask=in_q[:, None], other=0.0
+        )
+        m_new = tl.maximum(m_tot, m_s)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+        alpha = tl.math.exp2(m_tot - m_sub)
+        beta = tl.math.exp2(m_s - m_sub)
+        l_tot = l_tot * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_tot = m_new
+    seen = l_tot > 0.0
+    out = acc * tl.where(seen, 1.0 / tl.where(seen, l_tot, 1.0), 0.0)[:, None]
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    o_ptrs = Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * son + offs_d[None, :]
+    tl.store(
+        o_ptrs, out.to(Out.dtype.element_ty), mask=in_q[:, None] & (offs_d[None, :] < HEAD_DIM)
+    )
 
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q"])
@@ -649,15 +717,48 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
+    decode = bool(n_q <= 16)
     if config is None:
-        config = (
-            _INTERP_FWD
-            if meta["interpret"]
-            else _fwd_config(bool(n_q <= 16), int(d), q.dtype, causal)
-        )
-    grid = (-(-n_q // config["BLOCK_M"]), gy, gz)
-    wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, **config)
+        config = _INTERP_FWD if meta["interpret"] else _fwd_config(decode, int(d), q.dtype, causal)
+    m_blocks = -(-n_q // config["BLOCK_M"])
+    n_splits, split_len = 1, n_k
+    if decode and not (need_lse or dropping):
+        n_splits, split_len = _key_splits(b * h * m_blocks, n_k, config["BLOCK_N"], q.device)
+    part_acc = part_ml = q  # unused without splits
+    if n_splits > 1:
+        rows = b * h * n_splits * n_q
+        part_acc = torch.empty((rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32)
+        part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
+    args = (*args[:8], part_acc, part_ml, *args[8:], split_len, n_splits)
+    grid = (m_blocks * n_splits, gy, gz)
+    wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, SPLIT_K=n_splits > 1, **config)
+    if n_splits > 1:
+        block_m = 16
+        wrap_triton(_attn_combine_kernel)[(-(-n_q // block_m), gy, gz)](
+            part_acc, part_ml, out, out.stride(0), out.stride(2), out.stride(1),
+            b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=block_m,
+        )  # fmt: skip
     return out, lse
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, keys per split) for a decode launch of `programs` (batch·head·query-block)
+    programs over n_k keys: enough splits for about two programs per SM, each at least one
+    key block. Fixed by the shapes alone (the cache's capacity, not its length), so a CUDA
+    graph's launch stays valid as the cache fills. The interpreter splits in three, which
+    puts split edges inside the tests' small caches."""
+    key_blocks = -(-n_k // block_n)
+    if device.type == "cuda" and not interpreter_enabled():
+        want = -(-2 * _sm_count(device) // programs)
+    else:
+        want = 3
+    blocks_per_split = -(-key_blocks // max(1, min(want, key_blocks)))
+    return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
 
 
 def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None):
