@@ -74,6 +74,6 @@ compile_sm90(
 )  # fmt: skip
 compile_sm90(
     attn._attn_combine_kernel, dict(PART_ACC="*fp32", PART_ML="*fp32", Out=bf16), set(),
-    dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=16),
+    dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=64),
 )  # fmt: skip
 print("attention over a KV cache whose length is on the device: ok")

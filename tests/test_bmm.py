@@ -677,6 +677,22 @@ def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("K, N, activation", MODEL_SHAPES)
+def test_few_rows_gpu(K, N, activation, M, device, monkeypatch):
+    # decode-sized products (a token per sequence) take the narrow pointer tiles, or cuBLAS
+    # for plain products with a long K; forward and backward against float64
+    ptr_calls = []
+    real = bmm_module._launch_ptr
+    monkeypatch.setattr(bmm_module, "_launch_ptr", lambda *a: ptr_calls.append(a[6]) or real(*a))
+    check_linear_bf16(M, K, N, activation, device)
+    few_rows = ptr_calls.count(bmm_module._FEW_ROWS_PTR)
+    # the forward (unless cuBLAS takes it) and dX = dY @ W (M rows, K = N: cuBLAS if N >= 2048)
+    expected = (activation is not None or K < 2048) + (N < 2048)
+    assert few_rows == expected, (ptr_calls, expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["auto", "cublas"])
 def test_matmul_impl_gpu(impl, device, monkeypatch):
     monkeypatch.setattr(bmm_module, "matmul_impl", impl)

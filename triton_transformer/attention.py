@@ -321,38 +321,41 @@ def _attn_fwd_kernel(
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_SPLITS"])
 def _attn_combine_kernel(
     PART_ACC, PART_ML, Out, sob, soh, son, BH, H, N_Q, N_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    """One program per (query row, batch·head); BLOCK_S splits are merged per step, loaded
+    together (a loop of one split per step would wait on memory N_SPLITS times)."""
     bh = _bh_index()
     if bh >= BH:
         return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
-    in_q = offs_m < N_Q
-    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(N_SPLITS):
-        part = (bh.to(tl.int64) * N_SPLITS + s) * N_Q + offs_m
-        m_s = tl.load(PART_ML + part * 2, mask=in_q, other=float("-inf"))
-        l_s = tl.load(PART_ML + part * 2 + 1, mask=in_q, other=0.0)
+    m_tot = tl.full([], float("-inf"), tl.float32)
+    l_tot = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        in_s = offs_s < N_SPLITS
+        part = (bh.to(tl.int64) * N_SPLITS + offs_s) * N_Q + row
+        m_s = tl.load(PART_ML + part * 2, mask=in_s, other=float("-inf"))
+        l_s = tl.load(PART_ML + part * 2 + 1, mask=in_s, other=0.0)
         a_s = tl.load(
-            PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], mask=in_q[:, None], other=0.0
+            PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], mask=in_s[:, None], other=0.0
         )
-        m_new = tl.maximum(m_tot, m_s)
+        m_new = tl.maximum(m_tot, tl.max(m_s, 0))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
         alpha = tl.math.exp2(m_tot - m_sub)
-        beta = tl.math.exp2(m_s - m_sub)
-        l_tot = l_tot * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        w = tl.math.exp2(m_s - m_sub)  # 0 for splits that saw no key
+        l_tot = l_tot * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * a_s, 0)
         m_tot = m_new
-    seen = l_tot > 0.0
-    out = acc * tl.where(seen, 1.0 / tl.where(seen, l_tot, 1.0), 0.0)[:, None]
+    out = acc * tl.where(l_tot > 0.0, 1.0 / tl.where(l_tot > 0.0, l_tot, 1.0), 0.0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    o_ptrs = Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * son + offs_d[None, :]
     tl.store(
-        o_ptrs, out.to(Out.dtype.element_ty), mask=in_q[:, None] & (offs_d[None, :] < HEAD_DIM)
+        Out + b * sob + h * soh + row.to(tl.int64) * son + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
     )
 
 
@@ -733,10 +736,11 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     grid = (m_blocks * n_splits, gy, gz)
     wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, SPLIT_K=n_splits > 1, **config)
     if n_splits > 1:
-        block_m = 16
-        wrap_triton(_attn_combine_kernel)[(-(-n_q // block_m), gy, gz)](
+        # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
+        block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
+        wrap_triton(_attn_combine_kernel)[(n_q, gy, gz)](
             part_acc, part_ml, out, out.stride(0), out.stride(2), out.stride(1),
-            b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=block_m,
+            b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_S=block_s,
         )  # fmt: skip
     return out, lse
 
@@ -748,16 +752,24 @@ def _sm_count(device: torch.device) -> int:
 
 def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> tuple[int, int]:
     """(splits, keys per split) for a decode launch of `programs` (batch·head·query-block)
-    programs over n_k keys: enough splits for about two programs per SM, each at least one
-    key block. Fixed by the shapes alone (the cache's capacity, not its length), so a CUDA
-    graph's launch stays valid as the cache fills. The interpreter splits in three, which
-    puts split edges inside the tests' small caches."""
+    programs over n_k keys.
+
+    Fixed by the shapes alone, so a CUDA graph's launch stays valid as the cache fills: n_k
+    is the cache's capacity, and the real keys fill the first splits. So the splits are
+    short (about eight programs per SM over the whole capacity, at least two key blocks
+    each), and a cache filled to a quarter still spreads over a quarter of them; the splits
+    past its length return at once. Only launches that would leave most SMs idle over a
+    long cache split: at b16 h8 (128 programs) one pass already streams K and V at 3.7 TB/s,
+    and below 8 key blocks the merge costs what the split saves (H200, `attention_decode.md`).
+    The interpreter splits in three, which puts split edges inside the tests' small caches."""
     key_blocks = -(-n_k // block_n)
     if device.type == "cuda" and not interpreter_enabled():
-        want = -(-2 * _sm_count(device) // programs)
+        sms = _sm_count(device)
+        if 2 * programs > sms or key_blocks < 8:
+            return 1, n_k
+        blocks_per_split = max(2, -(-key_blocks // -(-8 * sms // programs)))
     else:
-        want = 3
-    blocks_per_split = -(-key_blocks // max(1, min(want, key_blocks)))
+        blocks_per_split = -(-key_blocks // 3)
     return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
 
 

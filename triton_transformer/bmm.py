@@ -645,6 +645,8 @@ def _plan(
         choice = MATMUL_TABLE.get(name, {}).get(f"{M}x{N}x{K}:{lay}{epi}")
     if cublas_ok and force is None and (impl == "cublas" or choice == "cublas"):
         return ("cublas",)
+    if M <= 16 and dtype in (torch.float16, torch.bfloat16) and force is None:
+        return _plan_few_rows(K, impl, cublas_ok)
     tma = (
         major in (9, 10)
         and dtype in (torch.float16, torch.bfloat16)
@@ -655,6 +657,20 @@ def _plan(
     if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
         return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
     return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
+
+
+# Decode-sized products (M <= 16 rows: a token per sequence) stream the weight once, so they
+# are latency- and bandwidth-bound: many narrow programs, each walking a long K step. H200,
+# enwik8 decode shapes, kernel time (2026-11-22, .gpu probe): this config 2.7-3.7 us at K = 512
+# (cuBLAS 3.0-3.7, the TMA kernel 6.5-8.2, torch's mm + relu + square 5.7); at K = 2048 cuBLAS
+# wins (5.4 vs 6.2 us), so plain products with a long K go there under "auto".
+_FEW_ROWS_PTR = (16, 16, 256, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
+
+
+def _plan_few_rows(K: int, impl: str, cublas_ok: bool) -> tuple:
+    if cublas_ok and impl == "auto" and K >= 2048:
+        return ("cublas",)
+    return ("ptr", _FEW_ROWS_PTR)
 
 
 _EPI = {  # (relu², residual) -> the table's key suffix
