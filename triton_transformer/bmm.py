@@ -661,9 +661,10 @@ def _plan(
 
 # Decode-sized products (M <= 16 rows: a token per sequence) stream the weight once, so they
 # are latency- and bandwidth-bound: many narrow programs, each walking a long K step. H200,
-# enwik8 decode shapes, kernel time (2026-11-22, .gpu probe): this config 2.7-3.7 us at K = 512
-# (cuBLAS 3.0-3.7, the TMA kernel 6.5-8.2, torch's mm + relu + square 5.7); at K = 2048 cuBLAS
-# wins (5.4 vs 6.2 us), so plain products with a long K go there under "auto".
+# enwik8 decode shapes, kernel time (benchmarks/probe_decode_gemm.py, 2026-11-22): this config
+# 2.7-3.7 us at K = 512 (cuBLAS 3.0-3.7, the TMA kernel 6.5-8.2, torch's mm + relu + square
+# 5.7); at K = 2048 cuBLAS wins (5.4 vs 6.2 us), so plain products with a long K go there under
+# "auto".
 _FEW_ROWS_PTR = (16, 16, 256, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
 
 
