@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,15 +26,12 @@ def top_k(logits: torch.Tensor, thres: float = 0.9) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter_(-1, ind, val)
 
 
-Pick = Callable[[torch.Tensor], torch.Tensor]  # last-position logits (b, V) -> tokens (b,)
-
-
 class _CachedDecode:
     """Feeds a generation to the net through a `KVCache`: each call passes only the tokens
-    the cache has not seen and returns the next token of each sequence (b,)."""
+    the cache has not seen and returns the last position's logits (b, V)."""
 
-    def __init__(self, net: nn.Module, kwargs: dict, pick: Pick) -> None:
-        self.net, self.kwargs, self.pick = net, kwargs, pick
+    def __init__(self, net: nn.Module, kwargs: dict) -> None:
+        self.net, self.kwargs = net, kwargs
         self.cache = KVCache()
 
     @property
@@ -43,7 +39,7 @@ class _CachedDecode:
         return self.cache.length
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pick(self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1])
+        return self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1]
 
 
 @contextlib.contextmanager
@@ -62,18 +58,10 @@ class _GraphedDecode:
     """Feeds a generation to the net through a `StaticKVCache`: the prompt in one eager call,
     then every one-token step as a replay of one captured CUDA graph (after two eager
     warm-up steps). A step's host cost is then one graph launch instead of a launch per
-    kernel, which is what limits decoding a small model.
+    kernel, which is what limits decoding a small model."""
 
-    The sampling is captured with the net (`pick_in_graph`) unless it draws from a caller's
-    generator: a replay advances torch's default CUDA generator, not others.
-    """
-
-    def __init__(
-        self, net: nn.Module, batch: int, device: torch.device, kwargs: dict, pick: Pick,
-        pick_in_graph: bool,
-    ) -> None:  # fmt: skip
+    def __init__(self, net: nn.Module, batch: int, device: torch.device, kwargs: dict) -> None:
         self.net, self.kwargs = net, kwargs
-        self.pick, self.pick_in_graph = pick, pick_in_graph
         self.cache = StaticKVCache()
         self.length = 0  # tokens fed so far, counted on the host
         self.token = torch.empty((batch, 1), dtype=torch.long, device=device)
@@ -81,19 +69,16 @@ class _GraphedDecode:
 
     def _step(self) -> torch.Tensor:
         with _ids_unchecked(self.net):
-            logits = self.net(self.token, kv_cache=self.cache, **self.kwargs)[:, -1]
-        return self.pick(logits) if self.pick_in_graph else logits
+            return self.net(self.token, kv_cache=self.cache, **self.kwargs)[:, -1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.length == 0:  # the prompt: any length, once
-            out = self.pick(self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1])
+            logits = self.net(x, kv_cache=self.cache, **self.kwargs)[:, -1]
         else:
             self.token.copy_(x)  # x is (b, 1): the token sampled last
-            out = self.step()  # the graph's output: read it before the next step
-            if not self.pick_in_graph:
-                out = self.pick(out)
+            logits = self.step()  # the graph's output: read it before the next step
         self.length += x.shape[1]
-        return out
+        return logits
 
 
 class AutoregressiveWrapper(nn.Module):
@@ -156,10 +141,8 @@ class AutoregressiveWrapper(nn.Module):
         the net (e.g. use_triton).
 
         cuda_graph: run the cached one-token steps as replays of one captured CUDA graph
-        (a `StaticKVCache` holds the length on the device), the sampling included unless it
-        draws from `generator`. None: on whenever the KV cache is used on a CUDA device. The
-        logits match the eager cached steps to rounding; a seed reproduces a graphed
-        generation (not necessarily the eager loop's draws).
+        (a `StaticKVCache` holds the length on the device). None: on whenever the KV cache is
+        used on a CUDA device. The logits match the eager cached steps to rounding.
         """
         if not isinstance(prompt, torch.Tensor) or prompt.ndim not in (1, 2):
             raise ValueError("prompt must be a (batch, n) or (n,) tensor of token ids")
@@ -207,28 +190,25 @@ class AutoregressiveWrapper(nn.Module):
         seq = prompt.new_empty(b, t + length)  # prompt, then the tokens sampled so far
         seq[:, :t] = prompt
         cuda_graph, use_kv_cache = decode
-        temperature, filter_thres, generator = sample_args
-        pick = functools.partial(
-            self._pick, temperature=temperature, filter_thres=filter_thres, generator=generator
-        )
         cached = None
-        if use_kv_cache and t <= self.max_seq_len and cuda_graph:
-            in_graph = generator is None or temperature == 0
-            cached = _GraphedDecode(self.net, b, prompt.device, kwargs, pick, in_graph)
-        elif use_kv_cache and t <= self.max_seq_len:
-            cached = _CachedDecode(self.net, kwargs, pick)
+        if use_kv_cache and t <= self.max_seq_len:
+            cached = (
+                _GraphedDecode(self.net, b, prompt.device, kwargs)
+                if cuda_graph
+                else _CachedDecode(self.net, kwargs)
+            )
         done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
 
         cur = t
         for _ in range(length):
             if exists(cached) and cur <= self.max_seq_len:
                 # feed only what the cache has not seen: the prompt, then one token a step
-                sample = cached(seq[:, cached.length : cur])
+                logits = cached(seq[:, cached.length : cur])
             else:
                 # positions are absolute, so a window that slides needs a full recompute
                 cached = None
-                window = seq[:, max(0, cur - self.max_seq_len) : cur]
-                sample = pick(self.net(window, **kwargs)[:, -1])
+                logits = self.net(seq[:, max(0, cur - self.max_seq_len) : cur], **kwargs)[:, -1]
+            sample = self._pick(logits, *sample_args)
             if exists(eos_token):
                 # finished sequences keep emitting eos (a valid id to feed back)
                 sample = sample.masked_fill(done, eos_token)
