@@ -98,10 +98,7 @@ class StaticKVCache:
     """
 
     def __init__(self) -> None:
-        # per layer, keys and values side by side as the qkv projection lays them out,
-        # (b, capacity, 2, h, d): one copy writes both
-        self.buffers: list[torch.Tensor] = []
-        self.keys: list[torch.Tensor] = []  # (b, h, capacity, d) views of the buffers
+        self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length: torch.Tensor | None = None  # tokens cached, before the current forward
         self._positions: torch.Tensor | None = None  # the current forward's tokens
@@ -126,22 +123,19 @@ class StaticKVCache:
         return self._positions
 
     def append(
-        self, layer: int, kv: torch.Tensor, capacity: int
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, capacity: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write layer `layer`'s new keys and values, kv (b, n, 2, h, d) (the k and v parts
-        of the qkv projection, read in place), at the current positions.
+        """Write layer `layer`'s new k, v (b, h, n, d) at the current positions.
 
-        Returns the keys and values of all `capacity` positions, (b, h, capacity, d) views,
-        and the number of real positions among them (0-dim device tensor), for
-        `attention_cached`.
+        Returns the whole buffers (b, h, capacity, d) and the number of real positions in
+        them (0-dim device tensor), for `attention_cached`.
         """
-        if layer == len(self.buffers):  # first use of this layer: allocate its buffer
-            b, _, _, h, d = kv.shape
-            buffer = kv.new_zeros((b, capacity, 2, h, d))
-            self.buffers.append(buffer)
-            self.keys.append(buffer[:, :, 0].transpose(1, 2))
-            self.values.append(buffer[:, :, 1].transpose(1, 2))
-        self.buffers[layer].index_copy_(1, self._positions, kv)
+        if layer == len(self.keys):  # first use of this layer: allocate its buffers
+            shape = (*k.shape[:2], capacity, k.shape[-1])
+            self.keys.append(k.new_zeros(shape))
+            self.values.append(v.new_zeros(shape))
+        self.keys[layer].index_copy_(2, self._positions, k)
+        self.values[layer].index_copy_(2, self._positions, v)
         return self.keys[layer], self.values[layer], self._seen
 
     def finish(self) -> None:
@@ -245,19 +239,17 @@ class Attention(nn.Module):
         if self.attn_impl == "flash" and not exists(kv_cache):
             # q, k, v read in place from qkv; out is (b, n, h*d) without a copy
             out = attention_packed(qkv, self.heads, **kwargs)
-        elif isinstance(kv_cache, StaticKVCache):
-            qkv = qkv.unflatten(-1, (3, self.heads, -1))  # (b, n, 3, h, d)
-            k_cache, v_cache, seen = kv_cache.append(layer, qkv[:, :, 1:], self.max_seq_len)
-            q = qkv[:, :, 0].transpose(1, 2)
-            out = attention_cached(q, k_cache, v_cache, seen, use_triton=use_triton)
-            out = rearrange(out, "b h n d -> b n (h d)")
         else:
             q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
-            if exists(kv_cache):
-                k, v = kv_cache.append(layer, k, v, self.max_seq_len)
-            # causal attention is bottom-right aligned, so n_q < n_k (a cache step) is right.
-            attend = attention if self.attn_impl == "flash" else attention_naive
-            out = attend(q, k, v, **kwargs)
+            if isinstance(kv_cache, StaticKVCache):
+                k_cache, v_cache, seen = kv_cache.append(layer, k, v, self.max_seq_len)
+                out = attention_cached(q, k_cache, v_cache, seen, use_triton=use_triton)
+            else:
+                if exists(kv_cache):
+                    k, v = kv_cache.append(layer, k, v, self.max_seq_len)
+                # causal attention is bottom-right aligned: n_q < n_k (a cache step) is right
+                attend = attention if self.attn_impl == "flash" else attention_naive
+                out = attend(q, k, v, **kwargs)
             out = rearrange(out, "b h n d -> b n (h d)")  # a view for the fused kernel's output
         return linear(out, self.to_out.weight, use_triton=use_triton)
 
