@@ -260,10 +260,13 @@ def test_use_triton_flag_reaches_every_op(device, monkeypatch, attn_impl):
 # --- KV cache ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cache_cls", [KVCache, StaticKVCache])
 @pytest.mark.parametrize(
     "use_triton, attn_impl", [(False, "flash"), (True, "flash"), (True, "naive")]
 )
-def test_kv_cache_matches_full_forward(device, use_triton, attn_impl):
+def test_kv_cache_matches_full_forward(device, use_triton, attn_impl, cache_cls):
+    """KVCache, and StaticKVCache (its length on the device: a graphed decode step's): a run
+    fed in chunks gives the full forward's logits; after reset the buffers start over."""
     n = 10 if not use_triton else 6
     model = make_model(
         device, causal=True, max_seq_len=12, use_triton=use_triton, attn_impl=attn_impl
@@ -271,70 +274,33 @@ def test_kv_cache_matches_full_forward(device, use_triton, attn_impl):
     x = tokens(device, n=n)
     with torch.no_grad():
         full = model(x)
-        cache = KVCache()
+        cache = cache_cls()
         chunks = [3, 1, 2] + [1] * (n - 6)  # a multi-token prompt, then steps of 1 and 2
         outs, start = [], 0
         for size in chunks:
             outs.append(model(x[:, start : start + size], kv_cache=cache))
             start += size
-            assert cache.length == start
-    assert rel_err(torch.cat(outs, dim=1), full) < 1e-5
-
-
-@pytest.mark.parametrize(
-    "use_triton, attn_impl", [(False, "flash"), (True, "flash"), (True, "naive")]
-)
-def test_static_kv_cache_matches_full_forward(device, use_triton, attn_impl):
-    """The cache whose length lives on the device (a graphed decode step's): same logits."""
-    n = 10 if not use_triton else 6
-    model = make_model(
-        device, causal=True, max_seq_len=12, use_triton=use_triton, attn_impl=attn_impl
-    ).eval()
-    x = tokens(device, n=n)
-    with torch.no_grad():
-        full = model(x)
-        cache = StaticKVCache()
-        chunks = [3, 1, 2] + [1] * (n - 6)
-        outs, start = [], 0
-        for size in chunks:
-            outs.append(model(x[:, start : start + size], kv_cache=cache))
-            start += size
-            assert cache.length.item() == start
+            assert int(cache.length) == start
         assert len(cache.keys) == 2 and cache.keys[0].shape == (2, 2, 12, 16)
         assert rel_err(torch.cat(outs, dim=1), full) < 1e-5
-        # reset: the same buffers serve a new sequence from position 0
         cache.reset()
         assert rel_err(model(x[:, :4], kv_cache=cache), full[:, :4]) < 1e-5
 
 
-def test_static_kv_cache_errors(device):
+@pytest.mark.parametrize("cache_cls", [KVCache, StaticKVCache])
+def test_kv_cache_errors(device, cache_cls):
     model = make_model(device, causal=True, max_seq_len=8)
-    cache = StaticKVCache()
-    with torch.no_grad():
-        model(tokens(device, n=3), kv_cache=cache)
-        with pytest.raises(ValueError, match="max_seq_len"):
-            model(tokens(device, n=9), kv_cache=cache)
-        with pytest.raises(ValueError, match="batch size"):
-            model(tokens(device, b=3, n=1), kv_cache=cache)
-        with pytest.raises(ValueError, match="different shape"):
-            make_model(device, causal=True, max_seq_len=8, depth=3)(
-                tokens(device, n=1), kv_cache=cache
-            )
-        with pytest.raises(ValueError, match="causal"):
-            make_model(device, causal=False)(tokens(device, n=1), kv_cache=StaticKVCache())
-        assert cache.length.item() == 3  # failed calls leave the cache as it was
-
-
-def test_kv_cache_errors(device):
-    model = make_model(device, causal=True, max_seq_len=8)
-    cache = KVCache()
+    cache = cache_cls()
     with torch.no_grad():
         model(tokens(device, n=6), kv_cache=cache)
         with pytest.raises(ValueError, match="max_seq_len"):
-            model(tokens(device, n=3), kv_cache=cache)
+            model(tokens(device, n=9), kv_cache=cache)
+        if cache_cls is KVCache:  # its length is a host value, so the sum is checked too
+            with pytest.raises(ValueError, match="max_seq_len"):
+                model(tokens(device, n=3), kv_cache=cache)
         with pytest.raises(ValueError, match="batch size"):
             model(tokens(device, b=3, n=1), kv_cache=cache)
-        assert cache.length == 6  # failed calls leave the cache as it was
+        assert int(cache.length) == 6  # failed calls leave the cache as it was
         with pytest.raises(ValueError, match="different shape"):
             make_model(device, causal=True, max_seq_len=8, depth=1)(
                 tokens(device, n=1), kv_cache=cache
@@ -344,7 +310,7 @@ def test_kv_cache_errors(device):
                 tokens(device, n=1), kv_cache=cache
             )
         with pytest.raises(ValueError, match="causal"):
-            make_model(device, causal=False)(tokens(device, n=1), kv_cache=KVCache())
+            make_model(device, causal=False)(tokens(device, n=1), kv_cache=cache_cls())
         cache.reset()
         model(tokens(device, n=8), kv_cache=cache)  # reset frees the whole length again
 
