@@ -32,6 +32,11 @@ holds two kinds of programs: key-block programs accumulate dK, dV over the query
 them, query-block programs accumulate dQ over the key blocks they see. Both recompute the
 probabilities from q, k and the log-sum-exp.
 
+Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
+long KV cache, so the keys may be split among programs whose partial results
+`_attn_combine_kernel` merges (FlashDecoding). `attention_cached` runs the same forward with
+the key count read from a device tensor, for a CUDA-graphed decode step.
+
 Dropout draws keep/drop per (row, key) from Philox keyed by a seed tensor on the device
 (`utils.draw_seed`) and the batch·head index: one Philox call per row and 8 keys, eight 16-bit
 uniforms (`_jit_helpers.dropout_keep_tile`, whose docstring says why). The backward regenerates
@@ -706,20 +711,6 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
-    kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
-    args = (
-        q, k, v, out, lse, kpm_arg, seed if dropping else q, q if kv_len is None else kv_len,
-        *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
-        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
-    )  # fmt: skip
-    consts = dict(
-        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
-        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
-        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
-        FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None,
-    )  # fmt: skip
-    gy, gz = meta["grid_bh"]
     decode = bool(n_q <= 16)
     if config is None:
         config = _INTERP_FWD if meta["interpret"] else _fwd_config(decode, int(d), q.dtype, causal)
@@ -727,14 +718,28 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     n_splits, split_len = 1, n_k
     if decode and not (need_lse or dropping):
         n_splits, split_len = _key_splits(b * h * m_blocks, n_k, config["BLOCK_N"], q.device)
-    part_acc = part_ml = q  # unused without splits
+    part_acc = part_ml = q  # the splits' partial results (unused without splits)
     if n_splits > 1:
         rows = b * h * n_splits * n_q
         part_acc = torch.empty((rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32)
         part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
-    args = (*args[:8], part_acc, part_ml, *args[8:], split_len, n_splits)
-    grid = (m_blocks * n_splits, gy, gz)
-    wrap_triton(_attn_fwd_kernel)[grid](*args, **consts, SPLIT_K=n_splits > 1, **config)
+    kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
+    args = (
+        q, k, v, out, lse, kpm_arg, seed if dropping else q, q if kv_len is None else kv_len,
+        part_acc, part_ml,
+        *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
+        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
+        b * h, h, n_q, n_k, scale * LOG2E, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        split_len, n_splits,
+    )  # fmt: skip
+    consts = dict(
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
+        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
+        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+        FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
+    )  # fmt: skip
+    gy, gz = meta["grid_bh"]
+    wrap_triton(_attn_fwd_kernel)[(m_blocks * n_splits, gy, gz)](*args, **consts, **config)
     if n_splits > 1:
         # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
         block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
