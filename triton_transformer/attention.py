@@ -74,6 +74,7 @@ from triton_transformer.utils import (
     interpreter_enabled,
     next_power_of_2,
     seed_or_draw,
+    sm_count,
 )
 
 __all__ = ["HEAD_DIMS", "attention", "attention_cached", "attention_naive", "attention_packed"]
@@ -750,11 +751,6 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     return out, lse
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> tuple[int, int]:
     """(splits, keys per split) for a decode launch of `programs` (batch·head·query-block)
     programs over n_k keys.
@@ -769,7 +765,7 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
     The interpreter splits in three, which puts split edges inside the tests' small caches."""
     key_blocks = -(-n_k // block_n)
     if device.type == "cuda" and not interpreter_enabled():
-        sms = _sm_count(device)
+        sms = sm_count(device)
         if 2 * programs > sms or key_blocks < 8:
             return 1, n_k
         blocks_per_split = max(2, -(-key_blocks // -(-8 * sms // programs)))

@@ -50,6 +50,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     describe,
     interpreter_enabled,
+    sm_count,
 )
 
 __all__ = ["ONE_HOT_MAX_VOCAB", "embedding"]
@@ -187,7 +188,7 @@ def _n_splits(n_tokens: int, n_vocab: int, dim: int, device: torch.device) -> in
     if device.type != "cuda":
         return min(2, max(1, n_tokens // 16))  # the interpreter: two chunks when it can
     tiles = cdiv(n_vocab, _BWD_TILE["BLOCK_V"]) * cdiv(dim, _BWD_TILE["BLOCK_D"])
-    want = cdiv(2 * torch.cuda.get_device_properties(device).multi_processor_count, tiles)
+    want = cdiv(2 * sm_count(device), tiles)
     by_tokens = max(1, n_tokens // _MIN_SPLIT_TOKENS)
     by_memory = max(1, _MAX_PARTIAL_BYTES // (n_vocab * dim * 4))
     return max(1, min(want, by_tokens, by_memory))

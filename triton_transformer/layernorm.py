@@ -60,6 +60,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     exists,
     row_block_size,
+    sm_count,
 )
 
 # Lower bound on the stable variant's per-row scale, so an all-zero row does not divide by
@@ -499,11 +500,10 @@ def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
     return block_m, block_n, num_warps, True
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter runs programs one by one: few programs are cheapest
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 @functools.cache

@@ -38,6 +38,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached): launch heuristics size grids by it."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def draw_seed(device: torch.device | str) -> torch.Tensor:
     """A Philox seed for one dropout mask: a 0-dim int64 tensor on `device`, in [0, 2**31 - 1).
 
