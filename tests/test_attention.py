@@ -6,6 +6,7 @@ edges, the causal diagonal and the ragged last block at different places for que
 keys); `gpu` tests repeat the checks at real shapes with the autotuned tiles.
 """
 
+import contextlib
 import math
 import os
 import subprocess
@@ -225,16 +226,22 @@ def test_naive_composition_matches(device):
 
 def dropout_mask(shape, p, seed, causal=False, device="cpu"):
     """The keep mask the kernel draws for (b, h, n_q, n_k) under torch seed `seed`, read off
-    with q = 0 (uniform weights) and v = identity (n_k <= d): out[i, j] = keep_ij / (n_k (1-p)).
-    The mask depends on the seed and positions only, never on the data."""
+    with q = 0 (uniform weights) and v = identity on a window of up to 128 keys:
+    out[i, j] = keep_ij / (n_k (1-p)). The mask depends on the seed and positions only, never
+    on the data or the head dim, so longer key ranges are read window by window."""
     b, h, n_q, n_k = shape
-    d = max(16, 16 * math.ceil(n_k / 16))
+    d = min(128, max(16, 16 * math.ceil(n_k / 16)))
     q = torch.zeros(b, h, n_q, d, device=device)
     k = torch.zeros(b, h, n_k, d, device=device)
-    v = torch.eye(n_k, d, device=device).expand(b, h, n_k, d)
-    torch.manual_seed(seed)
-    out = attention(q, k, v, dropout_p=p, use_triton=True)[..., :n_k]
-    scaled = out.double() * n_k * (1 - p)
+    windows = []
+    for j0 in range(0, n_k, d):
+        width = min(d, n_k - j0)
+        v = torch.zeros(n_k, d, device=device)
+        v[j0 : j0 + width, :width] = torch.eye(width, device=device)
+        torch.manual_seed(seed)
+        out = attention(q, k, v.expand(b, h, n_k, d), dropout_p=p, use_triton=True)
+        windows.append(out[..., :width])
+    scaled = torch.cat(windows, -1).double() * n_k * (1 - p)
     keep = scaled.round()
     assert torch.allclose(scaled, keep, atol=1e-5)  # every weight is 0 or 1 / (n_k (1 - p))
     assert ((keep == 0) | (keep == 1)).all()
@@ -464,6 +471,80 @@ def test_cached_attention_bad_inputs(device):
         attention_cached(q[..., :8], k[..., :8], v[..., :8], torch.tensor(3), use_triton=True)
 
 
+# --- every option: head dims x causal x dropout x key padding x backward path --------------
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """torch.use_deterministic_algorithms(on) inside the block (warn_only: other ops of the
+    test may have no deterministic kernel)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def check_option(b, h, n, d, causal, dropout, padded, deterministic, dtype, device):
+    """One configuration of the fused kernels, forward and all three gradients, against
+    float64 attention with the kernel's own dropout mask (read off by `dropout_mask`)."""
+    p, seed = (0.2, 17) if dropout else (0.0, None)
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, h, n, n, d, dtype, device))
+    kpm = None
+    if padded:
+        kpm = torch.rand(b, n, device=device) > 0.3
+        kpm[0, : n // 3] = False  # a run of padded keys: whole key tiles with no weight
+    keep = dropout_mask((b, h, n, n), p, seed, device=device) if dropout else None
+    if dropout:
+        torch.manual_seed(seed)
+    with deterministic_algorithms(deterministic):
+        out = attention(q, k, v, causal=causal, key_padding_mask=kpm, dropout_p=p, use_triton=True)
+        dout = (0.7 + torch.randn(out.shape, device=device)).to(dtype)
+        out.backward(dout)
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, causal=causal, key_padding_mask=kpm, keep=keep, p=p)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < TOL[dtype]
+    for name, t, rt in zip("qkv", (q, k, v), r, strict=True):
+        tol = TOL[dtype] if name == "v" else TOL_DQK[dtype]
+        assert rel_err(t.grad, rt.grad, floor=0.1) < tol, name
+    return [t.grad for t in (q, k, v)]
+
+
+OPTION_MATRIX = [
+    (d, causal, dropout, padded)
+    for d in range(16, 129, 16)
+    for causal in (False, True)
+    for dropout in (False, True)
+    for padded in (False, True)
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
+@pytest.mark.parametrize("d, causal, dropout, padded", OPTION_MATRIX)
+def test_every_option(d, causal, dropout, padded, deterministic, device):
+    # tiny shapes: 37 rows put the interpreter's 16/32 tiles' edges and the causal diagonal
+    # in different places; fp32 and fp16 alternate over the head dims (bf16, whose rounding
+    # the interpreter truncates, has tests of its own above and a full matrix on the GPU)
+    dtype = torch.float32 if d % 32 else torch.float16
+    check_option(1, 2, 37, d, causal, dropout, padded, deterministic, dtype, device)
+
+
+def test_single_pass_and_deterministic_backward_agree(device):
+    # the two backward kernels compute the same gradients (to fp32 rounding)
+    q, k, v = make_qkv(2, 3, 70, 70, 32, torch.float32, device)
+    grads = []
+    for det in (False, True):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        with deterministic_algorithms(det):
+            out = attention(qs, ks, vs, causal=True, use_triton=True)
+            out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in (qs, ks, vs)])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
 # --- GPU: real shapes, the tutorial's check, capture and compile -----------------------------
 
 
@@ -600,3 +681,29 @@ def test_dropout_explicit_seed(device):
     assert torch.equal(out, attention(q, k, v, seed=seeds[0], **kw).transpose(1, 2).flatten(2))
     with pytest.raises(TypeError, match="seed"):
         attention(q, k, v, seed=seeds, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d, causal, dropout, padded", OPTION_MATRIX)
+def test_gpu_every_option(d, causal, dropout, padded, dtype, deterministic, device):
+    # the whole matrix of supported options at seq 2048, each launched on the GPU with the
+    # tiles the tables give it (a configuration that cannot fit must pick smaller ones)
+    check_option(1, 2, 2048, d, causal, dropout, padded, deterministic, dtype, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gpu_deterministic_backward_is_bit_identical(dropout, device):
+    qkv = torch.randn(4, 1024, 3 * 8 * 64, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(4, 1024, 8 * 64, device=device, dtype=torch.bfloat16)
+    seed = draw_seed(device)
+    grads = []
+    with deterministic_algorithms(True):
+        for _ in range(2):
+            x = qkv.clone().requires_grad_()
+            out = attention_packed(x, 8, causal=True, dropout_p=dropout, seed=seed, use_triton=True)
+            out.backward(dout)
+            grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])

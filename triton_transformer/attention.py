@@ -367,10 +367,13 @@ def _attn_combine_kernel(
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q"])
 def _attn_bwd_delta_kernel(
-    Out, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
+    Out, DO, DELTA, DQ_ACC, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
 ):  # fmt: skip
-    """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32."""
+    """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32. ZERO_DQ: also zero the rows of the fp32 dQ
+    accumulator (b·h, n_q, HEAD_DIM) that the single-pass backward adds into (no memset
+    launch of its own)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -390,18 +393,52 @@ def _attn_bwd_delta_kernel(
     )  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    if ZERO_DQ:
+        acc_ptrs = DQ_ACC + (bh.to(tl.int64) * N_Q + rows[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(acc_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
+
+
+@triton.jit(do_not_specialize=["BH", "H", "N_Q"])
+def _attn_bwd_dq_kernel(
+    DQ_ACC, DQ, sdqb, sdqh, sdqn, sdqd, BH, H, N_Q, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """DQ (any strides, q's dtype) = sm_scale · DQ_ACC, the fp32 sum the single-pass
+    backward's key-block programs added up."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    bh = _bh_index()
+    if bh >= BH:
+        return
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)
+    mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+    acc = tl.load(
+        DQ_ACC + (bh.to(tl.int64) * N_Q + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+        mask=mask, other=0.0,
+    )  # fmt: skip
+    dq = acc * tl.cast(sm_scale, tl.float32)
+    dq_ptrs = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd_dkdv_block(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+    sqn, sqd, sdon, sdod,
     n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
-    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
-    MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0."""
+    MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0.
+
+    ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to the fp32
+    accumulator at dq_acc_base ((n_q, HEAD_DIM) rows) with atomics; padded keys (key_real 0)
+    then get p = 0 here, since their dS must not reach dQ."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if INT64_ROWS:  # noqa: SIM108
@@ -424,6 +461,8 @@ def _bwd_dkdv_block(
         pT = tl.math.exp2(qkT - lse[None, :])
         if MASKED:
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
+        if ATOMIC_DQ and HAS_KPM:
+            pT = tl.where(key_real[:, None] != 0, pT, 0.0)
         dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
         if DROPOUT:
             keepT = tl.trans(
@@ -434,8 +473,12 @@ def _bwd_dkdv_block(
         else:
             pdT = pT
         dv = _mm(pdT.to(do.dtype), do, dv, IEEE)
-        dsT = pT * (dpT - delta[None, :])
-        dk = _mm(dsT.to(q.dtype), q, dk, IEEE)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = _mm(dsT, q, dk, IEEE)
+        if ATOMIC_DQ:
+            dq = _mm(tl.trans(dsT), k, None, IEEE)  # (BLOCK_M, BLOCK_D)
+            dq_ptrs = dq_acc_base + rows_m[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
@@ -479,7 +522,7 @@ def _bwd_dq_block(
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED,
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     skpm_b, skpm_n,
@@ -488,10 +531,15 @@ def _attn_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
-    query block. Each output element is written by exactly one program: no atomics."""
+    query block. Each output element is written by exactly one program: no atomics.
+
+    ATOMIC_DQ (single pass, non-deterministic): only the key-block programs run, and each
+    adds its share of dQ into DQ_ACC (fp32, (b·h, n_q, HEAD_DIM)) with atomics;
+    `_attn_bwd_dq_kernel` then scales and casts it into DQ. P is computed once per
+    (query, key) tile instead of twice: 5 tile products instead of 7."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
@@ -531,6 +579,10 @@ def _attn_bwd_kernel(
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
+        dq_acc_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
+        key_real = 1
+        if HAS_KPM:
+            key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
         if CAUSAL:
             # rows i >= n0 - causal_off see some key of the block; rows
             # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
@@ -541,18 +593,20 @@ def _attn_bwd_kernel(
             )
             full_lo = tl.maximum(full_lo, lo)
             dk, dv = _bwd_dkdv_block(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+                sqn, sqd, sdon, sdod,
                 n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
-                INT64_ROWS, IEEE,
+                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM,
             )  # fmt: skip
         else:
             full_lo = 0
         dk, dv = _bwd_dkdv_block(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sqd, sdon, sdod,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+            sqn, sqd, sdon, sdod,
             n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
-            INT64_ROWS, IEEE,
+            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM,
         )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -615,12 +669,14 @@ def _attn_bwd_kernel(
 
 
 @functools.cache
-def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
+def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool, dropout: bool) -> dict:
     """Forward tiles for one problem class: a fixed table, not runtime autotuning (no
     benchmarking on a first call, and the same tiles, hence the same summation order, on
     every run). bf16/fp16 entries are the winners of `benchmarks/bench_attention.py --sweep`
     on an H200 (seq 4096, 2026-11-22; TFLOP/s in the comments, runner-up within 2% where
-    noted); rerun it on other GPUs."""
+    noted); rerun it on other GPUs. Every entry fits the H200's 227 KiB of shared memory
+    (`tests/test_attention.py::test_gpu_every_option` launches each class); a GPU with less
+    gets smaller tiles from `_launch_fitting`."""
     if dtype == torch.float32:  # ieee fp32 runs on FMA units: small tiles, few registers
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if decode:  # n_q <= 16: a few queries against a long KV cache
@@ -631,14 +687,23 @@ def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool) -> dict:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     if causal:  # 442 at 4096, 225 at 512 (128x64, 8 warps: 432 and 203; profiler, 2026-11-22)
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if dropout:
+        # 128x128 tiles in 3 stages plus the mask's layout conversions need 240 KiB of shared
+        # memory (the H200 has 227): two stages
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}  # 493
 
 
 @functools.cache
-def _bwd_config(d: int, dtype: torch.dtype, causal: bool, dropout: bool = False) -> dict:
+def _bwd_config(
+    d: int, dtype: torch.dtype, causal: bool, dropout: bool = False, atomic: bool = False
+) -> dict:
     """Backward tiles: key blocks of BLOCK_N1 stepping over BLOCK_M1 queries (dK, dV), query
-    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ). Sweep winners as in `_fwd_config`
-    (TFLOP/s counting the backward as 2.5 forwards)."""
+    blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ; unused by the single-pass `atomic`
+    kernel). Sweep winners as in `_fwd_config` (TFLOP/s counting the backward as 2.5
+    forwards)."""
+    if atomic:
+        return _ATOMIC_BWD.get((d <= 64, causal, dtype == torch.float32), _ATOMIC_BWD_DEFAULT)
     if dtype == torch.float32:
         return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
                 "num_warps": 4, "num_stages": 2}  # fmt: skip
@@ -656,6 +721,26 @@ def _bwd_config(d: int, dtype: torch.dtype, causal: bool, dropout: bool = False)
     # d 128: 363 non-causal, 281 causal (the d <= 64 tiles: 158 and 134, register spills)
     return {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
             "num_warps": 8, "num_stages": 3}  # fmt: skip
+
+
+def _atomic_tiles(m1: int, n1: int, warps: int, stages: int) -> dict:
+    # BLOCK_M2/N2 size the dQ programs, which the single pass does not launch
+    return {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": 16, "BLOCK_N2": 16,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
+# Single-pass backward tiles per (d <= 64, causal, fp32).
+_ATOMIC_BWD_DEFAULT = _atomic_tiles(64, 128, 8, 2)
+_ATOMIC_BWD = {
+    (True, True, False): _atomic_tiles(64, 128, 8, 2),
+    (True, False, False): _atomic_tiles(64, 128, 8, 2),
+    (False, True, False): _atomic_tiles(64, 128, 8, 2),
+    (False, False, False): _atomic_tiles(64, 128, 8, 2),
+    (True, True, True): _atomic_tiles(32, 64, 4, 2),
+    (True, False, True): _atomic_tiles(32, 64, 4, 2),
+    (False, True, True): _atomic_tiles(32, 64, 4, 2),
+    (False, False, True): _atomic_tiles(32, 64, 4, 2),
+}
 
 
 # Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
@@ -694,6 +779,34 @@ def _launch_meta(q, k, v) -> dict:
     }
 
 
+# Eager launches whose table tiles did not fit this GPU's shared memory: (kernel, flags,
+# tiles) -> the fewer pipeline stages that did.
+_FITTED: dict[tuple, dict] = {}
+
+
+def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict) -> None:
+    """Launch `kernel` with the table's tiles; where they need more shared memory than this
+    GPU has (Triton raises OutOfResources before anything runs), retry with fewer pipeline
+    stages (the grid does not depend on them), down to one, and remember what fitted.
+    Traced launches (torch.compile) take the table's tiles as they are."""
+    launcher = wrap_triton(kernel)
+    if launcher is not kernel:
+        launcher[grid](*args, **consts, **config)
+        return
+    key = (kernel, *consts.values(), *config.values())
+    tiles = _FITTED.get(key, config)
+    while True:
+        try:
+            kernel[grid](*args, **consts, **tiles)
+            break
+        except triton.runtime.errors.OutOfResources:
+            if tiles["num_stages"] <= 1:
+                raise
+            tiles = {**tiles, "num_stages": tiles["num_stages"] - 1}
+    if tiles is not config:
+        _FITTED[key] = tiles
+
+
 def _max_row_offset(*tensors: torch.Tensor) -> int:
     # the largest in-head offset a kernel computes: row index * row stride (+ head dim)
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
@@ -714,7 +827,11 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     dropping = dropout_p > 0.0
     decode = bool(n_q <= 16)
     if config is None:
-        config = _INTERP_FWD if meta["interpret"] else _fwd_config(decode, int(d), q.dtype, causal)
+        config = (
+            _INTERP_FWD
+            if meta["interpret"]
+            else _fwd_config(decode, int(d), q.dtype, causal, dropping)
+        )
     m_blocks = -(-n_q // config["BLOCK_M"])
     n_splits, split_len = 1, n_k
     if decode and not (need_lse or dropping):
@@ -740,7 +857,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
-    wrap_triton(_attn_fwd_kernel)[(m_blocks * n_splits, gy, gz)](*args, **consts, **config)
+    _launch_fitting(_attn_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
     if n_splits > 1:
         # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
         block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
@@ -774,29 +891,42 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
     return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
 
 
-def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None):
+def _bwd(
+    dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
+    deterministic=None,
+):  # fmt: skip
     """Launch the backward: fills dq, dk, dv (any strides) for (b, h, n, d) views; `out` and
-    `dout` are (b, n_q, h, d) tensors (dout of any strides)."""
+    `dout` are (b, n_q, h, d) tensors (dout of any strides).
+
+    deterministic: None follows `torch.are_deterministic_algorithms_enabled()`, as SDPA
+    does: off, the single-pass kernel adds dQ with fp32 atomics (faster, summation order
+    varies in the last bits); on, dK/dV and dQ programs each recompute P (bit-reproducible).
+    """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     if n_q == 0 or n_k == 0 or b * h == 0:
         for t in (dq, dk, dv):
             t.zero_()
         return
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    atomic = not deterministic
     meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     gy, gz = meta["grid_bh"]
     delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
+    # the single pass's fp32 dQ sum; the delta kernel zeroes it
+    dq_acc = torch.empty((b * h, n_q, d) if atomic else (0,), device=q.device, dtype=torch.float32)
     bm = 64 if not meta["interpret"] else 32
     wrap_triton(_attn_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
-        out, dout, delta, out.stride(0), out.stride(2), out.stride(1),
+        out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
-        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm, ZERO_DQ=atomic,
     )  # fmt: skip
     args = (
         q, k, v, dout, dq, dk, dv, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-        seed if dropping else q,
+        seed if dropping else q, dq_acc if atomic else delta,
         *q.stride(), *k.stride(), *v.stride(),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
         *dq.stride(), *dk.stride(), *dv.stride(),
@@ -807,14 +937,21 @@ def _bwd(dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, d
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
-        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
     )  # fmt: skip
-    if config is None:
-        config = (
-            _INTERP_BWD if meta["interpret"] else _bwd_config(int(d), q.dtype, causal, dropping)
-        )
-    n_prog = -(-n_k // config["BLOCK_N1"]) + -(-n_q // config["BLOCK_M2"])
-    wrap_triton(_attn_bwd_kernel)[(n_prog, gy, gz)](*args, **consts, **config)
+    if config is None and meta["interpret"]:
+        config = _INTERP_BWD
+    elif config is None:
+        config = _bwd_config(int(d), q.dtype, causal, dropping, atomic)
+    n_prog = -(-n_k // config["BLOCK_N1"])
+    if not atomic:
+        n_prog += -(-n_q // config["BLOCK_M2"])
+    _launch_fitting(_attn_bwd_kernel, (n_prog, gy, gz), args, consts, config)
+    if atomic:
+        wrap_triton(_attn_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
+            dq_acc, dq, *dq.stride(), b * h, h, n_q, scale,
+            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
