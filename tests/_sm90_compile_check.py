@@ -48,10 +48,13 @@ compile_sm90(
 print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
                 DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32")  # fmt: skip
-for atomic in (False, True):  # the deterministic two-program kernel and the single pass
+# the deterministic two-program kernel, the single pass with dQ added by TMA bulk reductions
+# (Hopper) and by per-element atomics (the interpreter's path)
+for atomic, tma in ((False, False), (True, True), (True, False)):
     compile_sm90(
         attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
-        dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic),
+        dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic,
+             DQ_TMA=tma),
     )  # fmt: skip
 compile_sm90(
     attn._attn_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},

@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
@@ -75,6 +77,7 @@ from triton_transformer.utils import (
     next_power_of_2,
     seed_or_draw,
     sm_count,
+    tma_scratch,
 )
 
 __all__ = ["HEAD_DIMS", "attention", "attention_cached", "attention_naive", "attention_packed"]
@@ -426,19 +429,22 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_block(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
     sqn, sqd, sdon, sdod,
     n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
+    DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0.
 
-    ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to the fp32
-    accumulator at dq_acc_base ((n_q, HEAD_DIM) rows) with atomics; padded keys (key_real 0)
-    then get p = 0 here, since their dS must not reach dQ."""
+    ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to this head's fp32
+    (n_q, HEAD_DIM) accumulator `dq_acc`: with DQ_TMA a tensor descriptor whose bulk reduce
+    (one TMA instruction per tile) adds it in L2, else its base pointer, added element by
+    element with atomics. Padded keys (key_real 0) get p = 0 here: their dS must not reach
+    dQ."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if INT64_ROWS:  # noqa: SIM108
@@ -477,8 +483,11 @@ def _bwd_dkdv_block(
         dk = _mm(dsT, q, dk, IEEE)
         if ATOMIC_DQ:
             dq = _mm(tl.trans(dsT), k, None, IEEE)  # (BLOCK_M, BLOCK_D)
-            dq_ptrs = dq_acc_base + rows_m[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq, mask=mask, sem="relaxed")
+            if DQ_TMA:  # rows >= n_q and columns >= HEAD_DIM fall outside: clipped
+                dq_acc.atomic_add([start_m, 0], dq)
+            else:
+                dq_ptrs = dq_acc + rows_m[:, None] * HEAD_DIM + offs_d[None, :]
+                tl.atomic_add(dq_ptrs, dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
@@ -531,7 +540,7 @@ def _attn_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
-    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics.
@@ -579,7 +588,11 @@ def _attn_bwd_kernel(
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
-        dq_acc_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
+        dq_acc = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
+        if DQ_TMA:
+            dq_acc = tl.make_tensor_descriptor(
+                dq_acc, [N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M1, BLOCK_D]
+            )
         key_real = 1
         if HAS_KPM:
             key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
@@ -593,20 +606,20 @@ def _attn_bwd_kernel(
             )
             full_lo = tl.maximum(full_lo, lo)
             dk, dv = _bwd_dkdv_block(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
                 sqn, sqd, sdon, sdod,
                 n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
-                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM,
+                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA,
             )  # fmt: skip
         else:
             full_lo = 0
         dk, dv = _bwd_dkdv_block(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc_base, key_real,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
             sqn, sqd, sdon, sdod,
             n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
-            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM,
+            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA,
         )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -807,6 +820,20 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
         _FITTED[key] = tiles
 
 
+# What torch.compile hands an op body while tracing it.
+_TRACED = (FakeTensor, FunctionalTensor)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer CUDA device, kernels compiled (not the interpreter)."""
+    return device.type == "cuda" and not interpreter_enabled() and _cc_major(device.index) >= 9
+
+
+@functools.cache
+def _cc_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _max_row_offset(*tensors: torch.Tensor) -> int:
     # the largest in-head offset a kernel computes: row index * row stride (+ head dim)
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
@@ -910,8 +937,13 @@ def _bwd(
         return
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    atomic = not deterministic
     meta = _launch_meta(q, k, v)
+    # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
+    # slower than the two-program kernel there); the interpreter runs its math with plain
+    # atomics. Under torch.compile (fake tensors) the deterministic kernel runs: inductor
+    # would have to supply the descriptors' scratch memory.
+    dq_tma = _has_tma(q.device) and not isinstance(q, _TRACED)
+    atomic = not deterministic and (dq_tma or meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     gy, gz = meta["grid_bh"]
@@ -938,6 +970,7 @@ def _bwd(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
+        DQ_TMA=atomic and dq_tma,
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
@@ -946,6 +979,8 @@ def _bwd(
     n_prog = -(-n_k // config["BLOCK_N1"])
     if not atomic:
         n_prog += -(-n_q // config["BLOCK_M2"])
+    if consts["DQ_TMA"]:
+        triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     _launch_fitting(_attn_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
         wrap_triton(_attn_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](

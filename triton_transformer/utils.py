@@ -191,3 +191,9 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return rows
+
+
+def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side TMA descriptors (`tl.make_tensor_descriptor`): pass to
+    `triton.set_allocator` before launching a kernel that makes them."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
