@@ -521,7 +521,7 @@ OPTION_MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("d, causal, dropout, padded", OPTION_MATRIX)
 def test_every_option(d, causal, dropout, padded, deterministic, device):
     # tiny shapes: 37 rows put the interpreter's 16/32 tiles' edges and the causal diagonal
@@ -684,7 +684,7 @@ def test_dropout_explicit_seed(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True], ids=["single_pass", "deterministic"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d, causal, dropout, padded", OPTION_MATRIX)
 def test_gpu_every_option(d, causal, dropout, padded, dtype, deterministic, device):

@@ -27,10 +27,16 @@ and (only when a gradient is needed) the log-sum-exp per query row. Key blocks f
 every query of the block run without masks; only the causal diagonal and the ragged last key
 block are masked; blocks past the diagonal are never visited.
 
-Backward (no atomics, deterministic): a small kernel computes Δ_i = Σ_d dO·O; then one launch
-holds two kinds of programs: key-block programs accumulate dK, dV over the query blocks that see
-them, query-block programs accumulate dQ over the key blocks they see. Both recompute the
-probabilities from q, k and the log-sum-exp.
+Backward: a small kernel computes Δ_i = Σ_d dO·O; then one launch holds the programs that
+recompute the probabilities from q, k and the log-sum-exp. Two variants, as PyTorch's own
+kernels (`torch.use_deterministic_algorithms` picks):
+- deterministic (no atomics): key-block programs accumulate dK, dV over the query blocks that
+  see them, query-block programs accumulate dQ over the key blocks they see; P is computed
+  twice per tile (7 tile products);
+- single pass (default for causal attention, where it measured faster): only key-block
+  programs, each adding its share of dQ to an fp32 sum with one TMA bulk reduction per tile
+  (5 tile products); a last kernel scales and casts dQ. The order of the additions varies
+  from run to run, so dQ does in its last bits.
 
 Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
 long KV cache, so the keys may be split among programs whose partial results
@@ -716,7 +722,7 @@ def _bwd_config(
     kernel). Sweep winners as in `_fwd_config` (TFLOP/s counting the backward as 2.5
     forwards)."""
     if atomic:
-        return _ATOMIC_BWD.get((d <= 64, causal, dtype == torch.float32), _ATOMIC_BWD_DEFAULT)
+        return _ATOMIC_BWD[d <= 64, dtype == torch.float32]
     if dtype == torch.float32:
         return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
                 "num_warps": 4, "num_stages": 2}  # fmt: skip
@@ -742,18 +748,29 @@ def _atomic_tiles(m1: int, n1: int, warps: int, stages: int) -> dict:
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
-# Single-pass backward tiles per (d <= 64, causal, fp32).
-_ATOMIC_BWD_DEFAULT = _atomic_tiles(64, 128, 8, 2)
+# Single-pass backward tiles per (d <= 64, fp32), causal only (see `_single_pass`): the
+# winners of `bench_attention.py --sweep` on an H100 (2026-11-24, kernel time; TFLOP/s at seq
+# 1024 / 4096, against the two-program kernel's best in brackets): d64 186 / 262 (181 / 242),
+# d128 211 / 311 (207 / 287).
 _ATOMIC_BWD = {
-    (True, True, False): _atomic_tiles(64, 128, 8, 2),
-    (True, False, False): _atomic_tiles(64, 128, 8, 2),
-    (False, True, False): _atomic_tiles(64, 128, 8, 2),
-    (False, False, False): _atomic_tiles(64, 128, 8, 2),
-    (True, True, True): _atomic_tiles(32, 64, 4, 2),
-    (True, False, True): _atomic_tiles(32, 64, 4, 2),
-    (False, True, True): _atomic_tiles(32, 64, 4, 2),
-    (False, False, True): _atomic_tiles(32, 64, 4, 2),
+    (True, False): _atomic_tiles(64, 64, 4, 3),
+    (False, False): _atomic_tiles(64, 128, 8, 2),
+    (True, True): _atomic_tiles(32, 64, 4, 2),
+    (False, True): _atomic_tiles(32, 64, 4, 2),
 }
+
+
+def _single_pass(causal: bool, deterministic: bool, dq_tma: bool, interpret: bool) -> bool:
+    """Whether the backward takes the single pass (dQ added by TMA bulk reductions).
+
+    It is faster where it skips the most recomputation relative to its reductions: causal
+    attention, +2-10% on an H100 (sweep above). Without a causal mask the two-program kernel
+    measured faster (d64 at seq 1024: 300 TFLOP/s against 244; d128: 326 against 299), so it
+    stays the default there, deterministic or not. The interpreter runs the single pass's
+    math (with plain atomics) for its tests."""
+    if deterministic:
+        return False
+    return interpret or (dq_tma and causal)
 
 
 # Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
@@ -926,8 +943,9 @@ def _bwd(
     `dout` are (b, n_q, h, d) tensors (dout of any strides).
 
     deterministic: None follows `torch.are_deterministic_algorithms_enabled()`, as SDPA
-    does: off, the single-pass kernel adds dQ with fp32 atomics (faster, summation order
-    varies in the last bits); on, dK/dV and dQ programs each recompute P (bit-reproducible).
+    does: off, causal attention takes the single-pass kernel, which adds dQ in fp32 with TMA
+    reductions (faster; the summation order varies in the last bits); on, dK/dV and dQ
+    programs each recompute P (bit-reproducible). See `_single_pass`.
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
@@ -939,11 +957,10 @@ def _bwd(
         deterministic = torch.are_deterministic_algorithms_enabled()
     meta = _launch_meta(q, k, v)
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
-    # slower than the two-program kernel there); the interpreter runs its math with plain
-    # atomics. Under torch.compile (fake tensors) the deterministic kernel runs: inductor
-    # would have to supply the descriptors' scratch memory.
+    # slower than the two-program kernel there). Under torch.compile (fake tensors) the
+    # two-program kernel runs: inductor would have to supply the descriptors' scratch memory.
     dq_tma = _has_tma(q.device) and not isinstance(q, _TRACED)
-    atomic = not deterministic and (dq_tma or meta["interpret"])
+    atomic = _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     gy, gz = meta["grid_bh"]
