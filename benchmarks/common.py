@@ -268,6 +268,8 @@ def kernel_tables(rows: list[dict], top: int) -> str:
         what = " ".join(str(r[k]) for k in ("provider", "mode") if k in r)
         if "dropout" in r:
             what += f", dropout {r['dropout']}"
+        if r.get("fused loss", "-") != "-":
+            what += f", fused loss {r['fused loss']}"
         lines += [
             f"## {what}: "
             f"{r['gpu ms/step']:.2f} ms, {sum(k['calls/step'] for k in r['kernels']):.0f} "

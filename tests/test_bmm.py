@@ -75,7 +75,9 @@ def test_bmm_transposed_and_sliced_inputs(dtype, device):
 
 def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
     # k.transpose(-1, -2) must reach the kernel as a strided view of k's storage, not a copy.
-    # fp32 runs the pointer kernel on every device (the batched path).
+    # fp32 runs the pointer kernel on every device (the batched path) under "triton" ("auto"
+    # gives batched products to cuBLAS on a GPU).
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
     seen = []
     real = bmm_module._launch_ptr
 
@@ -93,7 +95,9 @@ def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
 
 
 def test_bmm_expanded_grad_and_batch_chunks(device, monkeypatch):
-    # sum() hands backward a stride-0 gradient; a tiny grid-batch cap forces several launches.
+    # sum() hands backward a stride-0 gradient; a tiny grid-batch cap forces several launches
+    # of the pointer kernel (ours: "triton").
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
     monkeypatch.setattr(bmm_module, "_MAX_GRID_BATCH", 2)
     a = rand((5, 7, 20), torch.float32, device).requires_grad_()
     b = rand((5, 20, 3), torch.float32, device, mean=1.1).requires_grad_()
@@ -107,7 +111,8 @@ def test_bmm_expanded_grad_and_batch_chunks(device, monkeypatch):
     assert rel_err(b.grad, b64.grad) < 1e-5
 
 
-def test_bmm_is_deterministic(device):
+def test_bmm_is_deterministic(device, monkeypatch):
+    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")  # our kernel, also on a GPU
     a = rand((2, 40, 70), torch.float16, device)
     b = rand((2, 70, 24), torch.float16, device, mean=1.1)
     assert torch.equal(bmm(a, b, use_triton=True), bmm(a, b, use_triton=True))
@@ -506,37 +511,119 @@ def test_layout_for_tma():
 def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
     bf16 = torch.bfloat16
+    few = ("ptr", bmm_module._FEW_ROWS_PTR)
     monkeypatch.setattr(bmm_module, "COMPILE_TMA", False)
     monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
-    table = {"8192x512x512:nt": "cublas", "64x64x64:nn": "ptr", "64x64x64:nt+res": "cublas"}
+    table = {
+        "512x512x8192:tn": "tma",
+        "64x64x64:nn": "ptr",
+        "64x64x64:nt+relu2": "cublas+ew",
+        "4096x2048x512:nt+relu2": "ptr",
+        "128x128x128:nt+relu2": "fused",
+    }
     monkeypatch.setattr(bmm_module, "MATMUL_TABLE", {"H200": table})
 
-    def plan(M, N, K, a_t=0, b_t=1, epi="", impl="auto", force=None, tracing=False, ok=None):
-        ok = epi in ("", "+res") if ok is None else ok
+    def plan(M, N, K, a_t=0, b_t=1, epi="", impl="auto", force=None, tracing=False, ok=True):
         return bmm_module._plan.__wrapped__(
             "cuda", 0, bf16, M, N, K, a_t, b_t, epi, ok, 2, impl, force, tracing
         )
 
+    # auto: cuBLAS for every problem it computes whole, listed or not, traced or not
+    assert plan(8192, 512, 512) == ("cublas",)
+    assert plan(16384, 50304, 768) == ("cublas",)
+    assert plan(8192, 512, 512, epi="+res") == ("cublas",)  # addmm
+    assert plan(8192, 512, 512, a_t=1, b_t=0) == ("cublas",)
+    assert plan(8192, 512, 512, a_t=-1) == ("cublas",)  # TMA can't describe a: cuBLAS can
+    assert plan(8192, 512, 512, tracing=True) == ("cublas",)
+    # ... except where the table lists a Triton kernel that measured faster
+    assert plan(512, 512, 8192, a_t=1, b_t=0)[:2] == ("tma", 8)  # a weight gradient: split K
+    assert plan(64, 64, 64, b_t=0)[0] == "ptr"
+    # relu²: fused by default (the TMA kernel on Hopper); the table's "ptr", "cublas+ew"
     assert plan(8192, 2048, 512, epi="+relu2") == ("tma", 1, 132)
-    assert plan(8192, 512, 512) == ("cublas",)  # listed
-    assert plan(8192, 512, 512, a_t=1, b_t=0)[0] == "tma"  # another layout: not listed
+    assert plan(128, 128, 128, epi="+relu2")[0] == "tma"  # "fused": the default kernel
+    assert plan(4096, 2048, 512, epi="+relu2")[0] == "ptr"
+    assert plan(64, 64, 64, epi="+relu2") == ("cublas+ew",)
+    assert plan(64, 64, 64, epi="+relu2", ok=False)[0] == "tma"  # cuBLAS can't: fused
+    assert plan(64, 64, 64, epi="+relu2", impl="triton")[0] == "tma"
+    assert plan(64, 64, 64, epi="+relu2", impl="cublas")[0] == "tma"  # relu² stays fused
+    assert plan(64, 64, 64, epi="+relu2", tracing=True) == ("cublas+ew",)
+    assert plan(64, 64, 64, epi="+relu2+res")[0] == "tma"  # the pass has no residual
+    assert plan(8192, 2048, 512, epi="+relu2", force="cublas+ew") == ("cublas+ew",)
+    assert plan(8192, 512, 512, force="cublas+ew") == ("cublas",)  # nothing to force
+    # "triton", "cublas", forced kernels, problems cuBLAS can't compute whole
     assert plan(8192, 512, 512, impl="triton")[0] == "tma"
+    assert plan(512, 512, 8192, a_t=1, b_t=0, impl="cublas") == ("cublas",)  # listed or not
     assert plan(8192, 512, 512, force="tma")[0] == "tma"
-    assert plan(8192, 512, 512, ok=False)[0] == "tma"  # e.g. a residual of another dtype
-    assert plan(8192, 512, 512, epi="+relu2", impl="cublas")[0] == "tma"  # relu²: never cuBLAS
-    assert plan(2048, 512, 512, impl="cublas") == ("cublas",)
-    assert plan(64, 64, 64, epi="+res") == ("cublas",)  # addmm
-    assert plan(64, 64, 64, b_t=0)[0] == "ptr"  # the table's "ptr"
-    assert plan(64, 64, 64, a_t=-1)[0] == "ptr"  # TMA can't describe a
-    assert plan(64, 60, 64)[0] == "ptr"  # 120-byte output rows
-    assert plan(64, 64, 64, force="ptr")[0] == "ptr"
-    assert plan(64, 64, 64, epi="+relu2", tracing=True)[0] == "ptr"  # COMPILE_TMA off
+    assert plan(8192, 512, 512, force="ptr")[0] == "ptr"
+    assert plan(8192, 512, 512, epi="+res", ok=False)[0] == "tma"  # residual of another dtype
+    assert plan(64, 64, 64, a_t=-1, ok=False)[0] == "ptr"  # TMA can't describe a
+    assert plan(64, 60, 64, ok=False)[0] == "ptr"  # 120-byte output rows
+    assert plan(64, 64, 64, epi="+relu2", ok=False, tracing=True)[0] == "ptr"  # no COMPILE_TMA
     # Weight gradients (K = tokens, few output tiles) split K; forward shapes do not.
-    assert plan(256, 512, 8192, a_t=1, b_t=0)[1] > 1
-    assert plan(8192, 256, 512)[1] == 1
+    assert plan(256, 512, 8192, a_t=1, b_t=0, impl="triton")[1] > 1
+    assert plan(8192, 256, 512, impl="triton")[1] == 1
+    # decode-sized (<= 16 rows): narrow pointer tiles; plain products with K >= 2048: cuBLAS
+    assert plan(5, 512, 512) == few
+    assert plan(5, 512, 2048) == ("cublas",)
+    assert plan(5, 2048, 512, epi="+relu2") == few
+    assert plan(5, 512, 2048, impl="triton") == few
+    assert plan(5, 512, 512, impl="cublas") == ("cublas",)
+    # another GPU: no TMA; the H200's table does not apply
     monkeypatch.setattr(bmm_module, "_device_info", lambda i: (8, 108, "A100"))
-    assert plan(8192, 2048, 512, epi="+relu2")[0] == "ptr"
-    assert plan(8192, 512, 512)[0] == "ptr"  # no table for this device, no TMA
+    assert plan(8192, 512, 512) == ("cublas",)
+    assert plan(512, 512, 8192, a_t=1, b_t=0) == ("cublas",)
+    assert plan(64, 64, 64, epi="+relu2")[0] == "ptr"
+    assert plan(8192, 512, 512, impl="triton")[0] == "ptr"
+    # not CUDA: the interpreter, unless a test forces "cublas+ew" (torch.mm, then the pass)
+    cpu = bmm_module._plan.__wrapped__
+    assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "", True, 2, "auto", None)[0] == "ptr"
+    assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "+relu2", True, 2, "auto", "cublas+ew") == (
+        "cublas+ew",
+    )
+
+
+def test_traced_products_go_to_cublas(monkeypatch):
+    # What torch.compile hands the op bodies: fake CUDA tensors (no GPU needed). Under "auto"
+    # a traced fp32 weight gradient of bf16 operands (torch.mm with out_dtype) and a batched
+    # product (torch.bmm) reach cuBLAS, no Triton kernel; without mm's out_dtype on fake
+    # tensors (`_MM_OUT_DTYPE_TRACEABLE` False) the weight gradient is ours.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not bmm_module._MM_OUT_DTYPE_TRACEABLE:
+        pytest.skip("this PyTorch has no meta kernel for torch.mm's out_dtype")
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched")
+
+    plans = []
+    uncached = bmm_module._plan.__wrapped__
+
+    def plan(*args):  # uncached, and recorded
+        plans.append(uncached(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
+    monkeypatch.setattr(bmm_module, "_plan", plan)
+    monkeypatch.setattr(bmm_module, "_launch_tma", no_triton)
+    monkeypatch.setattr(bmm_module, "_launch_ptr", no_triton)
+    monkeypatch.setattr(bmm_module, "COMPILE_TMA", True)  # reach a launch without a copy
+    bf16 = torch.bfloat16
+    with FakeTensorMode():
+        dy = torch.empty(4096, 768, dtype=bf16, device="cuda")
+        x = torch.empty(4096, 3072, dtype=bf16, device="cuda")
+        dw = torch.empty(768, 3072, dtype=torch.float32, device="cuda")
+        bmm_module._mm2d_into(dy.t(), x, dw)  # dW = dY^T @ X, written in fp32
+        assert plans == [("cublas",)]
+        q = torch.empty(8, 128, 64, dtype=bf16, device="cuda")
+        scores = torch.empty(8, 128, 128, dtype=bf16, device="cuda")
+        bmm_module._bmm_into(q, q.transpose(-1, -2), scores)
+        monkeypatch.setattr(bmm_module, "_MM_OUT_DTYPE_TRACEABLE", False)
+        with pytest.raises(AssertionError, match="Triton"):
+            bmm_module._mm2d_into(dy.t(), x, dw)
+        assert plans[-1][0] == "tma"
+        monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+        with pytest.raises(AssertionError, match="Triton"):
+            bmm_module._bmm_into(q, q.transpose(-1, -2), scores)
 
 
 def test_split_k_choice():
@@ -698,13 +785,58 @@ def test_matmul_impl_gpu(impl, device, monkeypatch):
     monkeypatch.setattr(bmm_module, "matmul_impl", impl)
     check_linear_bf16(2048, 512, 512, None, device)
     check_linear_bf16(2048, 512, 2048, "relu_squared", device)  # the epilogue stays Triton
-    # A residual of the same dtype goes to torch.addmm under "cublas" (and where listed).
+    # A residual of the same dtype goes to torch.addmm (under "auto" as under "cublas").
     x = rand((2048, 2048), torch.bfloat16, device, mean=0.1)
     w = rand((512, 2048), torch.bfloat16, device, mean=-0.01, std=2048**-0.5)
     h = rand((2048, 512), torch.bfloat16, device, mean=1.0)
     y = linear(x, w, use_triton=True, residual=h)
     ref = linear(x.double(), w.double(), residual=h.double())
     assert rel_err(y.double() - h.double(), ref - h.double()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_cublas_ew_gpu(p, device, monkeypatch):
+    # relu² through cuBLAS and the elementwise pass at a GPT-2 shape (d768 -> 3072), forward
+    # and backward against float64; with dropout, the fused epilogue's mask (same seed).
+    M, K, N = 4096, 768, 3072
+    monkeypatch.setattr(bmm_module, "_FORCE_PATH", "cublas+ew")
+    if p == 0.0:
+        check_linear_bf16(M, K, N, "relu_squared", device)
+        return
+    x = rand((M, K), torch.bfloat16, device, mean=0.1, std=1.0)
+    w = rand((N, K), torch.bfloat16, device, mean=-0.01, std=K**-0.5)
+    seed = draw_seeds(device, 1)[0]
+    y = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
+    monkeypatch.setattr(bmm_module, "_FORCE_PATH", None)
+    y_fused = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
+    relu2 = (x.double() @ w.double().T).clamp(min=0) ** 2
+    live = relu2 > 1e-3 * relu2.max()
+    assert torch.equal(y[live] != 0, y_fused[live] != 0)
+    assert rel_err(y, torch.where(y.double() != 0, relu2 / (1 - p), 0.0)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_compiled_mixed_precision_weight_grad_gpu(device, monkeypatch):
+    # Under torch.compile an fp32 weight's gradient (bf16 operands) is cuBLAS's mm with
+    # out_dtype where this PyTorch traces it (`_MM_OUT_DTYPE_TRACEABLE`), else our kernel:
+    # either way fp32, and equal to eager's to fp32 rounding.
+    monkeypatch.setattr(bmm_module, "matmul_impl", "auto")
+    torch._dynamo.reset()
+    x = rand((2048, 768), torch.bfloat16, device, mean=0.2)
+    w = rand((3072, 768), torch.float32, device, mean=0.01, std=768**-0.5).requires_grad_()
+    grad = rand((2048, 3072), torch.bfloat16, device, mean=0.3)
+
+    def f(x, w):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return linear(x, w, use_triton=True)
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        (g,) = torch.autograd.grad(fn(x, w), w, grad)
+        grads.append(g)
+    assert grads[1].dtype == torch.float32
+    assert rel_err(grads[1], grads[0]) < 1e-5
 
 
 @pytest.mark.gpu
@@ -860,6 +992,38 @@ def test_linear_relu2_dropout_seeds(device):
     b = linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5)
     torch.manual_seed(4)
     assert torch.equal(b, linear(x, w, "relu_squared", use_triton=True, dropout_p=0.5))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cublas_ew_relu2_matches_float64(dtype, p, device, monkeypatch):
+    # "cublas+ew" (forced; on the CPU torch.mm, then the pass in the interpreter): torch.mm,
+    # then relu² and the dropout in one elementwise pass. Same mask as the fused epilogue
+    # from the same seed, forward and both gradients against float64 (fp16 keeps relu(pre)
+    # for the backward through the pass's second output).
+    calls = []
+    real = bmm_module._relu2_in_place
+    monkeypatch.setattr(bmm_module, "_relu2_in_place", lambda *a: calls.append(a[1]) or real(*a))
+    N = 72  # > one 64-column tile, not a multiple of 16
+    x = rand((2, 19, 40), dtype, device, mean=0.2, std=1.0).requires_grad_()
+    w = rand((N, 40), dtype, device, mean=0.0, std=0.3).requires_grad_()
+    seed = draw_seeds(device, 1)[0]
+    dy = rand((2, 19, N), dtype, device, mean=0.3)
+    outs = {}
+    for force in (None, "cublas+ew"):
+        monkeypatch.setattr(bmm_module, "_FORCE_PATH", force)
+        y = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
+        outs[force] = (y.detach(), *torch.autograd.grad(y, (x, w), dy))
+    assert len(calls) == 1 and (calls[0] is not None) == (dtype == torch.float16)
+    y_fused, y = outs[None][0], outs["cublas+ew"][0]
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    relu2 = (x64 @ w64.T).clamp(min=0) ** 2
+    live = relu2 > 1e-3 * relu2.max()  # clearly nonzero: a zero output there means dropped
+    assert torch.equal(y[live] != 0, y_fused[live] != 0)  # the fused epilogue's mask
+    ref = torch.where(y.double() != 0, relu2 / (1 - p), 0.0)
+    refs = (ref.detach(), *torch.autograd.grad(ref, (x64, w64), dy.double()))
+    for got, want in zip(outs["cublas+ew"], refs, strict=True):
+        assert rel_err(got, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

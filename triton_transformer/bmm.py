@@ -12,7 +12,14 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   · 2·relu(pre), the mask regenerated from the forward's seed.
 The backward of each is `@once_differentiable` (double backward raises) and calls these ops.
 
-Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype and device):
+Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and device; cached):
+- "cublas": torch.mm; torch.addmm for a residual of the operands' dtype (cuBLAS's own C-input
+  epilogue, beta = 1); torch.mm with out_dtype for an fp32 output of fp16/bf16 operands (the
+  weight gradients under mixed precision: the fp32 accumulator written as is). Never relu².
+- "cublas+ew": relu² without a residual: torch.mm into the output, then `_relu2_ew_kernel`, one
+  elementwise pass in place computing relu(y)² [· dropout mask / (1 - p)] (the mask of the
+  fused epilogue, so the backward regenerates it the same way) and writing relu(y) where the
+  backward needs it (fp16), as the fused epilogue would. The backward is the fused path's.
 - "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
   or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
   16 for the output). `_mm_tma_kernel` is persistent (one program per SM looping over tiles
@@ -25,26 +32,38 @@ Kernels and which path a problem takes (`_plan`, cached per shape, layout, dtype
   (`_split_k`): fp32 partials in a workspace, summed in a fixed order by a second kernel, so
   results stay deterministic (no atomics).
 - "ptr": `_mm_ptr_kernel`, the pointer-based (strided, batched) kernel: other GPUs, fp32,
-  batched bmm (attention), and layouts TMA cannot describe.
+  batched bmm under "triton", decode-sized problems (<= 16 rows, `_FEW_ROWS_PTR`), and
+  layouts TMA cannot describe.
 - "interp": the same pointer kernel with small tiles and fp32 products for bf16 (the
   interpreter has no bf16 arithmetic); picked when tensors are not on CUDA (CPU tests).
-- "cublas": torch.mm (torch.addmm for a residual, cuBLAS's own C-input epilogue), never with
-  relu², when `matmul_impl == "cublas"`, or `"auto"` and `MATMUL_TABLE` says so for this
-  device and problem. `MATMUL_TABLE` also sends a few problems to "ptr" where that kernel
-  measured faster than the TMA one.
 
-Which path each projection of the model takes on an H200 under "auto" (measured with
-benchmarks/bench_matmul.py, kernel times with L2 flushed; triton 3.6, torch 2.11), and why:
-- forward relu² (proj_in, 512 -> 2048): Triton, fused (TMA kernel at 8192 tokens: 528
-  TFLOP/s, 0.90x a plain torch.mm of the same shape and 1.9x PyTorch's mm + relu + square;
-  pointer kernel at 2048 tokens: 359 TFLOP/s, 0.79x of mm, 1.5x of mm + relu + square).
-- every plain GEMM (forward, dX, dW of to_qkv, to_out, proj_out, to_logits; dX and dW of
-  proj_in after the elementwise d(pre) pass): cuBLAS, where our best kernel reached
-  0.59-0.88x of it (weight gradients and 2048-token problems lose most: few output tiles,
-  K = 512 leaves little to pipeline). Exceptions: proj_out dX at 8192 tokens (TMA, 0.91x)
-  and to_logits dX at 2048 (pointer kernel, 0.91x).
-- residual adds without relu²: cuBLAS's addmm (our epilogue reads the residual with plain
-  loads in the accumulator layout, 0.40-0.79x of addmm).
+`matmul_impl` (module-level) chooses among them on CUDA:
+- "auto" (default): every problem cuBLAS computes whole goes to cuBLAS (plain products 2-D
+  and batched, residual adds of one dtype, fp32 weight gradients, also while torch.compile
+  traces where this PyTorch has a meta kernel for mm's out_dtype), except where
+  `MATMUL_TABLE` lists a Triton kernel ("tma"/"ptr") measured faster for this device and
+  problem, and decode-sized products with a short K (`_plan_few_rows`). relu² runs fused in
+  our epilogue (TMA kernel on Hopper, else the pointer kernel) unless the table says
+  "cublas+ew" for the problem: the fused kernel has to beat cuBLAS plus the separate pass.
+  A residual of another dtype (autocast's fp32 residual stream under a bf16 product) runs
+  in our epilogue: addmm needs one dtype (addmm's out_dtype does not trace: pytorch#163880).
+- "triton": never cuBLAS (benchmarks and tests of our kernels).
+- "cublas": cuBLAS wherever it computes the whole problem, listed or not; relu² stays fused.
+
+Why cuBLAS by default: every plain GEMM measured so far went to it. H200, triton 3.6, torch
+2.11, benchmarks/bench_matmul.py (kernel times, L2 flushed), the enwik8 model's projections
+(d512, ff 2048, vocab 256) at 2048 and 8192 tokens: our best kernel reached 0.59-0.91x of
+torch.mm (weight gradients and 2048-token problems lose most: few output tiles, K = 512
+leaves little to pipeline), and 0.40-0.79x of torch.addmm with the residual (our epilogue
+reads it with plain loads in the accumulator layout); at GPT-2's shapes (d768, 16,384
+tokens, vocab 50,304) the TMA kernel ran at 0.90x of cuBLAS (issue "Lead at GPT-2 scale").
+The fused relu² forward won:
+d512 -> 2048 at 8192 tokens 528 TFLOP/s with the TMA kernel, 0.90x a plain torch.mm of the
+same shape and 1.9x PyTorch's mm + relu + square; at 2048 tokens the pointer kernel, 359
+TFLOP/s, 0.79x of mm and 1.5x of mm + relu + square. Against cuBLAS + our single
+elementwise pass ("cublas+ew"), and every projection of the GPT-2 and large presets (forward,
+dX, dW): measured in the next GPU run (`bench_matmul.py --presets`), whose "table" column
+gives the entries to add here.
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
 relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and
@@ -86,6 +105,7 @@ from triton_transformer.utils import (
     dropout_threshold,
     next_power_of_2,
     seed_or_draw,
+    sm_count,
 )
 
 # What torch.compile hands an op body while tracing it.
@@ -97,62 +117,48 @@ def _is_traced(t: torch.Tensor) -> bool:
 
 
 ACTIVATIONS = (None, "relu_squared")
-MATMUL_IMPLS = ("auto", "triton", "cublas")
 
-# Which GEMM runs a problem: "auto" (MATMUL_TABLE's choice for this device and shape, else the
-# TMA kernel on Hopper), "triton" (never cuBLAS) or "cublas" (cuBLAS for every problem it can
-# compute: plain products and residual adds, never relu²). Module-level, read once per call.
+# Which GEMM runs a problem on CUDA: "auto" (cuBLAS for whatever it computes whole, relu²
+# fused, `MATMUL_TABLE`'s exceptions), "triton" (never cuBLAS) or "cublas" (cuBLAS wherever it
+# computes the whole problem, relu² fused). See the module docstring. Module-level, read once
+# per call.
 matmul_impl = "auto"
 
-# Measured choices per device name and problem: "MxNxK:AB[+relu2][+res]" with A/B = "n"
-# (row-major) or "t" (a transposed view) -> "cublas" or "ptr". Problems not listed run the
-# TMA kernel. From benchmarks/bench_matmul.py (kernel times, L2 flushed) on an H200, triton
-# 3.6, torch 2.11, 2026-11-22, at the model's projections for 2048 and 8192 tokens:
-# "cublas" where our best kernel stayed below 0.9x torch.mm (torch.addmm for "+res");
-# "ptr" where the pointer kernel beat the TMA one. relu² never goes to cuBLAS.
+# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]" (A/B:
+# "n" row-major, "t" a transposed view, "s" other strides): "tma" / "ptr" where that Triton
+# kernel measured faster than cuBLAS (for relu², the faster of our two fused kernels); for
+# relu² without a residual, "fused" (our epilogue; the default) or "cublas+ew" (cuBLAS's
+# product, then our elementwise relu² pass) where that measured faster than the fused kernel.
+# benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
+# presets' projections. Kernel times, L2 flushed.
 MATMUL_TABLE: dict[str, dict[str, str]] = {
     "NVIDIA H200": {
-        # 2048 tokens
-        "2048x1536x512:nt": "cublas",  # to_qkv fwd: best 0.69x
-        "2048x512x1536:nn": "cublas",  # to_qkv dX: 0.69x
-        "1536x512x2048:tn": "cublas",  # to_qkv dW: 0.61x
-        "2048x512x512:nt": "cublas",  # to_out fwd: 0.85x
-        "2048x512x512:nn": "cublas",  # to_out dX: 0.82x
-        "512x512x2048:tn": "cublas",  # to_out dW: 0.59x
-        "2048x512x512:nt+res": "cublas",  # to_out + residual: 0.79x of addmm
-        "2048x2048x512:nt+relu2": "ptr",  # proj_in fwd: ptr 359, TMA 337 TFLOP/s
-        "2048x512x2048:nn": "cublas",  # proj_in dX: 0.63x
-        "2048x512x2048:tn": "cublas",  # proj_in dW: 0.68x
-        "2048x512x2048:nt": "cublas",  # proj_out fwd: 0.66x
-        "2048x2048x512:nn": "cublas",  # proj_out dX: 0.84x
-        "512x2048x2048:tn": "cublas",  # proj_out dW: 0.66x
-        "2048x512x2048:nt+res": "cublas",  # proj_out + residual: 0.40x of addmm
-        "2048x256x512:nt": "cublas",  # to_logits fwd: 0.86x
-        "2048x512x256:nn": "ptr",  # to_logits dX: ptr 0.91x
-        "256x512x2048:tn": "cublas",  # to_logits dW: 0.59x
-        # 8192 tokens
-        "8192x1536x512:nt": "cublas",  # 0.87x
-        "8192x512x1536:nn": "cublas",  # 0.85x
-        "1536x512x8192:tn": "cublas",  # 0.77x
-        "8192x512x512:nt": "cublas",  # 0.82x
-        "8192x512x512:nn": "cublas",  # 0.86x
-        "512x512x8192:tn": "cublas",  # 0.79x
-        "8192x512x512:nt+res": "cublas",  # 0.71x of addmm
-        "8192x512x2048:nn": "cublas",  # proj_in dX: 0.83x
-        "2048x512x8192:tn": "cublas",  # proj_in dW: 0.78x
-        "8192x512x2048:nt": "cublas",  # proj_out fwd: 0.88x
-        "512x2048x8192:tn": "cublas",  # proj_out dW: 0.77x
-        # Not measured (the benchmark run ended first); from the same problems at 2048
-        # tokens (0.40-0.59x). Confirm with: bench_matmul.py --M 8192 --shapes 512->256,2048->512
-        "8192x512x2048:nt+res": "cublas",  # proj_out + residual
-        "8192x256x512:nt": "cublas",  # to_logits fwd
-        "8192x512x256:nn": "cublas",  # to_logits dX
-        "256x512x8192:tn": "cublas",  # to_logits dW
+        # triton 3.6, torch 2.11, 2026-11-22: enwik8's proj_in at 2048 tokens (a micro-batch
+        # of 4 x 512), fused: pointer kernel 359, TMA kernel 337 TFLOP/s
+        "2048x2048x512:nt+relu2": "ptr",
     }
 }
 
-# Tests only: force a path ("tma", "ptr") where it is allowed.
+# Tests and benchmarks only: force a path where it is allowed: "tma" or "ptr" (our kernels,
+# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual through cuBLAS and
+# the elementwise pass, on any device: on the CPU torch.mm and the interpreter; other
+# problems are planned as without a force).
 _FORCE_PATH: str | None = None
+
+
+def _mm_out_dtype_traceable() -> bool:
+    """Whether torch.mm(a, b, out_dtype=float32) of bf16 operands runs on meta tensors, as
+    torch.compile's fake tensors need (releases without a meta kernel for it failed to trace
+    it: pytorch#159023). Then traced fp32 weight gradients can go to cuBLAS too."""
+    try:
+        a = torch.empty((16, 16), dtype=torch.bfloat16, device="meta")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:  # no out_dtype overload, or no meta kernel for it
+        return False
+
+
+# Probed once, at import: inside a trace, tensors made here would be traced ones.
+_MM_OUT_DTYPE_TRACEABLE = _mm_out_dtype_traceable()
 
 # Whether torch.compile traces the TMA kernel (True) or the pointer kernel (False) into its
 # graphs. Off until verified on the GPU machine (tests/test_bmm.py's compile test runs both):
@@ -532,6 +538,39 @@ def _relu2_grad_kernel(
     tl.store(DP + offs_m[:, None] * N + offs_n[None, :], dp.to(DP.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _relu2_ew_kernel(
+    Y,
+    AUX,
+    M,
+    N,
+    SEED,
+    threshold,
+    drop_scale,
+    STORE_AUX: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The relu² epilogue as a pass of its own, after cuBLAS wrote pre = x @ W^T into Y (M, N,
+    contiguous): Y = relu(pre)² in place; DROPOUT: times the keep mask of the fused epilogue
+    (same (seed, row, column) draws, which `_relu2_grad_kernel` regenerates) · drop_scale;
+    STORE_AUX: also AUX (contiguous) = relu(pre), for the backward."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_n = tl.program_id(1).to(tl.int64) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    r = tl.maximum(tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32), 0.0)
+    if STORE_AUX:
+        tl.store(AUX + offs, r.to(AUX.dtype.element_ty), mask=mask)
+    y = r * r
+    if DROPOUT:
+        keep = dropout_keep_tile(tl.load(SEED), offs_m, start_n, N, threshold, BLOCK_N, True)
+        y = tl.where(keep != 0, y * tl.cast(drop_scale, tl.float32), 0.0)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------------------
 # Host side: plans (cached per shape), launches
 # ------------------------------------------------------------------------------------------
@@ -571,11 +610,11 @@ def _ptr_config(
     return block_m, block_n, _pow2(K, 16, 64), 8, 8 if big else 4, 3 if big else 4
 
 
-@functools.cache
 def _device_info(index: int) -> tuple[int, int, str]:
-    """(compute capability major, SM count, name) of a CUDA device."""
-    props = torch.cuda.get_device_properties(index)
-    return props.major, props.multi_processor_count, props.name
+    """(compute capability major, SM count, name) of CUDA device `index`: what `_plan` decides
+    by (TMA or not, the persistent grid, the table). Tests replace it to plan for other GPUs."""
+    major = torch.cuda.get_device_capability(index)[0]
+    return major, sm_count(torch.device("cuda", index)), torch.cuda.get_device_name(index)
 
 
 def _split_k(M: int, N: int, K: int, num_sms: int) -> int:
@@ -628,32 +667,42 @@ def _plan(
     force: str | None,
     tracing: bool = False,
 ) -> tuple:
-    """How one 2-D problem runs: ("cublas",), ("tma", split_k, num_sms) or ("ptr", config).
+    """How one 2-D problem runs: ("cublas",), ("cublas+ew",), ("tma", split_k, num_sms) or
+    ("ptr", config). The rule is the module docstring's.
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
-    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm can compute
-    it (no relu², one dtype throughout). out_size: the output's element size in bytes.
-    tracing: torch.compile is tracing the op; the TMA kernel is used there only if
-    `COMPILE_TMA` (inductor must then provide the descriptors' scratch allocator).
+    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm computes the
+    product and its residual into the output (one dtype throughout, or an fp32 output of
+    fp16/bf16 operands without a residual); relu² is then our separate pass ("cublas+ew").
+    out_size: the output's element size in bytes. tracing: torch.compile is tracing the op;
+    the TMA kernel is used there only if `COMPILE_TMA` (inductor must then provide the
+    descriptors' scratch allocator).
     """
+    relu2 = "+relu2" in epi
+    plain = cublas_ok and not relu2  # cuBLAS computes the whole problem
+    ew = cublas_ok and epi == "+relu2"  # cuBLAS's product, then relu² in place
+    if force == "cublas+ew":
+        if ew:
+            return ("cublas+ew",)
+        force = None  # forces nothing else
     if device_type != "cuda":
         return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
     major, num_sms, name = _device_info(index)
+    half = dtype in (torch.float16, torch.bfloat16)
     choice = None
     if impl == "auto" and force is None:
         lay = ("nt"[a_t] if a_t >= 0 else "s") + ("nt"[b_t] if b_t >= 0 else "s")
         choice = MATMUL_TABLE.get(name, {}).get(f"{M}x{N}x{K}:{lay}{epi}")
-    if cublas_ok and force is None and (impl == "cublas" or choice == "cublas"):
-        return ("cublas",)
-    if M <= 16 and dtype in (torch.float16, torch.bfloat16) and force is None:
-        return _plan_few_rows(K, impl, cublas_ok)
-    tma = (
-        major in (9, 10)
-        and dtype in (torch.float16, torch.bfloat16)
-        and a_t >= 0
-        and b_t >= 0
-        and (N * out_size) % 16 == 0
-    )
+    if force is None:
+        if plain and impl == "cublas":
+            return ("cublas",)
+        if ew and choice == "cublas+ew":
+            return ("cublas+ew",)
+        if M <= 16 and half:
+            return _plan_few_rows(K, impl, plain)
+        if plain and impl == "auto" and choice not in ("tma", "ptr"):
+            return ("cublas",)
+    tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
     if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
         return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
     return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
@@ -669,6 +718,7 @@ _FEW_ROWS_PTR = (16, 16, 256, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, wa
 
 
 def _plan_few_rows(K: int, impl: str, cublas_ok: bool) -> tuple:
+    """The plan of a decode-sized fp16/bf16 problem (cublas_ok: cuBLAS computes it whole)."""
     if cublas_ok and impl == "auto" and K >= 2048:
         return ("cublas",)
     return ("ptr", _FEW_ROWS_PTR)
@@ -807,14 +857,16 @@ def _mm2d_into(
         return  # act(0) = 0: nothing for a dropout to scale
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
+    epi = _EPI[relu_squared, residual is not None]
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
-        epi = _EPI[relu_squared, residual is not None]
         traced = _is_traced(a)
-        # cuBLAS computes plain products, addmm's residual in one dtype, and (eagerly)
-        # fp16/bf16 products written in fp32: the weight gradients of mixed precision
-        widen = c.dtype == torch.float32 and residual is None and not traced
-        cublas_ok = not relu_squared and drop is None and (c.dtype == a.dtype or widen)
+        # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
+        # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
+        # tracing only where mm's out_dtype has a meta kernel)
+        widen = c.dtype == torch.float32 and residual is None
+        widen = widen and (not traced or _MM_OUT_DTYPE_TRACEABLE)
+        cublas_ok = c.dtype == a.dtype or widen
         if residual is not None:
             cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
@@ -825,15 +877,21 @@ def _mm2d_into(
         if plan[0] == "tma":
             _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
             return
-    else:
-        plan = _plan(device.type, 0, a.dtype, M, N, K, -1, -1, "", False, 0, "triton", None)
-    if plan[0] == "cublas":  # plain, or the residual as cuBLAS's own C input (beta = 1)
-        if residual is None and c.dtype != a.dtype:
+    else:  # the interpreter; torch.mm where a test forces "cublas+ew"
+        cublas_ok = c.dtype == a.dtype and residual is None
+        plan = _plan(
+            device.type, 0, a.dtype, M, N, K, -1, -1, epi, cublas_ok, c.element_size(),
+            matmul_impl, _FORCE_PATH,
+        )  # fmt: skip
+    if plan[0] == "cublas" and residual is not None:
+        torch.addmm(residual, a, b, out=c)  # the residual as cuBLAS's own C input (beta = 1)
+    elif plan[0] in ("cublas", "cublas+ew"):
+        if c.dtype != a.dtype:
             torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
-        elif residual is None:
-            torch.mm(a, b, out=c)
         else:
-            torch.addmm(residual, a, b, out=c)
+            torch.mm(a, b, out=c)
+        if plan[0] == "cublas+ew":
+            _relu2_in_place(c, aux, drop)
     else:
         interpret = device.type != "cuda"
         _launch_ptr(
@@ -841,8 +899,23 @@ def _mm2d_into(
         )
 
 
+def _relu2_in_place(
+    c: torch.Tensor, aux: torch.Tensor | None, drop: tuple[float, torch.Tensor] | None
+) -> None:
+    """c (M, N, contiguous) = dropout(relu(c)²) in place, aux = relu(c) if given: the relu²
+    epilogue after cuBLAS's product (`_relu2_ew_kernel`)."""
+    M, N = c.shape
+    # 16 x 256 tiles, 4 warps: the d(pre) pass's (`relu2_grad_op`), also one read and write
+    wrap_triton(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+        c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
+        STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-    """c[i] = a[i] @ b[i] for 3-D views of any strides (the pointer kernel; batch 1 is 2-D)."""
+    """c[i] = a[i] @ b[i] for 3-D views of any strides: torch.bmm on CUDA (unless
+    `matmul_impl` is "triton" or a path is forced), else the pointer kernel; batch 1 is 2-D."""
     batch, M, K = (int(d) for d in a.shape)  # symbolic sizes: specialise
     if batch == 1:
         _mm2d_into(a[0], b[0], c[0])
@@ -853,7 +926,8 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         c.zero_()
         return
     interpret = a.device.type != "cuda"
-    if not interpret and matmul_impl == "cublas" and c.dtype == a.dtype:
+    # a plain product: cuBLAS's batched GEMM unless our kernel is asked for
+    if not interpret and matmul_impl != "triton" and _FORCE_PATH is None and c.dtype == a.dtype:
         torch.bmm(a, b, out=c)
         return
     cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
@@ -1099,6 +1173,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     The leading (batch) dims of `a` and `b` must be equal (no broadcasting); plain 2-D
     matrices are fine too. Inputs may be strided views (e.g. k.transpose(-1, -2)): the
     Triton kernels read them in place. fp32 accumulation; the output has the input dtype.
+    use_triton on CUDA: the product goes where `matmul_impl` sends it (cuBLAS under "auto").
     """
     a, b = _check_pair(a, b, "a", "b")
     if a.dim() < 2 or b.dim() < 2:
@@ -1176,7 +1251,8 @@ def linear(
     """dropout(act(x @ weight.T)) [+ residual], like F.linear without bias: x (..., K),
     weight (N, K); returns (..., N).
 
-    activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue).
+    activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue, or a
+        pass of its own after cuBLAS's product where `MATMUL_TABLE` says "cublas+ew").
     dropout_p: dropout on the activation's output, in [0, 1) (relu_squared only; pass 0
         outside training). Triton: drawn in the same epilogue from `seed` (a 0-dim int64
         device tensor; None draws one, `utils.draw_seed`), and the backward's d(pre) pass
