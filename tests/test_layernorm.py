@@ -1,8 +1,10 @@
 """LayerNorm: Triton kernels (forward, dx, dweight, dbias) vs a float64 run of the PyTorch branch.
 
-CPU runs use Triton's interpreter with small shapes. The looped path (rows longer than one
-block) is reached by monkeypatching `layernorm.MAX_BLOCK_N` down to 32, and once with the real
-constant by taking N = MAX_BLOCK_N + 37.
+CPU runs use Triton's interpreter with small shapes. The wide-row paths are reached at small N
+by monkeypatching `layernorm.MAX_BLOCK_N` down to 16-32 (rows then loop over column blocks),
+or the launch tables (the `tables` fixture: every width takes one configuration, e.g. the
+"split" backward with 32-column tiles); the shipped tables at 8192-16384+ columns run on a
+few rows, and at model scale in the GPU tests.
 """
 
 import importlib
@@ -10,17 +12,49 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from triton_transformer.layernorm import STABLE_CLAMP, LayerNorm, layernorm
+from triton_transformer.layernorm import STABLE_CLAMP, BwdConfig, LayerNorm, layernorm
 
 # The package re-exports the function `layernorm`, which shadows the submodule attribute.
 ln_mod = importlib.import_module("triton_transformer.layernorm")
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+# Launch configurations that send small rows down the wide-row paths: tiles of 32-64 columns
+# stand in for 4096-16384 (the interpreter's cost grows with the tile). Forward (BLOCK_M,
+# BLOCK_N, warps), or None for the shipped table; backward a BwdConfig.
+SPLIT = BwdConfig("split", 4, 32, 4, 2, sum_block_m=2, sum_block_n=32, sum_warps=4)
+WIDE_PATHS = {
+    "loop": ((2, 32, 4), BwdConfig("loop", 2, 32, 4, 1)),
+    "split": (None, SPLIT),
+    "split_prefetch": (
+        (1, 64, 4),
+        BwdConfig("split", 2, 64, 4, 1, prefetch=True, sum_block_m=1, sum_block_n=64),
+    ),
+}
+
+
+@pytest.fixture
+def tables():
+    """`tables(fwd, bwd)` makes every width take these launch configurations (a one-entry
+    table is every width's nearest entry; None keeps the shipped one) until the test ends."""
+    saved = ln_mod._FWD_TABLE, ln_mod._BWD_TABLE
+
+    def use(fwd=None, bwd=None):
+        if fwd is not None:
+            ln_mod._FWD_TABLE = {16: fwd}
+        if bwd is not None:
+            ln_mod._BWD_TABLE = {16: bwd}
+        ln_mod._clear_config_caches()
+
+    yield use
+    ln_mod._FWD_TABLE, ln_mod._BWD_TABLE = saved
+    ln_mod._clear_config_caches()
 
 
 def _inputs(shape, dtype=torch.float32, device="cpu", bias=True, param_dtype=None):
@@ -114,9 +148,12 @@ def test_looped_long_rows(N, stable, bias, device, monkeypatch):
     _check(x, w, b, stable=stable)
 
 
+@pytest.mark.parametrize("N", [5000, 8192 + 37, 16384 + 37])
 @pytest.mark.parametrize("stable", [False, True])
-def test_looped_with_real_max_block(stable, device):
-    x, w, b = _inputs((3, ln_mod.MAX_BLOCK_N + 37), device=device)
+def test_shipped_tables_at_wide_rows(N, stable, device):
+    # The shipped configurations of width classes 8192 and 16384, and past the largest entry
+    # (which takes its nearest), whichever paths they pick; 3 rows keep the interpreter quick.
+    x, w, b = _inputs((3, N), device=device)
     _check(x, w, b, stable=stable)
 
 
@@ -180,10 +217,12 @@ def test_stable_all_negative_rows(device):
     _assert_close(out[0], plain.double(), 1e-3, "stable vs plain")
 
 
-@pytest.mark.parametrize("looped", [False, True])
-def test_stable_zero_rows(looped, device, monkeypatch):
-    if looped:
+@pytest.mark.parametrize("path", ["single", "looped", "split"])
+def test_stable_zero_rows(path, device, monkeypatch, tables):
+    if path == "looped":
         monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+    if path == "split":
+        tables(bwd=SPLIT)
     x, w, b = _inputs((6, 100), device=device)
     x[1] = 0.0
     x[4] = 0.0
@@ -202,10 +241,12 @@ def _tied_rows(device, eps_dtype=torch.float32):
     return x
 
 
-@pytest.mark.parametrize("looped", [False, True])
-def test_stable_scale_gradient_and_ties(looped, device, monkeypatch):
-    if looped:
+@pytest.mark.parametrize("path", ["single", "looped", "split"])
+def test_stable_scale_gradient_and_ties(path, device, monkeypatch, tables):
+    if path == "looped":
         monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 16)
+    if path == "split":
+        tables(bwd=SPLIT._replace(block_n=16, sum_block_n=16))  # ties in several tiles
     x = _tied_rows(device)
     x[4] = x[4] * 1e-6  # entirely below the clamp
     w = 1.0 + 0.5 * torch.randn(40, device=device)
@@ -322,6 +363,43 @@ def test_gpu_deterministic(N, stable, device):
     second = _fwd_bwd(x, w, b, dy, stable=stable)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("M", "N"), [(4096, 16384), (1024, 12288)])
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_wide_rows(M, N, stable, device):
+    # GPT-2-scale widths through the shipped tables, bf16, against float64; and bitwise
+    # reproducible.
+    x, w, b = _inputs((M, N), dtype=torch.bfloat16, device=device)
+    dy = torch.randn(x.shape, device=device).to(x.dtype)
+    out, _ = _check(x, w, b, stable=stable, tol=1e-2, dy=dy)
+    again = _fwd_bwd(x, w, b, dy, stable=stable)
+    for a, c in zip(out, again, strict=True):
+        assert torch.equal(a, c)
+
+
+# Configurations the benchmark's sweep tries at wide rows: each must compile and be right.
+GPU_WIDE_FWD = [(1, 16384, 16), (1, 16384, 32), (1, 4096, 8), (2, 2048, 8)]
+GPU_WIDE_BWD = [
+    BwdConfig("row", 1, 16384, 32, 1),
+    BwdConfig("row", 1, 16384, 16, 1, prefetch=True),
+    BwdConfig("loop", 1, 4096, 8, 1),
+    BwdConfig("loop", 2, 2048, 8, 4),
+    BwdConfig("split", 8, 256, 4, 4, sum_block_m=1, sum_block_n=4096, sum_warps=8),
+    BwdConfig("split", 16, 128, 8, 8, prefetch=True, sum_block_m=2, sum_block_n=2048),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [12288, 16384])
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_launch_variants_wide(N, stable, device, tables):
+    x, w, b = _inputs((512, N), dtype=torch.bfloat16, device=device)
+    dy = torch.randn(x.shape, device=device).to(x.dtype)
+    for fwd, bwd in zip(GPU_WIDE_FWD + GPU_WIDE_FWD[:2], GPU_WIDE_BWD, strict=True):
+        tables(fwd, bwd)
+        _check(x, w, b, stable=stable, tol=1e-2, dy=dy)
 
 
 # ----------------------------------------------------------------------------- op contract
@@ -444,40 +522,228 @@ def test_gpu_compiles_without_graph_breaks(stable, device):
         _assert_close(got, want, 3e-2, name)
 
 
-@pytest.mark.parametrize("looped", [False, True])
-@pytest.mark.parametrize("block_m", [1, 4])
-def test_backward_variants_agree(looped, block_m, device, monkeypatch):
-    # The measured alternatives of the backward kernel: prefetching the next row tile (same
-    # arithmetic: bitwise-equal results) and the single-launch "last program reduces"
-    # reduction (the same partials summed in another fixed order), which must also reset its
-    # counter for the next call.
-    if looped:
-        monkeypatch.setattr(ln_mod, "MAX_BLOCK_N", 32)
+# Every kind of backward configuration, for rows of 100 (width class 128). "row" prefetching
+# the next tile is the same arithmetic as without; so is "split".
+BWD_VARIANTS = {
+    "row": BwdConfig("row", 4, 128, 4, 1),
+    "row_prefetch": BwdConfig("row", 4, 128, 4, 1, prefetch=True),
+    "row_1": BwdConfig("row", 1, 128, 4, 2, prefetch=True),
+    "loop": BwdConfig("loop", 1, 32, 4, 1),
+    "loop_2_rows": BwdConfig("loop", 2, 64, 4, 2),
+    "split": SPLIT,
+    "split_prefetch": SPLIT._replace(prefetch=True),
+    "split_1": BwdConfig("split", 1, 64, 4, 4, sum_block_m=4, sum_block_n=128),
+}
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_backward_variants_agree(stable, device):
+    # Each variant launched directly on one problem (50 rows: several tiles per program, a
+    # partial last one) matches float64; with the same arithmetic, prefetching is bitwise
+    # equal. The variants sum dweight/dbias in different fixed orders: close, not equal.
     x, w, b = _inputs((50, 100), device=device)
     dy = torch.randn(x.shape, device=device)
-    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, False)
-    base = ln_mod._bwd_config(50, 100, ln_mod.MAX_BLOCK_N, x.device)
-    bm = block_m if base[3] else 1
-    rows_per_prog = 4 * bm  # several tiles per program
-    cfg = (bm, *base[1:4], ln_mod.cdiv(50, rows_per_prog), rows_per_prog)
-    outs = []
-    for prefetch, fused in ((False, False), (True, False), (False, True)):
-        counter = torch.zeros(1, dtype=torch.int32, device=device) if fused else None
+    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, stable)
+    ref = _fwd_bwd(x, w, b, dy.double(), stable=stable, use_triton=False, dtype=torch.float64)
+    outs = {}
+    for name, cfg in BWD_VARIANTS.items():
         # NaN-poisoned: every element must be written.
         dx, dw, db = (torch.full_like(t, float("nan")) for t in (x, w, b))
-        ln_mod.launch_bwd(
-            dy, x, w, stats, dx, dw, db, 1e-5, False, cfg=(*cfg, prefetch), counter=counter
-        )
-        outs.append((dx, dw, db))
-        if fused:
-            assert counter.item() == 0
-    ref = _fwd_bwd(x, w, b, dy.double(), use_triton=False, dtype=torch.float64)
-    for out in outs:
-        for got, want, name in zip(out, ref[1:], ("dx", "dw", "db"), strict=True):
-            _assert_close(got, want, 1e-5, name)
-    for other in outs[1:]:
-        assert torch.equal(outs[0][0], other[0])
-    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][2], outs[1][2])
+        ln_mod.launch_bwd(dy, x, w, stats, dx, dw, db, 1e-5, stable, cfg=cfg)
+        outs[name] = (dx, dw, db)
+        for got, want, what in zip(outs[name], ref[1:], ("dx", "dw", "db"), strict=True):
+            _assert_close(got, want, 1e-5, f"{name} {what}")
+    for a, c in (("row", "row_prefetch"), ("split", "split_prefetch")):
+        for got, want in zip(outs[a], outs[c], strict=True):
+            assert torch.equal(got, want), (a, c)
+    # The dx of "split" is computed from the same row sums as "row": equal up to fp32
+    # summation order within a row.
+    _assert_close(outs["split"][0], outs["row"][0].double(), 1e-6, "split vs row dx")
+
+
+def test_row_config_must_hold_the_row(device):
+    x, w, b = _inputs((4, 100), device=device)
+    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, False)
+    dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+    with pytest.raises(ValueError, match="row"):
+        ln_mod.launch_bwd(x, x, w, stats, dx, dw, db, 1e-5, False, cfg=BWD_VARIANTS["loop"]
+                          ._replace(kind="row"))  # fmt: skip
+
+
+def test_config_lookup(tables):
+    # Blocks are capped at the width class and at MAX_BLOCK_N; a "row" entry whose row does not
+    # fit its block (a wider class than the entry's, or a small MAX_BLOCK_N) loops instead.
+    big = 2**15
+    tables(fwd=(1, 8192, 16), bwd=BwdConfig("row", 1, 8192, 16, 4))
+    assert ln_mod._fwd_config(100, big) == (1, 128, 16, True)
+    assert ln_mod._fwd_config(20000, big) == (1, 8192, 16, False)
+    assert ln_mod._fwd_config(100, 32) == (1, 32, 16, False)
+    assert ln_mod._bwd_entry(100, big) == BwdConfig("row", 1, 128, 16, 4)
+    assert ln_mod._bwd_entry(8192, big) == BwdConfig("row", 1, 8192, 16, 4)
+    assert ln_mod._bwd_entry(8193, big) == BwdConfig("loop", 1, 8192, 16, 4)
+    assert ln_mod._bwd_entry(100, 32) == BwdConfig("loop", 1, 32, 16, 4)
+    split = BwdConfig("split", 8, 256, 4, 4, sum_block_m=1, sum_block_n=4096, sum_warps=8)
+    tables(bwd=split)
+    assert ln_mod._bwd_entry(100, big) == split._replace(block_n=128, sum_block_n=128)
+    assert ln_mod._bwd_entry(30000, big) == split
+    assert ln_mod._bwd_entry(30000, 64) == split._replace(block_n=64, sum_block_n=64)
+
+
+@pytest.mark.parametrize("M", [1, 7, 50, 4096, 100_003])
+@pytest.mark.parametrize("N", [100, 16384, 65536 + 37])
+@pytest.mark.parametrize("kind", ["row", "split"])
+def test_backward_grid_covers_rows_once(M, N, kind, monkeypatch):
+    # Contiguous ranges of whole tiles, none empty, that cover the rows exactly once; "split"
+    # programs spread over its column tiles too (at least one range of rows each).
+    cfg = BwdConfig(kind, 4, 256, 4, 4)
+    for sms in (2, 132):
+        monkeypatch.setattr(ln_mod, "_num_sms", lambda _device, n=sms: n)
+        col_tiles, groups, rows_per_prog = ln_mod._bwd_plan(M, N, cfg, torch.device("cpu"))
+        assert rows_per_prog % cfg.block_m == 0
+        assert (groups - 1) * rows_per_prog < M <= groups * rows_per_prog
+        assert col_tiles == (ln_mod.cdiv(N, 256) if kind == "split" else 1)
+        assert groups <= max(1, cfg.per_sm * sms // col_tiles)
+
+
+# ----------------------------------------------------------------------------- wide-row paths
+
+
+@pytest.mark.parametrize("path", WIDE_PATHS)
+@pytest.mark.parametrize("N", [37, 100, 257])
+@pytest.mark.parametrize(("stable", "bias"), [(False, True), (True, True), (True, False)])
+def test_wide_paths_match_fp64(path, N, stable, bias, device, tables):
+    # 70 rows: several backward ranges of rows, the last ones partial; N = 37 fits one block,
+    # 100 and 257 (odd) take several, the last partial.
+    tables(*WIDE_PATHS[path])
+    x, w, b = _inputs((70, N), device=device, bias=bias)
+    _check(x, w, b, stable=stable)
+
+
+@pytest.mark.parametrize("path", WIDE_PATHS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("stable", [False, True])
+def test_wide_paths_low_precision(path, dtype, stable, device, tables):
+    tables(*WIDE_PATHS[path])
+    x, w, b = _inputs((24, 100), dtype=dtype, device=device)
+    _check(x, w, b, stable=stable, tol=1e-2)
+
+
+@pytest.mark.parametrize("path", WIDE_PATHS)
+def test_wide_paths_strided_and_nd(path, device, tables):
+    tables(*WIDE_PATHS[path])
+    # 3-D, and a column slice (row stride 120 != N: passed to the kernels, no copy) ...
+    x, w, b = _inputs((2, 9, 100), device=device)
+    _check(x, w, b, stable=True)
+    wide, w, b = _inputs((9, 120), device=device)
+    _check(wide[:, 10:110], w[10:110], b[10:110])
+    # ... a permuted 4-D input (last dim strided: copied once) with a strided gradient, and
+    # fp32 parameters with bf16 activations (as under autocast).
+    base, _, _ = _inputs((3, 100, 2, 5), device=device)
+    x = base.permute(0, 2, 3, 1)
+    _, w, b = _inputs((100,), device=device)
+    dy = torch.randn(3, 2, 100, 5, device=device).transpose(-1, -2)
+    _check(x, w, b, dy=dy)
+    x, w, b = _inputs((16, 100), dtype=torch.bfloat16, device=device, param_dtype=torch.float32)
+    _check(x, w, b, stable=True, tol=1e-2)
+
+
+@pytest.mark.parametrize("path", WIDE_PATHS)
+@pytest.mark.parametrize(("p", "stable"), [(0.0, True), (0.3, False)])
+def test_wide_paths_residual(path, p, stable, device, tables):
+    # The fused residual (+ dropout) LayerNorm shares these kernels: its downstream gradient
+    # of the sum and its masked branch gradient through each path.
+    from test_residual_layernorm import _check as check_residual
+    from test_residual_layernorm import _inputs as residual_inputs
+
+    tables(*WIDE_PATHS[path])
+    h, br, w, b = residual_inputs((10, 100), device=device)
+    check_residual(h, br, w, b, p=p, stable=stable)
+
+
+def _run_cpu_script(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a subprocess with TRITON_INTERPRET=0 (kernels are JITFunctions) and the
+    repository on the path."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_compile_traces_split_backward_cpu():
+    # As test_compile_traces_without_graph_breaks_cpu below, with every width on the "split"
+    # backward: its extra launch, 2-D grid and row ranges from a symbolic row count. torch's
+    # analysis of which arguments a kernel writes needs a GPU target: without one it assumes
+    # every argument is written, which no GPU run sees (and which the split's second kernel,
+    # reading "written" inputs of the first, cannot trace), so the script names sm_90.
+    script = Path(__file__).with_name("_compile_trace_check.py")
+    proc = _run_cpu_script(f"""
+        import importlib, runpy, sys
+        import triton
+        from triton.backends.compiler import GPUTarget
+
+        class Target:
+            def get_current_target(self):
+                return GPUTarget("cuda", 90, 32)
+
+        triton.runtime.driver.set_active(Target())
+        ln = importlib.import_module("triton_transformer.layernorm")
+        ln._BWD_TABLE = {{16: ln.{SPLIT!r}}}
+        sys.argv = [{str(script)!r}, "layernorm"]
+        runpy.run_path({str(script)!r}, run_name="__main__")
+    """)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_kernels_compile_for_sm90_cpu():
+    # Every kernel variant the tables and the sweep may pick, compiled for sm_90 as
+    # torch.compile launches it (float scalars fp64), bf16: what the interpreter cannot check.
+    proc = _run_cpu_script("""
+        import importlib
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        ln = importlib.import_module("triton_transformer.layernorm")
+        POINTERS = dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16", H="*bf16", BR="*bf16",
+                        DY="*bf16", DX="*bf16", DHN="*bf16", DBR="*bf16", Stats="*fp32",
+                        Partial="*fp32", PartialB="*fp32", RowSums="*fp32", SEED="*i64",
+                        DW="*bf16", DB="*bf16")
+        FLOATS = {"inv_n", "eps", "clamp", "p", "drop_scale"}
+
+        def compile_sm90(kernel, num_warps, **constants):
+            sig = {n: "constexpr" if n in constants else POINTERS.get(n) or
+                   ("fp64" if n in FLOATS else "i32") for n in kernel.arg_names}
+            names = list(sig)
+            src = ASTSource(fn=kernel, signature=sig,
+                            constexprs={(names.index(k),): v for k, v in constants.items()})
+            triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps))
+
+        io = dict(HAS_BIAS=True, INT64_IDX=False, DROPOUT=True)
+        for stable in (False, True):
+            for bm, bn, warps, single in ((1, 16384, 16, True), (4, 1024, 4, True),
+                                          (1, 4096, 8, False)):
+                compile_sm90(ln._ln_fwd_kernel, warps, STABLE=stable, SINGLE=single,
+                             RESIDUAL=True, BLOCK_M=bm, BLOCK_N=bn, **io)
+            for bm, bn, warps, single, prefetch in ((1, 8192, 16, True, False),
+                                                    (4, 1024, 4, True, True),
+                                                    (1, 4096, 8, False, False)):
+                compile_sm90(ln._ln_bwd_kernel, warps, STABLE=stable, SINGLE=single,
+                             HAS_DHN=True, WRITE_DBR=True, BLOCK_M=bm, BLOCK_N=bn,
+                             PREFETCH=prefetch, **io)
+            for prefetch in (False, True):
+                compile_sm90(ln._ln_bwd_cols_kernel, 4, STABLE=stable, HAS_DHN=True,
+                             WRITE_DBR=True, BLOCK_M=8, BLOCK_N=256, PREFETCH=prefetch, **io)
+            compile_sm90(ln._ln_bwd_rowsum_kernel, 8, STABLE=stable, BLOCK_M=1, BLOCK_N=4096)
+        compile_sm90(ln._colsum_kernel, 8, HAS_BIAS=True, BLOCK_G=256, BLOCK_C=32)
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")

@@ -17,21 +17,40 @@ The kernels here are shared with the fused residual + LayerNorm op
 x = h + dropout(branch), writes it, and normalises it; the backward adds the downstream
 gradient of that sum and writes the masked branch gradient too.
 
-Triton design:
+Triton design (e = bytes per element; "per row" = per row of N elements):
 - Forward: each program normalises BLOCK_M rows held as a (BLOCK_M, BLOCK_N) tile (several
-  rows per program when N is small). Rows up to MAX_BLOCK_N stay in registers (one read of x,
-  one write of y); statistics are fp32 and two-pass within the tile. A longer row is processed
-  in a loop over column blocks: one pass merges per-block mean/M2 (Chan's parallel variance),
-  one pass writes y (plus a first pass for the row's max |x| when stable). Only mean and rstd
-  per row (and the scale when stable) are saved.
+  rows per program when N is small). With BLOCK_N >= N the rows stay in registers: one read
+  of x, one write of y (2·N·e per row, the floor); statistics are fp32 and two-pass within the
+  tile. With BLOCK_N < N the row is processed in a loop over column blocks: one pass merges
+  per-block mean/M2 (Chan's parallel variance), one pass writes y (plus a first pass for the
+  row's max |x| when stable): 3·N·e per row (4·N·e stable), the re-reads from L2 while the
+  rows in flight fit there. Only mean and rstd per row (and the scale when stable) are saved.
 - Backward: with xhat = (u - mean) * rstd, u = x / scale (scale = 1 unless stable) and
-  g = dy * w, du = rstd * (g - c2 - xhat * c1) with c1 = mean(xhat * g), c2 = mean(g). One
-  pass over x and dy when the row fits a block (two when it does not). dweight/dbias: a fixed
-  number of programs (a multiple of the SM count, per N from _BWD_TABLE) each own a contiguous
-  range of rows, accumulate their column sums in registers and write them as one row of a
-  (programs, N) fp32 buffer; a tiny column-sum kernel then adds those rows in a fixed order.
-  No atomics, no locks, no waiting: deterministic, and it runs in the interpreter (which runs
-  programs one after another). See `_bwd_config` for why this is not a single launch.
+  g = dy * w,
+
+      du = rstd * (g - c2 - xhat * c1),      c1 = mean(xhat * g),  c2 = mean(g)
+      dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
+
+  (dx = du unless stable, below): no element of dx can be written before two reductions over
+  its whole row, and dweight/dbias are sums over all rows. Three variants, chosen per row
+  width by `_BWD_TABLE`:
+  "row": a program holds BLOCK_M whole rows in registers: reads x and dy once and writes dx
+    (3·N·e per row, the floor), accumulating its dweight/dbias partials in registers across
+    its rows. Registers bound it: at N = 16384, xhat, g and the two fp32 accumulators of one
+    row are 64K 32-bit values, an SM's whole register file.
+  "loop": pass 1 over column blocks for c1, c2; pass 2 re-reads x and dy, writes dx and adds
+    each block's dweight/dbias into the program's row of fp32 partials in global memory:
+    5·N·e + 16·N bytes per row (x and dy twice, dx, the partials read and written), served by
+    L2 only while the rows in flight and the (programs, N) partials fit there.
+  "split": two kernels. A row-sums kernel streams x and dy once over column blocks for c1, c2
+    (and the stable tie gradient) of each row; then a column-tiled kernel, one program per
+    (column tile, range of rows), reads x and dy again, writes dx and accumulates dweight/
+    dbias for its columns in registers: 5·N·e per row and no N-wide state in any program, so
+    it takes any width at full occupancy.
+  dweight/dbias: each program (for "split", each range of rows) writes its column sums as one
+  row of a (programs, N) fp32 buffer; a small column-sum kernel adds those rows in a fixed
+  order. No atomics, no locks, no waiting: deterministic, and it runs in the interpreter
+  (which runs programs one after another).
 - Stable backward: dx = du / s plus the gradient through the scale s = max|x| (not detached,
   to match autograd of the PyTorch branch). LayerNorm ignores its input's scale except
   through eps, and indeed sum(du * u) = N * c1 * eps * rstd^2 exactly, so the kernel uses
@@ -43,6 +62,7 @@ Triton design:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +74,11 @@ from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import (
     as_rows,
-    calc_num_warps,
     call_op,
     cdiv,
     check_triton_tensor,
     exists,
-    row_block_size,
+    next_power_of_2,
     sm_count,
 )
 
@@ -68,44 +87,82 @@ from triton_transformer.utils import (
 # branches clamp to the same value in every dtype.
 STABLE_CLAMP = 2.0**-14
 
-# Widest column block one program holds in registers; longer rows loop over blocks.
-# Tests monkeypatch it small to exercise the looped path. (16384 in registers was measured
-# 2-4x slower on an H200 than looping over 8192-wide blocks: register spills.)
-MAX_BLOCK_N = 8192
+# Widest column block any program holds: the tables' blocks are capped at it, and rows wider
+# than the block loop over column blocks (or take the "split" backward). Tests monkeypatch it
+# small to exercise those paths at small N.
+MAX_BLOCK_N = 32768
 
-# Launch configurations keyed by the power-of-two column block. Forward: (rows per program,
-# warps). Backward: (rows per tile, warps, programs per SM, prefetch the next tile). Blocks not
-# listed fall back to the nearest entry. Blocks 512-4096 come from the H200 sweep of 2026-11-22
-# (`benchmarks/bench_layernorm.py --tune --shapes ...`, kernel times, bf16) at 2048 and 8192 x
-# 512, 4096 and 16384 x 1024, 4096 x 2048 and 4096 x 4096: each entry is within 6% of the
-# best at every swept shape. The backward wants few elements per thread (4-8), 4 warps up to
-# N = 1024, and the next tile's loads prefetched: at 2048 x 512 it takes 7.2 µs against 24.9
-# for the old (4 rows, 8 warps, 4 per SM) entry, at 4096 x 1024 9.9 against 24.6. The other
-# blocks keep the configurations of revision 4b80779 (a 2048-element tile, `calc_num_warps`
-# warps, 4 backward programs per SM), not yet swept.
-_FWD_TABLE: dict[int, tuple[int, int]] = {
-    16: (128, 8),
-    32: (64, 8),
-    64: (32, 8),
-    128: (16, 8),
-    256: (8, 8),
-    512: (2, 2),
-    1024: (4, 4),
-    2048: (4, 4),
-    4096: (2, 8),
-    8192: (1, 16),
+
+class BwdConfig(NamedTuple):
+    """A backward launch configuration (a `_BWD_TABLE` entry; see the module docstring).
+
+    kind: "row", "loop" or "split".
+    block_m, block_n, num_warps: the main kernel's tile, BLOCK_M rows x BLOCK_N columns ("row":
+        BLOCK_N is the width class, the whole row; "loop": the column block of the passes;
+        "split": the column tile of the dx kernel).
+    per_sm: main-kernel programs per SM ("split": programs of the dx kernel, over all its
+        column tiles); each owns a contiguous range of rows, and the count is a fixed function
+        of the shape and device, so dweight/dbias sum in the same order every run.
+    prefetch: load the next row tile before this tile's reductions ("row" and "split").
+    sum_block_m, sum_block_n, sum_warps: "split" only, the row-sums kernel's tile.
+    """
+
+    kind: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    per_sm: int
+    prefetch: bool = False
+    sum_block_m: int = 1
+    sum_block_n: int = 4096
+    sum_warps: int = 8
+
+
+# Launch configurations keyed by the width class of a row: N rounded up to a power of two (at
+# least 16). Classes not listed take the nearest entry. Forward: (BLOCK_M rows per program,
+# BLOCK_N, warps); BLOCK_N >= N keeps the rows in registers, BLOCK_N < N loops over blocks.
+#
+# Classes 512-4096 come from the H200 sweep of 2026-11-22 (bf16, kernel times) at 2048 and
+# 8192 x 512, 4096 and 16384 x 1024, 4096 x 2048 and 4096 x 4096 (`layernorm_tune_512.json`,
+# `layernorm_tune_1024_4096.json` in benchmarks/results/NVIDIA-H200): each entry is within 6%
+# of the best at every swept shape. The backward wants few elements per thread (4-8), 4 warps
+# up to N = 1024, and the next tile's loads prefetched: at 2048 x 512 it takes 7.2 µs against
+# 24.9 for the older (4 rows, 8 warps, 4 per SM) entry, at 4096 x 1024 9.9 against 24.6.
+#
+# Not yet measured (to be replaced by `benchmarks/bench_layernorm.py --tune`): classes below
+# 512 and 8192 keep the configurations of revision 4b80779 (a 2048-element tile, 4 backward
+# programs per SM); class 16384 keeps the forward looping over 8192-wide blocks (rows of 16384
+# held in registers were measured 2-4x slower than that on an H200 in revision a1b467e, which
+# recorded no split by direction; for sm_90, Triton allocates the "row" backward at 16384
+# with spills, the forward without) and takes the "split" backward, whose tiles are a first
+# guess: by the byte counts of the module docstring it moves 5·N·e per row against the
+# "loop" variant's 5·N·e + 16·N (with 4 programs per SM, 528 x 16384 x 8 bytes of partials:
+# more than L2 holds).
+_FWD_TABLE: dict[int, tuple[int, int, int]] = {
+    16: (128, 16, 8),
+    32: (64, 32, 8),
+    64: (32, 64, 8),
+    128: (16, 128, 8),
+    256: (8, 256, 8),
+    512: (2, 512, 2),
+    1024: (4, 1024, 4),
+    2048: (4, 2048, 4),
+    4096: (2, 4096, 8),
+    8192: (1, 8192, 16),
+    16384: (1, 8192, 16),
 }
-_BWD_TABLE: dict[int, tuple[int, int, int, bool]] = {
-    16: (128, 8, 4, False),
-    32: (64, 8, 4, False),
-    64: (32, 8, 4, False),
-    128: (16, 8, 4, False),
-    256: (8, 8, 4, False),
-    512: (1, 4, 4, True),
-    1024: (4, 4, 2, True),
-    2048: (2, 8, 2, True),
-    4096: (1, 8, 2, True),
-    8192: (1, 16, 4, False),
+_BWD_TABLE: dict[int, BwdConfig] = {
+    16: BwdConfig("row", 128, 16, 8, 4),
+    32: BwdConfig("row", 64, 32, 8, 4),
+    64: BwdConfig("row", 32, 64, 8, 4),
+    128: BwdConfig("row", 16, 128, 8, 4),
+    256: BwdConfig("row", 8, 256, 8, 4),
+    512: BwdConfig("row", 1, 512, 4, 4, prefetch=True),
+    1024: BwdConfig("row", 4, 1024, 4, 2, prefetch=True),
+    2048: BwdConfig("row", 2, 2048, 8, 2, prefetch=True),
+    4096: BwdConfig("row", 1, 4096, 8, 2, prefetch=True),
+    8192: BwdConfig("row", 1, 8192, 16, 4),
+    16384: BwdConfig("split", 8, 256, 4, 4, sum_block_m=1, sum_block_n=4096, sum_warps=8),
 }
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
 # backward programs, so the few column programs are not latency-bound loops) and warps.
@@ -304,16 +361,63 @@ def _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy):
 
 
 @triton.jit
+def _ln_row_sums(
+    X, W, DY, rows, row_mask, N, inv_n, stride_x, stride_dy, eps, mean, rstd, scale,
+    STABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """c1 = mean(xhat * g) and c2 = mean(g) of BLOCK_M rows in one pass over column blocks,
+    and (STABLE) each row's scale gradient per tied maximum, tie_grad (else c1, unused)."""
+    cols = tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)[:, None]
+    c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    count = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for off in range(0, N, BLOCK_N):
+        col_mask = off + cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        c = off + cols[None, :]
+        x = tl.load(X + rows64 * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
+        xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
+        c1 += tl.sum(xhat * g, axis=1)
+        c2 += tl.sum(g, axis=1)
+        if STABLE:
+            tie = (tl.abs(x) == scale[:, None]) & mask
+            count += tl.sum(tie.to(tl.float32), axis=1)
+    c1 = c1 * inv_n
+    c2 = c2 * inv_n
+    tie_grad = c1  # unused unless STABLE
+    if STABLE:
+        tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
+    return c1, c2, tie_grad
+
+
+@triton.jit
+def _load_stats(Stats, rows, row_mask, M, STABLE: tl.constexpr):
+    """mean, rstd and (STABLE) scale of `rows` (else rstd, unused) from the forward's stats."""
+    mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(Stats + M + rows, mask=row_mask, other=0.0)
+    scale = rstd  # unused unless STABLE
+    if STABLE:
+        scale = tl.load(Stats + 2 * M + rows, mask=row_mask, other=1.0)
+    return mean, rstd, scale
+
+
+# rows_per_prog and G change with the row count and the programs per SM: not specialised on
+# (their divisibility would compile a kernel per value class, for nothing).
+@triton.jit(do_not_specialize=["rows_per_prog"])
 def _ln_bwd_kernel(
-    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED, DW, DB, Counter,
+    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     eps, p, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
     INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, FUSED_REDUCE: tl.constexpr, RED_G: tl.constexpr,
-    RED_C: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
+    """The "row" (SINGLE) and "loop" backward: dx of rows [pid * rows_per_prog, ...) and their
+    dweight/dbias column sums as row pid of Partial (dbias's rows follow dweight's)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
     p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
@@ -321,7 +425,6 @@ def _ln_bwd_kernel(
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, M)
     cols = tl.arange(0, BLOCK_N)
-    # This program's row of the (programs, N) partial sums; dbias partials follow dweight's.
     dw_out = Partial + pid.to(tl.int64) * N
     db_out = dw_out + tl.num_programs(0).to(tl.int64) * N
 
@@ -348,11 +451,7 @@ def _ln_bwd_kernel(
                 x, dy = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
-            mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(Stats + M + rows, mask=row_mask, other=0.0)
-            scale = rstd  # unused unless STABLE
-            if STABLE:
-                scale = tl.load(Stats + 2 * M + rows, mask=row_mask, other=1.0)
+            mean, rstd, scale = _load_stats(Stats, rows, row_mask, M, STABLE)
             xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
             c1 = tl.sum(xhat * g, axis=1) * inv_n
             c2 = tl.sum(g, axis=1) * inv_n
@@ -376,33 +475,12 @@ def _ln_bwd_kernel(
             rows = r0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows64 = rows.to(tl.int64)[:, None]
-            mean = tl.load(Stats + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(Stats + M + rows, mask=row_mask, other=0.0)
-            scale = rstd  # unused unless STABLE
-            if STABLE:
-                scale = tl.load(Stats + 2 * M + rows, mask=row_mask, other=1.0)
+            mean, rstd, scale = _load_stats(Stats, rows, row_mask, M, STABLE)
             # Pass 1: the row reductions (and the count of tied maxima).
-            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            count = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for off in range(0, N, BLOCK_N):
-                col_mask = off + cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                c = off + cols[None, :]
-                x = tl.load(X + rows64 * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
-                xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
-                c1 += tl.sum(xhat * g, axis=1)
-                c2 += tl.sum(g, axis=1)
-                if STABLE:
-                    tie = (tl.abs(x) == scale[:, None]) & mask
-                    count += tl.sum(tie.to(tl.float32), axis=1)
-            c1 = c1 * inv_n
-            c2 = c2 * inv_n
-            tie_grad = c1  # unused unless STABLE
-            if STABLE:
-                tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
+            c1, c2, tie_grad = _ln_row_sums(
+                X, W, DY, rows, row_mask, N, inv_n, stride_x, stride_dy, eps, mean, rstd, scale,
+                STABLE, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
             # Pass 2: dx, and this row tile's share of the program's dweight/dbias partials
             # (read-modify-write of the program's own buffer row; the first tile just writes).
             not_first = tl.full([BLOCK_N], r0, tl.int32) > row_start
@@ -426,39 +504,87 @@ def _ln_bwd_kernel(
                     db = tl.load(db_out + off + cols, mask=pmask, other=0.0)
                     tl.store(db_out + off + cols, db + tl.sum(dy, axis=0), mask=col_mask)
 
-    if FUSED_REDUCE:
-        # Measured alternative to the column-sum launch (off by default, see _bwd_config):
-        # the last program to take a ticket sums every program's partials, in a fixed order.
-        # Wait-free (no program waits for another) and deterministic; Counter must be 0 on
-        # entry and is reset to 0 by that last program.
-        tl.debug_barrier()  # all of this program's partial stores precede its ticket
-        ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            G = tl.num_programs(0)
-            for c0 in range(0, N, RED_C):
-                rc = c0 + tl.arange(0, RED_C)
-                cm = rc < N
-                dw = tl.zeros([RED_G, RED_C], dtype=tl.float32)
-                db = tl.zeros([RED_G, RED_C], dtype=tl.float32)
-                for g0 in range(0, G, RED_G):
-                    gs = g0 + tl.arange(0, RED_G)
-                    m = (gs < G)[:, None] & cm[None, :]
-                    offs = gs.to(tl.int64)[:, None] * N + rc[None, :]
-                    dw += tl.load(Partial + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        db += tl.load(
-                            Partial + G.to(tl.int64) * N + offs,
-                            mask=m,
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                tl.store(DW + rc, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cm)
-                if HAS_BIAS:
-                    tl.store(DB + rc, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cm)
-            tl.atomic_xchg(Counter, 0)
-
 
 @triton.jit
+def _ln_bwd_rowsum_kernel(
+    X, W, DY, Stats, RowSums, M, N, inv_n, stride_x, stride_dy, eps,
+    STABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The "split" backward's kernel 1: RowSums (2 or 3, M) fp32 = c1, c2 (and tie_grad when
+    stable) of each row, reading x and dy once."""
+    inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mean, rstd, scale = _load_stats(Stats, rows, row_mask, M, STABLE)
+    c1, c2, tie_grad = _ln_row_sums(
+        X, W, DY, rows, row_mask, N, inv_n, stride_x, stride_dy, eps, mean, rstd, scale,
+        STABLE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    tl.store(RowSums + rows, c1, mask=row_mask)
+    tl.store(RowSums + M + rows, c2, mask=row_mask)
+    if STABLE:
+        tl.store(RowSums + 2 * M + rows, tie_grad, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["rows_per_prog"])
+def _ln_bwd_cols_kernel(
+    X, W, DY, DX, Partial, Stats, RowSums, DHN, DBR, SEED,
+    M, N, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr, p, drop_scale,
+    HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, HAS_DHN: tl.constexpr,
+    WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """The "split" backward's kernel 2: program (j, k) owns column tile j and the k-th range of
+    rows_per_prog rows. It writes their dx from the row sums of kernel 1, and its dweight/dbias
+    column sums into row k of Partial (dbias's rows follow dweight's)."""
+    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    group = tl.program_id(1)
+    row_start = group * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        rows = row_start + tl.arange(0, BLOCK_M)
+        x_next, dy_next = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _load_x_dy(
+                X, DY, rows + BLOCK_M, row_end, cols, col_mask, stride_x, stride_dy
+            )
+        else:
+            x, dy = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
+        mean, rstd, scale = _load_stats(Stats, rows, row_mask, M, STABLE)
+        c1 = tl.load(RowSums + rows, mask=row_mask, other=0.0)
+        c2 = tl.load(RowSums + M + rows, mask=row_mask, other=0.0)
+        tie_grad = c1  # unused unless STABLE
+        if STABLE:
+            tie_grad = tl.load(RowSums + 2 * M + rows, mask=row_mask, other=0.0)
+        xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
+        dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
+        _store_dx(
+            DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
+            p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+        )  # fmt: skip
+        dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+    dw_out = Partial + group.to(tl.int64) * N
+    tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        db_out = dw_out + tl.num_programs(1).to(tl.int64) * N
+        tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["G"])
 def _colsum_kernel(
     Partial, PartialB, DW, DB, G, N,
     HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -484,20 +610,47 @@ def _colsum_kernel(
 # ----------------------------------------------------------------------------- launch config
 
 
-def _nearest(table: dict, block_n: int):
-    if block_n in table:
-        return table[block_n]
-    return table[min(table, key=lambda k: abs(k.bit_length() - block_n.bit_length()))]
+def width_class(n_cols: int) -> int:
+    """The launch tables' key for rows of `n_cols`: N rounded up to a power of two, >= 16."""
+    return max(16, next_power_of_2(n_cols))
+
+
+def _nearest(table: dict, width: int):
+    if width in table:
+        return table[width]
+    return table[min(table, key=lambda k: abs(k.bit_length() - width.bit_length()))]
 
 
 @functools.cache
 def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, single_block) of the forward kernel for rows of `n_cols`."""
-    block_n = row_block_size(n_cols, max_block)
-    if n_cols > block_n:  # looped long rows: one row per program
-        return 1, block_n, calc_num_warps(block_n), False
-    block_m, num_warps = _nearest(_FWD_TABLE, block_n)
-    return block_m, block_n, num_warps, True
+    """(BLOCK_M, BLOCK_N, num_warps, single) of the forward kernel for rows of `n_cols`: the
+    `_FWD_TABLE` entry, its block capped at the width class and at max_block (a row wider than
+    the block loops over blocks)."""
+    width = width_class(n_cols)
+    block_m, block_n, num_warps = _nearest(_FWD_TABLE, width)
+    block_n = min(block_n, width, max_block)
+    return block_m, block_n, num_warps, n_cols <= block_n
+
+
+@functools.cache
+def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
+    """The backward configuration for rows of `n_cols`: the `_BWD_TABLE` entry with its blocks
+    capped at the width class and at max_block. A "row" entry whose row no longer fits its
+    block (max_block, or a wider class than the entry's) loops over blocks instead."""
+    width = width_class(n_cols)
+    cfg = _nearest(_BWD_TABLE, width)
+    block_n = min(cfg.block_n, width, max_block)
+    if cfg.kind == "row" and block_n < n_cols:
+        return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
+    if cfg.kind == "split":
+        return cfg._replace(block_n=block_n, sum_block_n=min(cfg.sum_block_n, width, max_block))
+    return cfg._replace(block_n=block_n)
+
+
+def _clear_config_caches() -> None:
+    """Forget the cached configurations (after the tables change: the benchmark, tests)."""
+    _fwd_config.cache_clear()
+    _bwd_entry.cache_clear()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -506,42 +659,29 @@ def _num_sms(device: torch.device) -> int:
     return sm_count(device)
 
 
-@functools.cache
-def _bwd_block_config(n_cols: int, max_block: int, device: torch.device):
-    """The per-N part of the backward configuration (see `_bwd_config`)."""
-    block_n = row_block_size(n_cols, max_block)
-    single = n_cols <= block_n
-    if single:
-        block_m, num_warps, per_sm, prefetch = _nearest(_BWD_TABLE, block_n)
-    else:
-        block_m, num_warps, per_sm, prefetch = 1, calc_num_warps(block_n), 4, False
-    max_programs = per_sm * _num_sms(device)
-    return block_m, block_n, num_warps, single, max_programs, prefetch
+def _bwd_plan(n_rows, n_cols: int, cfg: BwdConfig, device: torch.device):
+    """(col_tiles, groups, rows_per_prog) of the main backward kernel's grid.
 
+    The rows are split into `groups` contiguous ranges of `rows_per_prog` rows (a multiple of
+    BLOCK_M), about per_sm x SMs programs in all ("split": over its col_tiles column tiles too,
+    at least one range). A fixed function of the shape, the configuration and the device, so
+    dweight/dbias sum in the same order every run. `n_rows` may be symbolic (a SymInt while
+    torch.compile traces with dynamic shapes): plain (symbolic-safe) integer arithmetic.
 
-def _bwd_config(n_rows, n_cols: int, max_block: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, num_warps, single, programs, rows_per_prog, prefetch): backward config.
-
-    The rows are split into `programs` contiguous ranges of `rows_per_prog` rows, a fixed
-    function of the shape and the device, so dweight/dbias sum in the same order every run.
-    `n_rows` may be symbolic (a SymInt while torch.compile traces with dynamic shapes): only
-    the per-N part is cached, the rest is plain (symbolic-safe) integer arithmetic.
-
-    Why two launches: finishing the column sums inside the same launch needs either a
-    program that waits for the others (a spin-wait: forbidden, and it hangs the interpreter)
-    or a "last program to arrive reduces" ticket (FUSED_REDUCE in the kernel), which is
-    wait-free and deterministic but makes one program read all (programs x N) partials alone
-    (MBs at large N), and needs a zeroed counter per call (an extra memset, or state mutated
-    behind torch.compile's back); see the measurements in benchmarks/bench_layernorm.py --tune.
+    Why a separate column-sum launch: finishing the column sums inside this launch needs
+    either a program that waits for the others (a spin-wait: forbidden, and it hangs the
+    interpreter) or a "last program to arrive reduces" ticket, which is wait-free and
+    deterministic but leaves one program to read all (groups x N) partials alone. That variant
+    was measured slower at every shape of the 2026-11-22 H200 sweep (e.g. 16.4 against 7.2 µs
+    at 2048 x 512, 134.9 against 34.0 at 4096 x 4096; `layernorm_tune_*.json`) and removed.
     """
-    block_m, block_n, num_warps, single, max_programs, prefetch = _bwd_block_config(
-        n_cols, max_block, device
-    )
-    tiles = cdiv(n_rows, block_m)
-    programs = torch.sym_min(tiles, max_programs)
-    rows_per_prog = cdiv(tiles, programs) * block_m
-    programs = cdiv(n_rows, rows_per_prog)
-    return block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch
+    col_tiles = cdiv(n_cols, cfg.block_n) if cfg.kind == "split" else 1
+    max_groups = max(1, cfg.per_sm * _num_sms(device) // col_tiles)
+    tiles = cdiv(n_rows, cfg.block_m)
+    groups = torch.sym_min(tiles, max_groups)
+    rows_per_prog = cdiv(tiles, groups) * cfg.block_m
+    groups = cdiv(n_rows, rows_per_prog)
+    return col_tiles, groups, rows_per_prog
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -553,11 +693,16 @@ def launch_fwd(
 ) -> None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
-    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
+    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
+    `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides `_FWD_TABLE` (the benchmark's sweep)."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
-    block_m, block_n, num_warps, single = cfg or _fwd_config(N, MAX_BLOCK_N)
+    if cfg is None:
+        block_m, block_n, num_warps, single = _fwd_config(N, MAX_BLOCK_N)
+    else:
+        block_m, block_n, num_warps = cfg
+        single = block_n >= N
     residual = h2 is not None
     dropout = residual and p > 0.0
     wrap_triton(_ln_fwd_kernel)[(cdiv(M, block_m),)](
@@ -572,15 +717,24 @@ def launch_fwd(
     )  # fmt: skip
 
 
+def launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg: BwdConfig) -> None:
+    """The "split" backward's first kernel: rowsums (2|3, M) fp32 = c1, c2 (and tie_grad)."""
+    M, N = x2.shape[0], int(x2.shape[1])
+    wrap_triton(_ln_bwd_rowsum_kernel)[(cdiv(M, cfg.sum_block_m),)](
+        x2, weight, dy2, stats, rowsums, M, N, 1.0 / N, x2.stride(0), dy2.stride(0), eps,
+        STABLE=stable, BLOCK_M=cfg.sum_block_m, BLOCK_N=cfg.sum_block_n,
+        num_warps=cfg.sum_warps,
+    )  # fmt: skip
+
+
 def launch_bwd(
     dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
-    dhn2=None, dbr2=None, p=0.0, seed=None, cfg=None, counter=None,
+    dhn2=None, dbr2=None, p=0.0, seed=None, cfg: BwdConfig | None = None,
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
     when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2.
 
-    `counter` (a zeroed int32 tensor) selects the single-launch "last program reduces"
-    variant, kept for measurements (benchmarks/bench_layernorm.py --tune)."""
+    `cfg` overrides `_BWD_TABLE` (the benchmark's sweep, tests) and is used as given."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
         return
@@ -589,32 +743,39 @@ def launch_bwd(
         if exists(dbias):
             dbias.zero_()
         return
-    block_m, block_n, num_warps, single, programs, rows_per_prog, prefetch = cfg or _bwd_config(
-        M, N, MAX_BLOCK_N, x2.device
-    )
+    cfg = cfg or _bwd_entry(N, MAX_BLOCK_N)
+    if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
+        raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
+    col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
     has_bias = exists(dbias)
-    partial = torch.empty((2 if has_bias else 1, programs, N), dtype=torch.float32,
+    partial = torch.empty((2 if has_bias else 1, groups, N), dtype=torch.float32,
                           device=x2.device)  # fmt: skip
     dropout = exists(dbr2) and p > 0.0
-    wrap_triton(_ln_bwd_kernel)[(programs,)](
-        x2, weight, dy2, dx2, partial, stats,
-        dhn2 if exists(dhn2) else dy2, dbr2 if exists(dbr2) else dx2,
-        seed if dropout else stats, dweight, dbias if has_bias else dweight,
-        counter if exists(counter) else stats,
-        M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
-        dhn2.stride(0) if exists(dhn2) else 0, dbr2.stride(0) if exists(dbr2) else 0,
-        eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
-        HAS_BIAS=has_bias, STABLE=stable, SINGLE=single, HAS_DHN=exists(dhn2),
-        WRITE_DBR=exists(dbr2), DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        PREFETCH=prefetch, FUSED_REDUCE=exists(counter), RED_G=32, RED_C=128,
-    )  # fmt: skip
-    if exists(counter):
-        return
-    block_c, block_g = _COLSUM_BLOCK_C, _COLSUM_BLOCK_G
-    wrap_triton(_colsum_kernel)[(cdiv(N, block_c),)](
-        partial[0], partial[-1], dweight, dbias if has_bias else dweight, programs, N,
-        HAS_BIAS=has_bias, BLOCK_G=block_g, BLOCK_C=block_c, num_warps=_COLSUM_WARPS,
+    dhn2_ = dhn2 if exists(dhn2) else dy2  # stand-ins for absent tensors (never read)
+    dbr2_ = dbr2 if exists(dbr2) else dx2
+    seed_ = seed if dropout else stats
+    strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2_.stride(0), dbr2_.stride(0))
+    drop_scale = 1.0 / (1.0 - p) if dropout else 1.0
+    flags = dict(HAS_BIAS=has_bias, STABLE=stable, HAS_DHN=exists(dhn2), WRITE_DBR=exists(dbr2),
+                 DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.kind == "split":
+        rowsums = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x2.device)
+        launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
+        wrap_triton(_ln_bwd_cols_kernel)[(col_tiles, groups)](
+            x2, weight, dy2, dx2, partial, stats, rowsums, dhn2_, dbr2_, seed_,
+            M, N, rows_per_prog, *strides, p, drop_scale, **flags,
+        )  # fmt: skip
+    else:
+        wrap_triton(_ln_bwd_kernel)[(groups,)](
+            x2, weight, dy2, dx2, partial, stats, dhn2_, dbr2_, seed_,
+            M, N, 1.0 / N, rows_per_prog, *strides, eps, p, drop_scale,
+            SINGLE=cfg.kind == "row", **flags,
+        )  # fmt: skip
+    wrap_triton(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
+        partial[0], partial[-1], dweight, dbias if has_bias else dweight, groups, N,
+        HAS_BIAS=has_bias, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
+        num_warps=_COLSUM_WARPS,
     )  # fmt: skip
 
 
