@@ -133,9 +133,14 @@ def _fwd_block(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
     past each row's diagonal; otherwise every key of every block is visible.
+
+    TMA: k_base and v_base are tensor descriptors of this head's (n_k, HEAD_DIM) keys and
+    values; their tile loads zero-fill rows >= n_k and columns >= HEAD_DIM, as the masked
+    pointer loads do.
 
     FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row,
     so each score costs one fused multiply-add, s·scale - m, before its exp2 (max commutes
@@ -146,7 +151,9 @@ def _fwd_block(
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
-        if MASKED:
+        if TMA:
+            k = k_base.load([start_n, 0]).T
+        elif MASKED:
             kmask = offs_n[None, :] < N_K
             if PAD_D:
                 kmask = kmask & (offs_d[:, None] < HEAD_DIM)
@@ -190,7 +197,9 @@ def _fwd_block(
         if DROPOUT:
             keep = dropout_keep_tile(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
             p = tl.where(keep != 0, p, 0.0)
-        if MASKED:
+        if TMA:
+            v = v_base.load([start_n, 0])
+        elif MASKED:
             vmask = offs_n[:, None] < N_K
             if PAD_D:
                 vmask = vmask & (offs_d[None, :] < HEAD_DIM)
@@ -223,8 +232,9 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    """TMA: K and V tiles are loaded through tensor descriptors (Hopper's bulk copy engine)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
     if HAS_KV_LEN:
@@ -262,6 +272,12 @@ def _attn_fwd_kernel(
         q = q.to(tl.float32)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
+    # where the key blocks are read from: pointers, or TMA descriptors
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_base, [N_K, HEAD_DIM], [skn, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [N_K, HEAD_DIM], [svn, 1], [BLOCK_N, BLOCK_D])
+    else:
+        k_src, v_src = k_base, v_base
     kpm_base = KPM + b * skpm_b
 
     seed = 0
@@ -294,16 +310,16 @@ def _attn_fwd_kernel(
         mid2 = tl.maximum(full_end, lo)
         end = tl.minimum(hi, lo + SPLIT_LEN)
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+        acc, l_i, m_i, q, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, lo, mid, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE, FOLD_SCALE,
+        INT64_ROWS, IEEE, FOLD_SCALE, TMA,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+        acc, l_i, m_i, q, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, mid2, end, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE, FOLD_SCALE,
+        INT64_ROWS, IEEE, FOLD_SCALE, TMA,
     )  # fmt: skip
 
     if SPLIT_K:
@@ -441,7 +457,7 @@ def _bwd_dkdv_block(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
-    DQ_TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0.
@@ -458,10 +474,16 @@ def _bwd_dkdv_block(
         else:
             rows_m = offs_m
         mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
-        q = tl.load(q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=mask, other=0.0)
-        do = tl.load(
-            do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0
-        )
+        if TMA:  # descriptors of this head's q and dO: zero-filled past n_q and HEAD_DIM
+            q = q_base.load([start_m, 0])
+            do = do_base.load([start_m, 0])
+        else:
+            q = tl.load(
+                q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=mask, other=0.0
+            )
+            do = tl.load(
+                do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0
+            )
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -503,7 +525,7 @@ def _bwd_dq_block(
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
-    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block over key blocks [lo, hi). Keys >= n_k load as zero rows, so they
     add nothing to dQ = dS K; MASKED applies the causal diagonal."""
@@ -513,9 +535,17 @@ def _bwd_dq_block(
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
-        mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
-        k = tl.load(k_base + rows_n[:, None] * skn + offs_d[None, :] * skd, mask=mask, other=0.0)
-        v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=mask, other=0.0)
+        if TMA:  # descriptors of this head's k and v: zero-filled past n_k and HEAD_DIM
+            k = k_base.load([start_n, 0])
+            v = v_base.load([start_n, 0])
+        else:
+            mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
+            k = tl.load(
+                k_base + rows_n[:, None] * skn + offs_d[None, :] * skd, mask=mask, other=0.0
+            )
+            v = tl.load(
+                v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=mask, other=0.0
+            )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -546,7 +576,7 @@ def _attn_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
-    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics.
@@ -594,6 +624,16 @@ def _attn_bwd_kernel(
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
+        # where this program reads q and dO from: pointers, or TMA descriptors
+        if TMA:
+            q_src = tl.make_tensor_descriptor(
+                q_base, [N_Q, HEAD_DIM], [sqn, 1], [BLOCK_M1, BLOCK_D]
+            )
+            do_src = tl.make_tensor_descriptor(
+                do_base, [N_Q, HEAD_DIM], [sdon, 1], [BLOCK_M1, BLOCK_D]
+            )
+        else:
+            q_src, do_src = q_base, do_base
         dq_acc = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
         if DQ_TMA:
             dq_acc = tl.make_tensor_descriptor(
@@ -612,20 +652,20 @@ def _attn_bwd_kernel(
             )
             full_lo = tl.maximum(full_lo, lo)
             dk, dv = _bwd_dkdv_block(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
+                dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
                 sqn, sqd, sdon, sdod,
                 n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
-                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA,
+                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
             )  # fmt: skip
         else:
             full_lo = 0
         dk, dv = _bwd_dkdv_block(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
             sqn, sqd, sdon, sdod,
             n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
-            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA,
+            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
         )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -659,23 +699,33 @@ def _attn_bwd_kernel(
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         dq = tl.zeros([BLOCK_M2, BLOCK_D], tl.float32)
+        # where this program reads k and v from: pointers, or TMA descriptors
+        if TMA:
+            k_src = tl.make_tensor_descriptor(
+                k_base, [N_K, HEAD_DIM], [skn, 1], [BLOCK_N2, BLOCK_D]
+            )
+            v_src = tl.make_tensor_descriptor(
+                v_base, [N_K, HEAD_DIM], [svn, 1], [BLOCK_N2, BLOCK_D]
+            )
+        else:
+            k_src, v_src = k_base, v_base
         if CAUSAL:
             full_end = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), N_K)
             full_end = (full_end // BLOCK_N2) * BLOCK_N2
             hi = tl.minimum(tl.maximum(m0 + BLOCK_M2 + causal_off, 0), N_K)
             dq = _bwd_dq_block(
-                dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+                dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
                 offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
-                UPCAST, INT64_ROWS, IEEE,
+                UPCAST, INT64_ROWS, IEEE, TMA,
             )  # fmt: skip
         else:
             full_end = N_K
         dq = _bwd_dq_block(
-            dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
+            dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
             offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
-            UPCAST, INT64_ROWS, IEEE,
+            UPCAST, INT64_ROWS, IEEE, TMA,
         )  # fmt: skip
         dq = dq * sm_scale
         b_dq = DQ + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
@@ -851,6 +901,27 @@ def _cc_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+# Whether the fused kernels may load tiles through TMA descriptors (Hopper, eager launches of
+# fp16/bf16 tensors TMA can describe). Benchmarks turn it off to compare.
+TMA_LOADS = True
+
+
+def _tma_loads(*tensors: torch.Tensor) -> bool:
+    """TMA tile loads for these (b, h, n, d) views: unit stride along d, 16-byte aligned
+    starts and row / head / batch strides (judged by the storage offset: PyTorch aligns
+    storages), 2-byte elements, a Hopper GPU, and no tracing (inductor would have to supply
+    the descriptors' scratch memory)."""
+    t0 = tensors[0]
+    if not (TMA_LOADS and _has_tma(t0.device)) or isinstance(t0, _TRACED):
+        return False
+    for t in tensors:
+        if t.element_size() != 2 or t.stride(3) != 1:
+            return False
+        if any((x * 2) % 16 for x in (t.storage_offset(), t.stride(0), t.stride(1), t.stride(2))):
+            return False
+    return True
+
+
 def _max_row_offset(*tensors: torch.Tensor) -> int:
     # the largest in-head offset a kernel computes: row index * row stride (+ head dim)
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
@@ -899,7 +970,10 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
+        TMA=_tma_loads(k, v),
     )  # fmt: skip
+    if consts["TMA"]:
+        triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     gy, gz = meta["grid_bh"]
     _launch_fitting(_attn_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
     if n_splits > 1:
@@ -987,7 +1061,7 @@ def _bwd(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-        DQ_TMA=atomic and dq_tma,
+        DQ_TMA=atomic and dq_tma, TMA=_tma_loads(q, k, v, dout),
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
@@ -996,7 +1070,7 @@ def _bwd(
     n_prog = -(-n_k // config["BLOCK_N1"])
     if not atomic:
         n_prog += -(-n_q // config["BLOCK_M2"])
-    if consts["DQ_TMA"]:
+    if consts["DQ_TMA"] or consts["TMA"]:
         triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     _launch_fitting(_attn_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
