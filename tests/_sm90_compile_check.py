@@ -40,12 +40,11 @@ common = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True, HAS_KPM=False, DROPOUT=True,
               DROP_INT64=False, UPCAST=False, INT64_ROWS=False, IEEE=False)  # fmt: skip
 fwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, Out=bf16, LSE="*fp32", KPM=bf16, SEED="*i64",
                 KV_LEN="*i64", PART_ACC="*fp32", PART_ML="*fp32")  # fmt: skip
-for tma in (False, True):  # K and V tiles by pointer loads, or through TMA descriptors
-    compile_sm90(
-        attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
-        dict(common, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True,
-             HAS_KV_LEN=False, SPLIT_K=False, TMA=tma),
-    )  # fmt: skip
+compile_sm90(
+    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
+    dict(common, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True, HAS_KV_LEN=False,
+         SPLIT_K=False),
+)  # fmt: skip
 print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
                 DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32")  # fmt: skip
@@ -81,7 +80,7 @@ print("relu² gradient with dropout: ok")
 compile_sm90(
     attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(common, DROPOUT=False, BLOCK_M=16, BLOCK_N=128, WRITE_LSE=False, FOLD_SCALE=True,
-         HAS_KV_LEN=True, SPLIT_K=True, TMA=True),
+         HAS_KV_LEN=True, SPLIT_K=True),
 )  # fmt: skip
 compile_sm90(
     attn._attn_combine_kernel, dict(PART_ACC="*fp32", PART_ML="*fp32", Out=bf16), set(),

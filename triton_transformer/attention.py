@@ -133,14 +133,9 @@ def _fwd_block(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    TMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
     past each row's diagonal; otherwise every key of every block is visible.
-
-    TMA: k_base and v_base are tensor descriptors of this head's (n_k, HEAD_DIM) keys and
-    values; their tile loads zero-fill rows >= n_k and columns >= HEAD_DIM, as the masked
-    pointer loads do.
 
     FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row,
     so each score costs one fused multiply-add, s·scale - m, before its exp2 (max commutes
@@ -151,9 +146,7 @@ def _fwd_block(
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
-        if TMA:
-            k = k_base.load([start_n, 0]).T
-        elif MASKED:
+        if MASKED:
             kmask = offs_n[None, :] < N_K
             if PAD_D:
                 kmask = kmask & (offs_d[:, None] < HEAD_DIM)
@@ -197,9 +190,7 @@ def _fwd_block(
         if DROPOUT:
             keep = dropout_keep_tile(seed, offs_m, start_n, N_K, threshold, BLOCK_N, DROP_INT64)
             p = tl.where(keep != 0, p, 0.0)
-        if TMA:
-            v = v_base.load([start_n, 0])
-        elif MASKED:
+        if MASKED:
             vmask = offs_n[:, None] < N_K
             if PAD_D:
                 vmask = vmask & (offs_d[None, :] < HEAD_DIM)
@@ -232,9 +223,8 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """TMA: K and V tiles are loaded through tensor descriptors (Hopper's bulk copy engine)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
     if HAS_KV_LEN:
@@ -272,12 +262,6 @@ def _attn_fwd_kernel(
         q = q.to(tl.float32)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
-    # where the key blocks are read from: pointers, or TMA descriptors
-    if TMA:
-        k_src = tl.make_tensor_descriptor(k_base, [N_K, HEAD_DIM], [skn, 1], [BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, [N_K, HEAD_DIM], [svn, 1], [BLOCK_N, BLOCK_D])
-    else:
-        k_src, v_src = k_base, v_base
     kpm_base = KPM + b * skpm_b
 
     seed = 0
@@ -310,16 +294,16 @@ def _attn_fwd_kernel(
         mid2 = tl.maximum(full_end, lo)
         end = tl.minimum(hi, lo + SPLIT_LEN)
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, q, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, lo, mid, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE, FOLD_SCALE, TMA,
+        INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, q, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, mid2, end, N_K, causal_off, qk_scale, seed, threshold,
         BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
-        INT64_ROWS, IEEE, FOLD_SCALE, TMA,
+        INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
 
     if SPLIT_K:
@@ -901,8 +885,12 @@ def _cc_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-# Whether the fused kernels may load tiles through TMA descriptors (Hopper, eager launches of
-# fp16/bf16 tensors TMA can describe). Benchmarks turn it off to compare.
+# Whether the backward may load its streamed tiles through TMA descriptors (Hopper, eager
+# launches of fp16/bf16 tensors TMA can describe); benchmarks turn it off to compare. It does
+# for causal attention with d <= 64 only: there it measured 2-9% faster than pointer loads
+# (H100, 2026-11-24: single pass 186 / 283 TFLOP/s against 182 / 260 at seq 1024 / 4096),
+# elsewhere slower (d128 causal single pass 181 against 206 at seq 1024; d64 non-causal 286
+# against 305), and in the forward slower at every shape tried (d64 causal 264 against 308).
 TMA_LOADS = True
 
 
@@ -970,10 +958,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
-        TMA=_tma_loads(k, v),
     )  # fmt: skip
-    if consts["TMA"]:
-        triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     gy, gz = meta["grid_bh"]
     _launch_fitting(_attn_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
     if n_splits > 1:
@@ -1061,7 +1046,7 @@ def _bwd(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-        DQ_TMA=atomic and dq_tma, TMA=_tma_loads(q, k, v, dout),
+        DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
