@@ -239,7 +239,7 @@ def test_use_triton_flag_reaches_every_op(device, monkeypatch, attn_impl):
 
     attn_op = "attention_packed" if attn_impl == "flash" else "attention_naive"
     # (the feed-forward's dropout runs inside its `linear`: the relu² epilogue)
-    for name in ("linear", attn_op, "cross_entropy"):
+    for name in ("linear", attn_op, "cross_entropy", "linear_cross_entropy"):
         monkeypatch.setattr(tt, name, spy(name, getattr(tt, name)))
     monkeypatch.setattr(LayerNorm, "forward", spy("layernorm", LayerNorm.forward))
 
@@ -248,12 +248,9 @@ def test_use_triton_flag_reaches_every_op(device, monkeypatch, attn_impl):
     for call_flag, expected in [(None, True), (False, False), (True, True)]:
         seen.clear()
         model(x, labels=x, use_triton=call_flag)
-        assert {name for name, _ in seen} == {
-            "linear",
-            attn_op,
-            "cross_entropy",
-            "layernorm",
-        }
+        # the Triton path's loss is the fused projection + cross entropy (fused_loss)
+        loss_op = "linear_cross_entropy" if expected else "cross_entropy"
+        assert {name for name, _ in seen} == {"linear", attn_op, loss_op, "layernorm"}
         assert all(flag is expected for _, flag in seen), seen
 
 

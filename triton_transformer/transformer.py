@@ -31,6 +31,7 @@ from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.embedding import embedding
 from triton_transformer.layernorm import LayerNorm
+from triton_transformer.linear_cross_entropy import linear_cross_entropy
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
 
@@ -296,6 +297,11 @@ class Transformer(nn.Module):
     `attn_impl`: "flash" (default; the fused attention kernel under use_triton) or "naive"
     (the bmm -> softmax -> dropout -> bmm composition). Both compute the same function and
     have the same parameters.
+
+    `fused_loss` (default True; constructor or attribute): with `labels` and use_triton, the
+    loss comes from `linear_cross_entropy`, the output projection and cross entropy in chunks
+    of tokens, so the (tokens x num_tokens) logits never exist whole. False materialises the
+    logits first (as the PyTorch path always does). Same parameters either way.
     """
 
     def __init__(
@@ -314,6 +320,7 @@ class Transformer(nn.Module):
         use_triton: bool = False,
         check_token_ids: bool = True,
         attn_impl: str = "flash",
+        fused_loss: bool = True,
     ) -> None:
         super().__init__()
         if attn_impl not in ATTN_IMPLS:
@@ -342,6 +349,7 @@ class Transformer(nn.Module):
         self.use_triton = use_triton
         self.check_token_ids = check_token_ids
         self.attn_impl = attn_impl
+        self.fused_loss = fused_loss
 
         self.token_emb = nn.Embedding(num_tokens, dim)
         self.pos_emb = nn.Embedding(max_seq_len, dim)
@@ -439,7 +447,9 @@ class Transformer(nn.Module):
             )
             next_norm = self.layers[i + 1][0].norm if i + 1 < self.depth else self.norm
             h, y = _add_and_norm(h, f, next_norm, use_triton)
-        logits = linear(y, self.to_logits.weight, use_triton=use_triton)
+        # The fused loss computes the logits chunk by chunk, never all at once.
+        fused = exists(labels) and use_triton and self.fused_loss
+        logits = None if fused else linear(y, self.to_logits.weight, use_triton=use_triton)
 
         # the cache advances only after every layer has written its keys/values
         if isinstance(kv_cache, StaticKVCache):
@@ -451,6 +461,11 @@ class Transformer(nn.Module):
             return logits
         if labels.dtype != torch.int64:
             labels = labels.long()
+        if fused:
+            return linear_cross_entropy(
+                y, self.to_logits.weight, labels, ignore_index, use_triton=True,
+                check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
+            )  # fmt: skip
         return cross_entropy(
             logits,
             labels,

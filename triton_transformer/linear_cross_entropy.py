@@ -1,0 +1,304 @@
+"""Fused output projection + cross entropy: the (tokens x vocab) logits never exist whole.
+
+`linear_cross_entropy(x, weight, labels)` is `cross_entropy(x @ weight.T, labels)`. With
+x (M, K) rows, weight (V, K), labels y (M,) and z_i = x_i W^T the logits of row i:
+
+    loss = 1/n_valid · Σ_{i valid} lse(z_i) - z_i[y_i]       (n_valid: rows not ignored)
+    dz_i = (softmax(z_i) - onehot(y_i)) / n_valid             (0 on ignored rows)
+    dx   = dz W          (M, K)
+    dW   = dz^T x        (V, K)
+
+Triton path (Liger-Kernel's FusedLinearCrossEntropy). The forward walks the rows in chunks of
+`chunk_rows` (fixed Python-side boundaries: no host reads of device values, so a CUDA graph
+can capture it). Per chunk: z_c = x_c W^T into one reusable (chunk_rows, V) buffer (bmm's
+`_mm2d_into`: cuBLAS or a Triton GEMM), then cross entropy's in-place forward kernel writes the
+rows' losses and overwrites z_c with dz_c, then dx_c = dz_c W into a preallocated dx, and
+dW += dz_c^T x_c, accumulated in fp32. n_valid is counted over *all* labels before the first
+chunk, since every chunk is normalised by the global count. The forward thus also computes
+both gradients (for an upstream gradient of 1); backward only scales them in place by dloss,
+a 0-d device tensor read in the kernel (a no-op when it is exactly 1, a plain
+`loss.backward()`). One backward per forward; double backward raises.
+
+Memory: one chunk of logits (about `CHUNK_BYTES`), dx, and dW in fp32, instead of the full
+logits. Under bf16 autocast an fp32 weight is read through a bf16 copy (`bmm._weight_in`) and
+its gradient is accumulated and returned in fp32. fp16 logits: as in `cross_entropy`, the
+chunks hold softmax - onehot unnormalised (1/n_valid would underflow fp16 before a GradScaler's
+factor reaches it), and backward applies dloss / n_valid to dx and dW in fp32. A bf16 or fp16
+weight gets its fp32 gradient cast in backward.
+
+Without autograd (evaluation under no_grad) the chunks only compute the loss: no gradient is
+written and no dx/dW is allocated. Callers that need logits (generation) use `bmm.linear`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.library import triton_op, wrap_triton
+
+from triton_transformer import bmm as bmm_mod
+from triton_transformer.bmm import _check_pair, _is_traced, _mm2d_into, _weight_in
+from triton_transformer.cross_entropy import (
+    _bwd_params,
+    _check_labels_in_range,
+    _cross_entropy_scale_kernel,
+    _launch_fwd,
+    _launch_reduce,
+    cross_entropy,
+)
+from triton_transformer.utils import call_op, cdiv, check_triton_tensor
+
+__all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
+
+# Size of one chunk's logits: rows = CHUNK_BYTES / (V · itemsize), rounded down to a multiple
+# of 128 rows, at least 128. At V = 50304 in bf16: 1280 rows, 123 MiB (the full logits of 16384
+# tokens are 1.65 GB). Larger chunks make the dW accumulation (an fp32 (V, K) read and write
+# per chunk) cheaper; smaller ones save memory. Module-level so benchmarks can sweep it.
+CHUNK_BYTES = 2**27
+
+# Passed to the forward kernel as ignore_index when there is none, so that it normalises by
+# the global n_valid read from memory (without ignore_index it would use its own, per-chunk,
+# row count). No in-range label equals it; an int64-min label would count as ignored instead
+# of poisoning the loss with NaN (the label check, when on, rejects it first).
+_NO_LABEL = -(2**63)
+
+# Whether torch.addmm(..., out_dtype=float32) accepts an fp32 accumulator with fp16/bf16
+# factors on this torch (None: not tried yet). Without it the Triton GEMM's residual epilogue
+# accumulates.
+_addmm_out_dtype_ok: bool | None = None
+
+
+def default_chunk_rows(V: int, itemsize: int) -> int:
+    """Rows per chunk whose logits take about `CHUNK_BYTES` (a multiple of 128, >= 128)."""
+    rows = CHUNK_BYTES // max(1, V * itemsize)
+    return max(128, rows // 128 * 128)
+
+
+def _accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b for 2-D a (M, K), b (K, N) and a fp32 c (M, N), in place."""
+    global _addmm_out_dtype_ok
+    if c.numel() == 0:
+        return
+    if c.device.type == "cuda" and not _is_traced(c) and bmm_mod.matmul_impl != "triton":
+        if a.dtype == c.dtype:
+            torch.addmm(c, a, b, out=c)
+            return
+        if _addmm_out_dtype_ok is not False:
+            try:  # cuBLAS with an fp32 C; older torch requires C in the factors' dtype
+                torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+                _addmm_out_dtype_ok = True
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                _addmm_out_dtype_ok = False
+    # Each program reads its residual tile before storing the same tile, so residual and
+    # output may alias.
+    _mm2d_into(a, b, c, residual=c)
+
+
+@triton_op("triton_transformer::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: Optional[int],  # noqa: UP045 (torch 2.11's schema inference)
+    chunk_rows: int,
+    grad_x: bool,
+    grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked forward: x (M, K), weight (V, K) in x's dtype, labels (M,) int64, any strides.
+
+    Returns (loss 0-d fp32, dx (M, K) in x's dtype, dW (V, K) fp32, n_valid 0-d fp32): the
+    gradients for an upstream gradient of 1 (fp16: without the 1 / n_valid factor), or (0, 0)
+    placeholders when not asked for (then no gradient is written at all)."""
+    M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
+    V = int(weight.shape[0])
+    device = x.device
+    write_grad = grad_x or grad_weight
+    normalize = x.dtype != torch.float16
+    labels2 = labels[None]  # (1, M): the kernels' (outer, inner) row layout
+    loss_rows = torch.empty(M, dtype=torch.float32, device=device)
+    n_valid = torch.empty((), dtype=torch.float32, device=device)
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
+    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=torch.float32, device=device)
+    # n_valid over all rows first: each chunk's gradient is divided by the global count.
+    _launch_reduce(loss_rows, labels2, ignore_index, n_valid, loss, False, True)
+    rows = max(1, min(chunk_rows, M))
+    buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
+    lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
+    kernel_ignore = _NO_LABEL if ignore_index is None else ignore_index
+    w_t = weight.t()
+    for start in range(0, M, rows):
+        end = min(start + rows, M)
+        x_c, z = x[start:end], buf[: end - start]
+        _mm2d_into(x_c, w_t, z)  # logits of the chunk
+        lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
+        _launch_fwd(
+            z[None], labels2[:, start:end], kernel_ignore, n_valid, loss_rows[start:end], lse_c,
+            write_grad, normalize,
+        )  # fmt: skip
+        if grad_x:  # z now holds dz
+            _mm2d_into(z, weight, dx[start:end])
+        if grad_weight:
+            if start == 0:
+                _mm2d_into(z.t(), x_c, dw)
+            else:
+                _accumulate(dw, z.t(), x_c)
+    _launch_reduce(loss_rows, labels2, ignore_index, n_valid, loss, True, False)
+    return loss, dx, dw, n_valid
+
+
+@triton_op("triton_transformer::linear_cross_entropy_scale", mutates_args={"dx", "dw"})
+def linear_cross_entropy_scale_op(
+    dx: torch.Tensor, dw: torch.Tensor, dloss: torch.Tensor, n_valid: torch.Tensor, divide: bool
+) -> None:
+    """dx *= f and dw *= f in place, f = dloss (/ max(n_valid, 1) if divide); the kernels
+    return without writing when f is exactly 1. Empty tensors are skipped."""
+    for g in (dx, dw):
+        if g.numel() == 0:
+            continue
+        n_rows, n_cols = g.shape
+        block_m, block_n, _, num_warps = _bwd_params(n_cols)
+        wrap_triton(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+            dloss, n_valid, g, 0, g.stride(0), n_rows, n_rows, n_cols,
+            DIVIDE_BY_N_VALID=divide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd of the chunked forward: the gradients are computed there, saved, and scaled
+    by the upstream gradient in backward (in place). Both methods call torch.library ops, so
+    Dynamo traces it without a graph break (as `cross_entropy`'s in-place function)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_lp, labels, ignore_index, chunk_rows, grad_x, grad_weight):
+        # weight_lp: the weight's copy in x's dtype, or None (Dynamo refuses a tensor passed
+        # twice to apply)
+        w = weight if weight_lp is None else weight_lp
+        loss, dx, dw, n_valid = linear_cross_entropy_op(
+            x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
+        )
+        ctx.save_for_backward(dx, dw, n_valid)
+        ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
+        ctx.weight_dtype = weight.dtype
+        ctx.divide = x.dtype == torch.float16  # unnormalised gradients (see the docstring)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dloss):
+        if not torch.compiler.is_compiling():
+            if ctx.used:
+                raise RuntimeError(
+                    "linear_cross_entropy scales its saved gradients in place, so it supports "
+                    "one backward per forward (no retain_graph reuse)"
+                )
+            ctx.used = True
+        dx, dw, n_valid = ctx.saved_tensors
+        linear_cross_entropy_scale_op(dx, dw, dloss, n_valid, ctx.divide)
+        dweight = None
+        if ctx.grad_weight:
+            dweight = dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)
+        return dx if ctx.grad_x else None, dweight, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int | None = None,
+    use_triton: bool = False,
+    *,
+    chunk_rows: int | None = None,
+    check_labels: bool = True,
+) -> torch.Tensor:
+    """Mean cross entropy of `labels` under softmax(x @ weight.T), without the full logits.
+
+    Args:
+        x: (..., K) float activations (under torch.autocast: cast to its dtype).
+        weight: (V, K) projection, x's dtype (or wider under autocast: read through a copy
+            in x's dtype, its gradient returned in its own dtype).
+        labels: (...) int64, x's leading shape, values in [0, V) or `ignore_index`.
+        ignore_index: label value left out of the mean; None ignores nothing.
+        use_triton: the chunked Triton path; False: `F.linear` then `cross_entropy`'s PyTorch
+            reference (the full logits).
+        chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`.
+        check_labels: check on the host that labels are in range (one device sync; refused
+            during CUDA stream capture). Pass False inside a training step (the Triton path
+            then returns NaN for a bad label).
+
+    Returns:
+        0-d float32 loss (float64 for float64 inputs on the PyTorch path); 0, with zero
+        gradients, when every position is ignored.
+
+    Raises:
+        TypeError: non-tensors, non-floating x or weight, mismatched dtypes outside autocast,
+            labels not int64, a non-int ignore_index or chunk_rows.
+        ValueError: mismatched shapes or devices, V == 0 with positions present, chunk_rows
+            < 1, or (with check_labels) a label outside [0, V) that is not ignore_index.
+    """
+    for t, name in ((x, "x"), (weight, "weight"), (labels, "labels")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for t, name in ((x, "x"), (weight, "weight")):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels must be int64 class indices, got {labels.dtype}")
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
+            raise TypeError(f"chunk_rows must be an int or None, got {chunk_rows!r}")
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, K), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must equal weight's second dim ({weight.shape[1]}): "
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal x's shape without its last dim; "
+            f"x shape is {tuple(x.shape)}"
+        )
+    if labels.device != x.device:
+        raise ValueError(f"labels on {labels.device} but x on {x.device}")
+    x, weight = _check_pair(x, weight, "x", "weight", cast_b=False)
+    V = weight.shape[0]
+    if V == 0 and labels.numel() > 0:
+        raise ValueError("weight has an empty vocabulary dim (V == 0)")
+    if use_triton:
+        check_triton_tensor(x, "x")
+        check_triton_tensor(weight, "weight")
+    if check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled()):
+        _check_labels_in_range(labels, V, ignore_index)
+    # No positions: the reference gives 0 connected to the graph; nothing to launch.
+    if not use_triton or labels.numel() == 0:
+        logits = F.linear(x, weight)
+        return cross_entropy(logits, labels, ignore_index, use_triton=False, check_labels=False)
+
+    M = labels.numel()
+    x2 = x.reshape(M, x.shape[-1])  # a view unless x's leading dims cannot merge
+    labels1 = labels.reshape(M)
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(V, x.element_size())
+    weight_lp = _weight_in(weight, x.dtype)  # a copy in x's dtype, or None when weight is
+    grad_x = x2.requires_grad
+    grad_weight = weight.requires_grad
+    if torch.is_grad_enabled() and (grad_x or grad_weight):
+        return _LinearCrossEntropyFunction.apply(
+            x2, weight, weight_lp, labels1, ignore_index, chunk_rows, grad_x, grad_weight
+        )
+    # (no autograd recorded: the op's body runs directly, without custom-op dispatch)
+    w = weight if weight_lp is None else weight_lp
+    args = (x2, w, labels1, ignore_index, chunk_rows, False, False)
+    return call_op(linear_cross_entropy_op, *args)[0]
