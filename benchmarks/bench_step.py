@@ -348,7 +348,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--fused-loss", choices=("on", "off", "both"), default=None,
                     help="the Triton model's fused_loss (default: the model's own)")  # fmt: skip
+    ap.add_argument("--loss-chunk-rows", type=int, default=None,
+                    help="rows per chunk of the fused loss (default: the module's)")  # fmt: skip
     args = ap.parse_args()
+    if args.loss_chunk_rows:
+        from triton_transformer import linear_cross_entropy
+
+        linear_cross_entropy.CHUNK_BYTES = args.loss_chunk_rows * PRESETS[args.preset]["vocab"] * 2
     if args.fused_loss is not None and not has_fused_loss():
         print("--fused-loss ignored: this Transformer has no fused_loss", flush=True)
     p = PRESETS[args.preset]

@@ -226,10 +226,14 @@ def test_bad_label_gives_nan_without_check(device):
 
 
 def test_default_chunk_rows():
-    assert default_chunk_rows(50304, 2) == 1280  # GPT-2's vocabulary in bf16: 123 MiB
-    assert default_chunk_rows(50304, 4) == 640
-    assert default_chunk_rows(10**7, 4) == 128  # at least 128 rows
-    assert default_chunk_rows(256, 4) % 128 == 0
+    # GPT-2's batch (16384 tokens, V = 50304, bf16): at most 5248 rows (513 MiB) per chunk,
+    # so 4 equal chunks of 4096
+    assert default_chunk_rows(16384, 50304, 2) == 4096
+    assert default_chunk_rows(16384, 50304, 4) == 2432  # fp32: 7 chunks, the last shorter
+    assert default_chunk_rows(16385, 50304, 2) == 4224  # 4 chunks, the last shorter
+    assert default_chunk_rows(100, 50304, 2) == 128  # at least 128 rows
+    assert default_chunk_rows(5, 10**9, 4) == 128
+    assert default_chunk_rows(8192, 256, 4) == 8192  # a small vocabulary: one chunk
 
 
 def test_default_chunking_splits_rows(device, monkeypatch):
@@ -474,7 +478,7 @@ def test_gpu_gpt2_shape_matches_unfused_with_less_memory(rows, device):
     assert abs(got[0].item() - ref[0].item()) <= 1e-3 * ref[0].item()
     assert rel_err(got[1], ref[1]) <= 1e-2 and rel_err(got[2], ref[2]) <= 1e-2
     logits_bytes = rows * V * 2
-    chunk_bytes = min(rows, default_chunk_rows(V, 2)) * V * 2
+    chunk_bytes = default_chunk_rows(rows, V, 2) * V * 2
     saved = peak_unfused - peak_fused
     print(f"rows {rows}: peak fused {peak_fused / 1e9:.3f} GB, unfused {peak_unfused / 1e9:.3f}")
     assert saved >= 0.9 * (logits_bytes - chunk_bytes), (peak_fused, peak_unfused)

@@ -129,40 +129,39 @@ class BwdConfig(NamedTuple):
 # up to N = 1024, and the next tile's loads prefetched: at 2048 x 512 it takes 7.2 µs against
 # 24.9 for the older (4 rows, 8 warps, 4 per SM) entry, at 4096 x 1024 9.9 against 24.6.
 #
-# Not yet measured (to be replaced by `benchmarks/bench_layernorm.py --tune`): classes below
-# 512 and 8192 keep the configurations of revision 4b80779 (a 2048-element tile, 4 backward
-# programs per SM); class 16384 keeps the forward looping over 8192-wide blocks (rows of 16384
-# held in registers were measured 2-4x slower than that on an H200 in revision a1b467e, which
-# recorded no split by direction; for sm_90, Triton allocates the "row" backward at 16384
-# with spills, the forward without) and takes the "split" backward, whose tiles are a first
-# guess: by the byte counts of the module docstring it moves 5·N·e per row against the
-# "loop" variant's 5·N·e + 16·N (with 4 programs per SM, 528 x 16384 x 8 bytes of partials:
-# more than L2 holds).
+# Classes 128, 256, 8192 and 16384 come from `benchmarks/bench_layernorm.py --tune` on an H100
+# (2026-11-24; 2**26-element bf16 tensors, kernel times against torch.compile's, plain /
+# stable, forward then backward: 128: 1.00 / 0.99, 0.76 / 0.76; 256: 0.98 / 1.00, 0.98 / 0.93;
+# 8192: 1.00 / 0.83, 0.50 / 0.48; 16384: 0.96 / 0.97, 0.81 / 0.61, < 1 faster). At 16384 the
+# forward holds the row in registers and the backward takes the "split" variant (5·N·e bytes
+# per row against the looped variant's 5·N·e + 16·N). The same sweep's picks for 512-4096 are
+# not taken: at its 128 MB tensors they tie the entries above (0.84-1.00 of compile), which
+# were measured at the model's own shapes. Classes 16-64 are not swept.
 _FWD_TABLE: dict[int, tuple[int, int, int]] = {
     16: (128, 16, 8),
     32: (64, 32, 8),
     64: (32, 64, 8),
-    128: (16, 128, 8),
-    256: (8, 256, 8),
+    128: (16, 128, 4),
+    256: (16, 256, 8),
     512: (2, 512, 2),
     1024: (4, 1024, 4),
     2048: (4, 2048, 4),
     4096: (2, 4096, 8),
     8192: (1, 8192, 16),
-    16384: (1, 8192, 16),
+    16384: (1, 16384, 8),
 }
 _BWD_TABLE: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
     32: BwdConfig("row", 64, 32, 8, 4),
     64: BwdConfig("row", 32, 64, 8, 4),
-    128: BwdConfig("row", 16, 128, 8, 4),
-    256: BwdConfig("row", 8, 256, 8, 4),
+    128: BwdConfig("row", 64, 128, 16, 1),
+    256: BwdConfig("row", 32, 256, 16, 2, prefetch=True),
     512: BwdConfig("row", 1, 512, 4, 4, prefetch=True),
     1024: BwdConfig("row", 4, 1024, 4, 2, prefetch=True),
     2048: BwdConfig("row", 2, 2048, 8, 2, prefetch=True),
     4096: BwdConfig("row", 1, 4096, 8, 2, prefetch=True),
-    8192: BwdConfig("row", 1, 8192, 16, 4),
-    16384: BwdConfig("split", 8, 256, 4, 4, sum_block_m=1, sum_block_n=4096, sum_warps=8),
+    8192: BwdConfig("row", 1, 8192, 16, 2, prefetch=True),
+    16384: BwdConfig("split", 16, 128, 4, 4, sum_block_m=1, sum_block_n=8192, sum_warps=16),
 }
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
 # backward programs, so the few column programs are not latency-bound loops) and warps.
