@@ -5,6 +5,7 @@ which is why it happens here, at collection time, before any test module loads.
 """
 
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -29,6 +30,31 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """'cuda' on a GPU machine, else 'cpu' (kernels then run in the interpreter)."""
     return DEVICE
+
+
+def _assert_first_order_only(f, x: torch.Tensor, op_name: str) -> None:
+    """`f(x)` runs a Triton op whose backward is first-order only: every create_graph=True
+    gradient through it raises a RuntimeError naming `op_name` and pointing to
+    use_triton=False, instead of a second derivative with terms silently missing (issue #20).
+    A plain gradient still works."""
+    match = rf"^{re.escape(op_name)}: .*first-order only.*use_triton=False"
+    # The issue's pattern: the upstream gradient depends on x too, and grad(..., x) prunes
+    # graph nodes off the path to x (once_differentiable's detached error node was one).
+    s = f(x).float().sum() * (x.float() ** 2).sum()
+    with pytest.raises(RuntimeError, match=match):
+        (g,) = torch.autograd.grad(s, x, create_graph=True)
+        torch.autograd.grad((g * g).sum(), x)
+    # A constant upstream gradient: the result would depend on x through the saved inputs only.
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.grad(f(x).float().sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(f(x).float().sum(), x)
+    assert g.shape == x.shape and torch.isfinite(g).all()
+
+
+@pytest.fixture
+def assert_first_order_only():
+    """`_assert_first_order_only(f, x, op_name)`, for each op's test module."""
+    return _assert_first_order_only
 
 
 @pytest.fixture(autouse=True)

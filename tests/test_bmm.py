@@ -479,18 +479,22 @@ def test_registered_custom_ops(device):
     torch.library.opcheck(bmm_module.relu2_grad_op, (dy, s.abs(), True), test_utils=tests)
 
 
-@pytest.mark.parametrize("kind", ["bmm", "linear", "relu_squared", "relu_squared_fp16"])
-def test_double_backward_raises(kind, device):
+@pytest.mark.parametrize(
+    "kind", ["bmm", "linear", "relu_squared", "relu_squared_fp16", "residual", "relu_residual"]
+)
+def test_double_backward_raises(kind, device, assert_first_order_only):
     dtype = torch.float16 if kind == "relu_squared_fp16" else torch.float32
     x = rand((5, 16), dtype, device, mean=0.3).requires_grad_()
     w = rand((8, 16), dtype, device, mean=0.1).requires_grad_()
-    if kind == "bmm":
-        out = bmm(x, w.t(), use_triton=True)
-    else:
-        out = linear(x, w, None if kind == "linear" else "relu_squared", use_triton=True)
-    (g,) = torch.autograd.grad((out * out).float().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.sum().backward()
+    res = rand((5, 8), dtype, device) if "residual" in kind else None
+    act = "relu_squared" if "relu" in kind else None
+
+    def f(x):
+        if kind == "bmm":
+            return bmm(x, w.t(), use_triton=True)
+        return linear(x, w, act, use_triton=True, residual=res)
+
+    assert_first_order_only(f, x, "bmm" if kind == "bmm" else "linear")
 
 
 def test_layout_for_tma():

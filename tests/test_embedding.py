@@ -141,3 +141,52 @@ def test_bad_input(args, match, device):
 @pytest.mark.parametrize("b, n", [(4, 512), (16, 512), (3, 1000)])
 def test_gpu_model_shapes(b, n, dtype):
     _check(b, n, 256, 512, 1024, 0, dtype, "cuda")
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("bad_id", [-1, 10, 1 << 40])
+def test_out_of_range_ids_raise(bad_id, use_triton, device):
+    # check_ids (the default): an IndexError naming the id, as PyTorch's embedding raises
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    ids = torch.randint(0, 10, (2, 5), device=device)
+    ids[1, 3] = bad_id
+    with pytest.raises(IndexError, match=rf"\[0, 10\).*found id {bad_id}$"):
+        embedding(ids, w, p, use_triton=use_triton)
+
+
+def test_reference_raises_without_the_check():
+    # check_ids=False leaves the PyTorch path to F.embedding, which raises on the CPU itself
+    w, p = _tables(10, 8, 6, torch.float32, "cpu")
+    ids = torch.tensor([[1, 10, 2]])
+    with pytest.raises(IndexError):
+        embedding(ids, w, p, use_triton=False, check_ids=False)
+
+
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_unchecked_out_of_range_ids_give_nan_rows(with_pos, device):
+    # check_ids=False (the Transformer, captured steps): out-of-range ids get NaN rows, so
+    # the loss turns NaN, never a silent zero row; the other rows and gradients are unchanged
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    pos = p if with_pos else None
+    ids = torch.randint(0, 10, (2, 6), device=device)
+    bad = torch.zeros_like(ids, dtype=torch.bool)
+    bad[0, 2] = bad[1, 5] = True
+    bad_ids = torch.where(bad, torch.tensor([-3, 10], device=device)[ids % 2], ids)
+    h = embedding(bad_ids, w, pos, use_triton=True, check_ids=False)
+    assert torch.isnan(h[bad]).all() and torch.isfinite(h[~bad]).all()
+    torch.testing.assert_close(h[~bad], embedding(ids, w, pos)[~bad], rtol=0, atol=0)
+    assert torch.isnan(h.sum())
+    g = torch.randn_like(h)
+    (dw,) = torch.autograd.grad(h, w, g)
+    (ref,) = torch.autograd.grad(embedding(ids, w, pos), w, torch.where(bad[..., None], 0, g))
+    torch.testing.assert_close(dw, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("table", ["weight", "pos_weight"])
+def test_double_backward_raises(table, device, assert_first_order_only):
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    ids = torch.randint(0, 10, (2, 5), device=device)
+    if table == "weight":
+        assert_first_order_only(lambda w: embedding(ids, w, p, use_triton=True), w, "embedding")
+    else:
+        assert_first_order_only(lambda p: embedding(ids, w, p, use_triton=True), p, "embedding")

@@ -67,7 +67,6 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import dropout_keep_tile
@@ -79,6 +78,7 @@ from triton_transformer.utils import (
     check_dropout_p,
     check_triton_tensor,
     dropout_threshold,
+    first_order_only,
     interpreter_enabled,
     next_power_of_2,
     seed_or_draw,
@@ -1117,7 +1117,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
 
 
-@once_differentiable
+@first_order_only("attention")
 def _backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     if dout is None:  # grads are not materialised: the output was not used
         return (None,) * 9
@@ -1183,7 +1183,7 @@ def _packed_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(qkv, out, lse, kpm, seed)
 
 
-@once_differentiable
+@first_order_only("attention_packed")
 def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     if dout is None:  # grads are not materialised: the output was not used
         return (None,) * 7

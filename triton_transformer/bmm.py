@@ -10,7 +10,7 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   runs in the epilogue, its mask drawn from a device seed (`_jit_helpers.dropout_keep_tile`).
 - `triton_transformer::relu2_grad(dy, s, from_square, p, seed)`: d(pre) = dy · keep / (1 - p)
   · 2·relu(pre), the mask regenerated from the forward's seed.
-The backward of each is `@once_differentiable` (double backward raises) and calls these ops.
+The backward of each is `utils.first_order_only` (create_graph=True raises) and calls these ops.
 
 Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and device; cached):
 - "cublas": torch.mm; torch.addmm for a residual of the operands' dtype (cuBLAS's own C-input
@@ -93,7 +93,6 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import dropout_keep_tile
@@ -103,6 +102,7 @@ from triton_transformer.utils import (
     check_dropout_p,
     check_triton_tensor,
     dropout_threshold,
+    first_order_only,
     next_power_of_2,
     seed_or_draw,
     sm_count,
@@ -958,7 +958,7 @@ def _bmm_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(a, b)
 
 
-@once_differentiable
+@first_order_only("bmm")
 def _bmm_backward(ctx, dc: torch.Tensor):
     a, b = ctx.saved_tensors
     dc = dc.to(a.dtype)  # a no-op unless out_dtype widened the output
@@ -1116,12 +1116,12 @@ def _linear_grads(ctx, dy: torch.Tensor):
     return dx, dw, dres
 
 
-@once_differentiable
+@first_order_only("linear")
 def _linear_backward(ctx, dy: torch.Tensor):
     return *_linear_grads(ctx, dy), None, None, None, None
 
 
-@once_differentiable
+@first_order_only("linear")
 def _linear_relu2_backward(ctx, dy: torch.Tensor | None, dr: torch.Tensor | None):
     if dy is None:  # grads are not materialised: the output was not used
         return (None,) * 6

@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import (
@@ -58,6 +57,7 @@ from triton_transformer.utils import (
     cdiv,
     check_not_capturing,
     check_triton_tensor,
+    first_order_only,
     row_block_size,
 )
 
@@ -366,7 +366,7 @@ def _cross_entropy_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(logits, labels, lse, n_valid)
 
 
-@once_differentiable
+@first_order_only("cross_entropy")
 def _cross_entropy_backward(ctx, dloss, _dlse, _dn_valid):
     if dloss is None:  # grads are not materialised: the loss was not used
         return None, None, None
@@ -431,7 +431,7 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("cross_entropy")
     def backward(ctx, dloss):
         if not torch.compiler.is_compiling():
             if ctx.used:

@@ -32,10 +32,15 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from triton_transformer.utils import cdiv, check_triton_tensor, dropout_threshold, seed_or_draw
+from triton_transformer.utils import (
+    cdiv,
+    check_triton_tensor,
+    dropout_threshold,
+    first_order_only,
+    seed_or_draw,
+)
 
 # Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
 # Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
@@ -151,7 +156,7 @@ def _dropout_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(seed)
 
 
-@once_differentiable
+@first_order_only("dropout")
 def _dropout_backward(ctx, dy: torch.Tensor):
     # d(x * keep * scale)/dx = keep * scale: the same mask, regenerated from the seed.
     (seed,) = ctx.saved_tensors

@@ -28,8 +28,13 @@ The work is V·T·D multiply-adds (times 3 for fp32), which pays only for small 
 such as a byte-level model's 256: above ONE_HOT_MAX_VOCAB the Triton path uses PyTorch's
 embedding (sort-based backward) instead.
 
-Ids outside [0, V) read a zero row and get no gradient here (PyTorch raises an index error
-on CPU and a device-side assert on CUDA); nothing on the host reads the ids.
+Ids outside [0, V): `embedding(check_ids=True)` (the default) raises an IndexError for them
+in an eager call, as PyTorch's embedding does on the CPU (on CUDA it hits a device-side
+assert), after one host check of the ids (a device sync; refused during CUDA stream capture,
+skipped under torch.compile). Without the check (check_ids=False: the Transformer, which
+checks its inputs itself, or a captured / compiled step) the kernel writes a row of NaN for
+such an id, never a plausible zero row: the loss turns NaN, and the trainer's non-finite
+check (read off the hot path, once per step) stops the run. Such ids get no gradient.
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import (
     as_rows,
     call_op,
     cdiv,
+    check_not_capturing,
     check_triton_tensor,
     describe,
+    first_order_only,
     interpreter_enabled,
     sm_count,
 )
@@ -81,6 +87,8 @@ def _embedding_fwd_kernel(
         pos = (start + offs_t % seq_len).to(tl.int64)
         pos_rows = tl.load(POS + pos[:, None] * stride_pos + offs_d[None, :], mask=tile_in)
         h += pos_rows.to(tl.float32)
+    # An unchecked out-of-range id gets a NaN row, so the loss shows it (a zero row would not)
+    h = tl.where(known[:, None], h, float("nan"))
     rows = offs_t.to(tl.int64)
     tl.store(H + rows[:, None] * stride_h + offs_d[None, :], h.to(H.dtype.element_ty), mask=tile_in)
 
@@ -273,7 +281,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(ids)
 
 
-@once_differentiable
+@first_order_only("embedding")
 def _backward(ctx, dh: torch.Tensor):
     (ids,) = ctx.saved_tensors
     dweight, dpos = embedding_backward_op(
@@ -285,12 +293,26 @@ def _backward(ctx, dh: torch.Tensor):
 embedding_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_ids_in_range(ids: torch.Tensor, n_vocab: int) -> None:
+    """Raise IndexError, as `F.embedding` does on the CPU, if an id is outside [0, n_vocab).
+    Syncs with a CUDA device, so it refuses to run during CUDA stream capture."""
+    check_not_capturing(
+        "embedding's token-id range check (pass check_ids=False inside a captured step)"
+    )
+    bad = (ids < 0) | (ids >= n_vocab)
+    if bad.any():
+        first = ids[bad][0].item()
+        raise IndexError(f"token ids must lie in [0, {n_vocab}) (weight's rows); found id {first}")
+
+
 def embedding(
     ids: torch.Tensor,
     weight: torch.Tensor,
     pos_weight: torch.Tensor | None = None,
     start: int = 0,
     use_triton: bool = False,
+    *,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """Token embedding plus (optionally) learned absolute positions.
 
@@ -301,6 +323,13 @@ def embedding(
             position i (start: the number of tokens before ids, e.g. a KV cache's length).
         use_triton: the fused Triton kernels (vocabularies up to ONE_HOT_MAX_VOCAB; larger
             ones take the PyTorch path, whose sort-based backward is faster there).
+        check_ids: check on the host that every id is in [0, V) and raise IndexError if
+            not (one device sync; refused during CUDA stream capture; skipped under
+            torch.compile). Pass False where the ids are checked already or in a captured /
+            compiled step: the Triton kernel then writes NaN rows for out-of-range ids, so
+            the loss turns NaN (the trainer's non-finite check stops the run). PyTorch's
+            path (use_triton=False, or a vocabulary above ONE_HOT_MAX_VOCAB) raises an
+            IndexError on the CPU and hits a device-side assert on CUDA.
 
     Returns:
         (b, n, D) tensor in weight's dtype: weight[ids] + pos_weight[start : start + n].
@@ -308,6 +337,8 @@ def embedding(
     Raises:
         TypeError / ValueError: ids not an integer (b, n) tensor, tables not 2-D or of
             different widths, or positions start .. start + n outside the positional table.
+        IndexError: (check_ids) an id outside [0, V).
+        RuntimeError: the id check during CUDA stream capture.
     """
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ids must be an int32/int64 tensor, got {describe(ids)}")
@@ -330,6 +361,10 @@ def embedding(
                 f"positions {start}..{start + n - 1} are outside pos_weight's "
                 f"{pos_weight.shape[0]} rows"
             )
+    # (Dynamo would break the graph on the check's data-dependent branch: a compiled caller
+    # relies on the NaN rows instead.)
+    if check_ids and not torch.compiler.is_compiling():
+        _check_ids_in_range(ids, weight.shape[0])
     if not use_triton or weight.shape[0] > ONE_HOT_MAX_VOCAB:
         h = F.embedding(ids, weight)
         return h if pos_weight is None else h + pos_weight[start : start + n]

@@ -9,8 +9,9 @@ reference that defines the semantics:
 The Triton path is two `torch.library.triton_op`s, `triton_transformer::layernorm_fwd` and
 `triton_transformer::layernorm_bwd`, wired together with `register_autograd`, so torch.compile
 traces both (no graph break) and a CUDA graph can capture them (nothing is read on the host).
-The backward is once-differentiable: `create_graph=True` raises instead of silently dropping
-second-order terms. The output is a fresh tensor (not a view), so in-place ops on it work.
+The backward is first-order only (`utils.first_order_only`): `create_graph=True` raises instead
+of silently dropping second-order terms. The output is a fresh tensor (not a view), so
+in-place ops on it work.
 
 The kernels here are shared with the fused residual + LayerNorm op
 (`triton_transformer/residual_layernorm.py`): with RESIDUAL the forward first forms
@@ -69,7 +70,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import (
@@ -78,6 +78,7 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     exists,
+    first_order_only,
     next_power_of_2,
     sm_count,
 )
@@ -835,7 +836,7 @@ def _ln_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, weight, bias, stats)
 
 
-@once_differentiable
+@first_order_only("layernorm")
 def _ln_backward(ctx, dy, _dstats):
     if dy is None:  # grads are not materialised: y was not used
         return None, None, None, None, None, None

@@ -17,7 +17,8 @@ dW += dz_c^T x_c, accumulated in fp32. n_valid is counted over *all* labels befo
 chunk, since every chunk is normalised by the global count. The forward thus also computes
 both gradients (for an upstream gradient of 1); backward only scales them in place by dloss,
 a 0-d device tensor read in the kernel (a no-op when it is exactly 1, a plain
-`loss.backward()`). One backward per forward; double backward raises.
+`loss.backward()`). One backward per forward; create_graph=True raises
+(`utils.first_order_only`).
 
 Memory: one chunk of logits (about `CHUNK_BYTES`), dx, and dW in fp32, instead of the full
 logits. Under bf16 autocast an fp32 weight is read through a bf16 copy (`bmm._weight_in`) and
@@ -36,7 +37,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer import bmm as bmm_mod
@@ -49,7 +49,7 @@ from triton_transformer.cross_entropy import (
     _launch_reduce,
     cross_entropy,
 )
-from triton_transformer.utils import call_op, cdiv, check_triton_tensor
+from triton_transformer.utils import call_op, cdiv, check_triton_tensor, first_order_only
 
 __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
 
@@ -193,7 +193,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("linear_cross_entropy")
     def backward(ctx, dloss):
         if not torch.compiler.is_compiling():
             if ctx.used:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op
 
 from triton_transformer.layernorm import (
@@ -58,6 +57,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     draw_seed,
     exists,
+    first_order_only,
 )
 
 
@@ -138,7 +138,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(h_new, weight, bias, stats, seed)
 
 
-@once_differentiable
+@first_order_only("residual_layernorm")
 def _backward(ctx, dh_new, dy, _dstats):
     if dy is None and dh_new is None:
         return (None,) * 9

@@ -16,7 +16,7 @@ The backward reads only the saved output: dx = y * (dy - sum(dy * y)).
 
 Both directions are `torch.library.triton_op`s (`triton_transformer::softmax` and
 `triton_transformer::softmax_backward`), so torch.compile traces them and CUDA graphs capture
-them; the backward is once-differentiable (double backward raises).
+them; the backward is first-order only (`utils.first_order_only`: create_graph=True raises).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_exp
@@ -35,6 +34,7 @@ from triton_transformer.utils import (
     calc_num_warps,
     cdiv,
     check_triton_tensor,
+    first_order_only,
     row_block_size,
 )
 
@@ -204,7 +204,7 @@ def _softmax_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(output)
 
 
-@once_differentiable
+@first_order_only("softmax")
 def _softmax_backward(ctx, dy: torch.Tensor):
     (y,) = ctx.saved_tensors
     return softmax_backward_op(dy, y, ctx.causal), None

@@ -422,15 +422,18 @@ class Transformer(nn.Module):
         if x.dtype not in (torch.int32, torch.int64):
             x = x.long()  # embedding takes int32/int64 ids
 
+        # check_ids=False: _check_inputs checked the ids (when check_token_ids is on); an
+        # unchecked out-of-range id gets a NaN row from the Triton kernel, so a NaN loss
         if isinstance(kv_cache, StaticKVCache):
             # the positions follow a length that lives on the device: gather them there
             positions = kv_cache.begin(n, x.device)
-            h = embedding(x, self.token_emb.weight, use_triton=use_triton)
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
             h = h + self.pos_emb.weight[positions]
         else:
             h = embedding(
-                x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton
-            )
+                x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton,
+                check_ids=False,
+            )  # fmt: skip
         # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
         # written so that each residual add and the norm that follows it are one fused op
         # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.

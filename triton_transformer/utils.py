@@ -1,4 +1,5 @@
-"""Small helpers shared by every op: defaults, launch heuristics and input validation."""
+"""Small helpers shared by every op: defaults, launch heuristics, input validation and
+autograd glue."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import functools
 import math
 import numbers
 import os
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 # dtypes the Triton kernels accept; they compute in float32 whatever the storage type.
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -107,6 +110,61 @@ def check_not_capturing(what: str) -> None:
             f"{what} reads a value on the host, which a CUDA graph would replay stale; "
             "it cannot run during stream capture"
         )
+
+
+def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Decorate the backward of a Triton op (a `register_autograd` backward or an
+    autograd.Function's) whose kernels are not differentiable: a backward that runs with
+    create_graph=True raises a RuntimeError naming `op_name` instead of returning gradients
+    that silently lack their second-order terms.
+
+    Why not `torch.autograd.function.once_differentiable`: it runs the backward under no_grad
+    and, only when an incoming gradient requires grad, routes the outputs through an error
+    node whose inputs are *detached* copies of them. That node has no edge into the graph,
+    so `torch.autograd.grad(..., inputs=x)`, which runs only nodes on a path to x, prunes it:
+    the second derivative comes back without the terms through this op (44-90% off the
+    PyTorch reference in the issue's `f(x).sum() * (x ** 2).sum()` pattern), no error. And
+    when only the saved inputs require grad (a constant upstream gradient), the result has
+    no grad_fn at all and is silently treated as a constant. torch.library's
+    `register_autograd` just calls the function, so nothing there catches it either.
+
+    The engine runs a backward with grad mode on exactly when create_graph=True, and this
+    node only exists because an input required grad, so grad mode alone says a
+    higher-order graph is being asked for: raise at once (a plain backward pays one
+    `torch.is_grad_enabled()`). Not while torch.compile / export traces the backward
+    (AOTAutograd's joint trace runs it with grad mode off in torch 2.13, but need not; a
+    compiled graph's own backward refuses create_graph=True at run time) nor on fake
+    tensors: the backward then runs under no_grad, as once_differentiable ran it.
+    """
+
+    def decorate(backward: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(backward)
+        def wrapper(ctx: Any, *grads: Any) -> R:
+            if not torch.is_grad_enabled():  # the plain backward: create_graph=False
+                return backward(ctx, *grads)
+            if not _tracing(grads):
+                raise RuntimeError(
+                    f"{op_name}: the Triton backward is first-order only, but it was asked "
+                    "for a differentiable gradient (create_graph=True, i.e. a double "
+                    "backward or higher-order gradients); pass use_triton=False for "
+                    "higher-order gradients"
+                )
+            with torch.no_grad():
+                return backward(ctx, *grads)
+
+        return wrapper
+
+    return decorate
+
+
+def _tracing(tensors: tuple) -> bool:
+    """True while torch.compile or export traces, or when `tensors` are fake (a trace
+    outside a compile session, e.g. make_fx under a FakeTensorMode)."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor  # only reached off the hot path
+
+    return any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def call_op(op: Any, *args: Any) -> Any:
