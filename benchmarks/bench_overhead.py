@@ -4,10 +4,11 @@ Each op is called `--calls` times back to back without synchronising (the GPU wo
 shorter than the host's), then the device is synchronised: wall time / calls is what the host
 pays per call (Python wrapper, validation, autograd, dispatcher, Triton's launcher). Forward
 alone (inputs that require grad), forward under no_grad (inference), and forward+backward.
-Run it against two checkouts to compare before/after:
+Run it against two checkouts to compare before/after, and with --torch for PyTorch eager:
 
     python3 benchmarks/bench_overhead.py --out DIR --label after
     PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_overhead.py --out DIR --label before
+    python3 benchmarks/bench_overhead.py --out DIR --label torch --torch
 
 (the package is imported from PYTHONPATH first, so the second line measures the old code).
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 
 
-def cases(ops) -> dict:
+def cases(ops, use_triton: bool = True) -> dict:
+    """The op calls timed: ours (use_triton) or the PyTorch reference of each (eager)."""
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     w = torch.randn(512, device=dev, requires_grad=True)
@@ -32,14 +34,14 @@ def cases(ops) -> dict:
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
-        "layernorm": lambda: ops.layernorm(x, w, use_triton=True),
-        "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=True),
-        "linear": lambda: ops.linear(x, wl, use_triton=True),
-        "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=True),
-        "bmm": lambda: ops.bmm(s, q, use_triton=True),
-        "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=True),
-        "dropout": lambda: ops.dropout(x, 0.1, use_triton=True),
-        "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=True),
+        "layernorm": lambda: ops.layernorm(x, w, use_triton=use_triton),
+        "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
+        "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
+        "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
+        "bmm": lambda: ops.bmm(s, q, use_triton=use_triton),
+        "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=use_triton),
+        "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
+        "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=use_triton),
     }
 
 
@@ -59,6 +61,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--label", default="after")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument(
+        "--torch", action="store_true", help="time the PyTorch references (use_triton=False)"
+    )
     args = ap.parse_args()
 
     import triton_transformer.attention as attention_mod
@@ -75,7 +80,7 @@ def main() -> None:
         attention = attention_mod.attention
 
     rows = []
-    for name, fwd in cases(ops).items():
+    for name, fwd in cases(ops, use_triton=not args.torch).items():
 
         def fwd_bwd(fwd=fwd):
             out = fwd()

@@ -1124,9 +1124,10 @@ def _backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     q, k, v, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention was called with need_lse=False; cannot backward")
-    dq, dk, dv = flash_attention_backward_op(
-        dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
-    )
+    dq, dk, dv = call_op(
+        flash_attention_backward_op, dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale,
+        ctx.dropout_p,
+    )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -1190,9 +1191,10 @@ def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None)
     qkv, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention_packed was called with need_lse=False")
-    dqkv = flash_attention_packed_backward_op(
-        dout, qkv, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
-    )
+    dqkv = call_op(
+        flash_attention_packed_backward_op, dout, qkv, out, lse, kpm, seed, ctx.causal,
+        ctx.scale, ctx.dropout_p,
+    )  # fmt: skip
     return dqkv, None, None, None, None, None, None
 
 

@@ -964,9 +964,9 @@ def _bmm_backward(ctx, dc: torch.Tensor):
     dc = dc.to(a.dtype)  # a no-op unless out_dtype widened the output
     da = db = None
     if ctx.needs_input_grad[0]:  # dA = dC @ B^T, B^T a view
-        da = bmm_op(dc, b.transpose(-1, -2))
+        da = call_op(bmm_op, dc, b.transpose(-1, -2))
     if ctx.needs_input_grad[1]:  # dB = A^T @ dC
-        db = bmm_op(a.transpose(-1, -2), dc)
+        db = call_op(bmm_op, a.transpose(-1, -2), dc)
     return da, db, None
 
 
@@ -1103,14 +1103,14 @@ def _linear_grads(ctx, dy: torch.Tensor):
     # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; without relu²
     # d(pre) = dy, cast only when a wider residual promoted the output.
     if ctx.relu_squared:
-        dpre = relu2_grad_op(dy, s, ctx.from_square, ctx.p, seed)
+        dpre = call_op(relu2_grad_op, dy, s, ctx.from_square, ctx.p, seed)
     else:
         dpre = dy.to(x.dtype)
     dx = dw = dres = None
     if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
-        dx = bmm_op(dpre, w)
+        dx = call_op(bmm_op, dpre, w)
     if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
-        dw = bmm_op(dpre.t(), x, ctx.weight_dtype)
+        dw = call_op(bmm_op, dpre.t(), x, ctx.weight_dtype)
     if ctx.needs_input_grad[2]:
         dres = dy.to(ctx.residual_dtype)
     return dx, dw, dres

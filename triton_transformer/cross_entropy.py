@@ -54,6 +54,7 @@ from triton_transformer._jit_helpers import (
 )
 from triton_transformer.utils import (
     calc_num_warps,
+    call_op,
     cdiv,
     check_not_capturing,
     check_triton_tensor,
@@ -371,7 +372,7 @@ def _cross_entropy_backward(ctx, dloss, _dlse, _dn_valid):
     if dloss is None:  # grads are not materialised: the loss was not used
         return None, None, None
     logits, labels, lse, n_valid = ctx.saved_tensors
-    dx = cross_entropy_backward_op(dloss, logits, labels, lse, n_valid, ctx.ignore_index)
+    dx = call_op(cross_entropy_backward_op, dloss, logits, labels, lse, n_valid, ctx.ignore_index)
     return dx, None, None
 
 
@@ -425,7 +426,7 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
-        loss, n_valid = cross_entropy_inplace_op(logits, labels, ignore_index)
+        loss, n_valid = call_op(cross_entropy_inplace_op, logits, labels, ignore_index)
         ctx.save_for_backward(logits, n_valid)  # logits now hold the gradient
         ctx.used = False
         return loss
@@ -441,7 +442,7 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
                 )
             ctx.used = True
         grad, n_valid = ctx.saved_tensors
-        cross_entropy_inplace_backward_op(grad, dloss, n_valid)
+        call_op(cross_entropy_inplace_backward_op, grad, dloss, n_valid)
         return grad, None, None
 
 
@@ -583,4 +584,4 @@ def cross_entropy(
     logits3, labels2 = _as_rows_3d(logits, labels)
     if inplace_backward and logits.requires_grad and torch.is_grad_enabled():
         return _CrossEntropyInplaceFunction.apply(logits3, labels2, ignore_index)
-    return cross_entropy_op(logits3, labels2, ignore_index)[0]
+    return call_op(cross_entropy_op, logits3, labels2, ignore_index)[0]

@@ -35,6 +35,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer.utils import (
+    call_op,
     cdiv,
     check_triton_tensor,
     dropout_threshold,
@@ -160,7 +161,7 @@ def _dropout_setup_context(ctx, inputs, output) -> None:
 def _dropout_backward(ctx, dy: torch.Tensor):
     # d(x * keep * scale)/dx = keep * scale: the same mask, regenerated from the seed.
     (seed,) = ctx.saved_tensors
-    return dropout_op(dy, ctx.p, seed), None, None
+    return call_op(dropout_op, dy, ctx.p, seed), None, None
 
 
 dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
@@ -209,4 +210,4 @@ def dropout(
     # p == 1 (all zeros) and empty tensors need no kernel; F.dropout keeps them in the graph.
     if not use_triton or p == 1.0 or x.numel() == 0:
         return F.dropout(x, p=p, training=True)
-    return dropout_op(x, p, seed_or_draw(seed, x.device))
+    return call_op(dropout_op, x, p, seed_or_draw(seed, x.device))

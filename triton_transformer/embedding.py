@@ -284,8 +284,8 @@ def _setup_context(ctx, inputs, output) -> None:
 @first_order_only("embedding")
 def _backward(ctx, dh: torch.Tensor):
     (ids,) = ctx.saved_tensors
-    dweight, dpos = embedding_backward_op(
-        dh, ids, ctx.n_vocab, ctx.n_pos, ctx.start, ctx.weight_dtype
+    dweight, dpos = call_op(
+        embedding_backward_op, dh, ids, ctx.n_vocab, ctx.n_pos, ctx.start, ctx.weight_dtype
     )
     return None, dweight, dpos if ctx.n_pos else None, None
 

@@ -841,7 +841,7 @@ def _ln_backward(ctx, dy, _dstats):
     if dy is None:  # grads are not materialised: y was not used
         return None, None, None, None, None, None
     x, weight, bias, stats = ctx.saved_tensors
-    dx, dweight, dbias = layernorm_bwd(dy, x, weight, bias, stats, ctx.eps, ctx.stable)
+    dx, dweight, dbias = call_op(layernorm_bwd, dy, x, weight, bias, stats, ctx.eps, ctx.stable)
     return dx, dweight, dbias if ctx.has_bias else None, None, None, None
 
 

@@ -182,8 +182,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         # weight_lp: the weight's copy in x's dtype, or None (Dynamo refuses a tensor passed
         # twice to apply)
         w = weight if weight_lp is None else weight_lp
-        loss, dx, dw, n_valid = linear_cross_entropy_op(
-            x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
+        loss, dx, dw, n_valid = call_op(
+            linear_cross_entropy_op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
         )
         ctx.save_for_backward(dx, dw, n_valid)
         ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
@@ -203,7 +203,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             ctx.used = True
         dx, dw, n_valid = ctx.saved_tensors
-        linear_cross_entropy_scale_op(dx, dw, dloss, n_valid, ctx.divide)
+        call_op(linear_cross_entropy_scale_op, dx, dw, dloss, n_valid, ctx.divide)
         dweight = None
         if ctx.grad_weight:
             dweight = dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)

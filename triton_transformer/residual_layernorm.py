@@ -145,7 +145,7 @@ def _backward(ctx, dh_new, dy, _dstats):
     h_new, weight, bias, stats, seed = ctx.saved_tensors
     if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
         dy = torch.zeros_like(h_new)
-    dh, dbranch, dweight, dbias = residual_layernorm_bwd(
+    dh, dbranch, dweight, dbias = call_op(residual_layernorm_bwd,
         dy, dh_new, h_new, weight, bias, stats, ctx.eps, ctx.stable, ctx.p, seed,
         ctx.h_dtype, ctx.branch_dtype,
     )  # fmt: skip

@@ -32,6 +32,7 @@ from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_
 from triton_transformer.utils import (
     as_rows,
     calc_num_warps,
+    call_op,
     cdiv,
     check_triton_tensor,
     first_order_only,
@@ -207,7 +208,7 @@ def _softmax_setup_context(ctx, inputs, output) -> None:
 @first_order_only("softmax")
 def _softmax_backward(ctx, dy: torch.Tensor):
     (y,) = ctx.saved_tensors
-    return softmax_backward_op(dy, y, ctx.causal), None
+    return call_op(softmax_backward_op, dy, y, ctx.causal), None
 
 
 softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
@@ -262,4 +263,4 @@ def softmax(x: torch.Tensor, causal: bool = False, use_triton: bool = False) -> 
     if not use_triton:
         return _softmax_torch(x, causal)
     check_triton_tensor(x, "x")
-    return softmax_op(x, bool(causal))
+    return call_op(softmax_op, x, bool(causal))
