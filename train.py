@@ -72,7 +72,10 @@ def _setup_triton_interpreter(argv: list[str]) -> None:
 
 
 def _error(msg: str, code: int = EXIT_USAGE) -> int:
-    print(f"train.py: error: {msg}", file=sys.stderr)
+    # one "train.py: error:" line per line of the message (a config with two problems says
+    # both, each on its own line)
+    for line in [text.strip() for text in msg.splitlines() if text.strip()] or [msg]:
+        print(f"train.py: error: {line}", file=sys.stderr)
     return code
 
 
@@ -81,8 +84,13 @@ def _note(msg: str) -> None:
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:
-    # one "warning: ..." line, without the source line Python prints by default
-    return f"warning: {message}\n"
+    # one "warning: ..." line, without the source line Python prints by default. A banner
+    # (a message framed by rules of "!", like the fallback corpus's) gets the prefix on its
+    # first line of text: never a bare "warning: " line above the frame.
+    lines = str(message).strip("\n").splitlines() or [""]
+    first = next((i for i, text in enumerate(lines) if text.strip("!")), 0)
+    lines[first] = f"warning: {lines[first]}"
+    return "\n".join(lines) + "\n"
 
 
 def _add_triton_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,8 +125,10 @@ def _triton_policy(use_triton: bool, on_cpu: bool, insist: bool, is_main: bool =
 def train_main(argv: list[str]) -> int:
     started = time.perf_counter()
     from triton_transformer.config import (
+        FitWarmup,
         add_config_arguments,
         apply_overrides,
+        check_resume_changes,
         config_from_dict,
         config_to_toml,
         load_config,
@@ -142,7 +152,9 @@ def train_main(argv: list[str]) -> int:
         "--resume",
         metavar="RUN_DIR|CHECKPOINT",
         default=None,
-        help="continue from a checkpoint, with its config (plus any overrides)",
+        help="continue from a checkpoint, with its config; overrides may change only how "
+        "long, where and how it runs, evaluation and logging (train.max_steps, train.device, "
+        "eval.*, log.*, ...), never the model, optimizer, schedule or data",
     )
     parser.add_argument(
         "--overwrite",
@@ -163,13 +175,22 @@ def train_main(argv: list[str]) -> int:
     overrides = list(args.overrides)
     if args.triton_interpret:
         overrides.append(("model.use_triton", True))
+    notes: list[str] = []  # what the overrides changed unasked (rank 0 prints them)
     if args.resume:
-        ckpt = load_checkpoint(find_checkpoint(args.resume), mmap=True)
-        config = config_from_dict(ckpt["config"])
-        config.log.run_dir = ""  # stay in the checkpoint's run directory unless told
+        ckpt_path = find_checkpoint(args.resume)
+        ckpt = load_checkpoint(ckpt_path, mmap=True)
+        saved = config_from_dict(ckpt["config"])
+        # stay in the checkpoint's run directory unless told: where it is now, which is not
+        # the one its config names if the run was copied or moved
+        saved.log.run_dir = str(ckpt_path.parent)
         if args.config and job.is_main:
             _note(f"note: --resume uses the checkpoint's config; ignoring {args.config}")
-        config = apply_overrides(config, overrides).validate()
+        # a resumed run is already under way: --max-steps sets the step count only, never
+        # the warmup its first steps used
+        overrides = [(k, v.value if isinstance(v, FitWarmup) else v) for k, v in overrides]
+        config = apply_overrides(saved, overrides)
+        check_resume_changes(saved, config, args.resume)
+        config = config.validate()
     else:
         path = args.config
         if path is None:
@@ -185,7 +206,10 @@ def train_main(argv: list[str]) -> int:
                         "CPU). To insist on it:\n  python train.py --config "
                         f"{DEFAULT_CONFIG.relative_to(ROOT)}\n" + "!" * 78
                     )
-        config = load_config(path, overrides)
+        config = load_config(path, overrides, notes)
+    if job.is_main:
+        for note in notes:
+            _note(note)
     on_cpu = config.train.device == "cpu" or _wants_cpu(argv)
     config.model.use_triton = _triton_policy(
         config.model.use_triton, on_cpu, args.triton_interpret, job.is_main

@@ -246,6 +246,73 @@ def test_stale_temp_files_are_removed_on_resume(trained_run, tmp_path):
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []
 
 
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of the run directory `src` at `dst` (its files, not its path)."""
+    dst.mkdir(parents=True)
+    for name in tree_digest(src):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_resume_applies_and_records_an_allowed_override(trained_run, tmp_path):
+    """Issue #21: a resumed run's config.toml records what it runs with, its run directory
+    included (never run_dir = ""), even for a copy of the run elsewhere."""
+    run_dir = copy_run(trained_run, tmp_path / "copy")
+    proc = run_cli("--resume", run_dir, "--max-steps", "5", "--log.log_every", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "done: step 5" in proc.stdout and "note:" not in proc.stderr
+    recorded = load_config(run_dir / "config.toml")
+    assert recorded.train.max_steps == 5 and recorded.log.log_every == 2
+    assert recorded.train.warmup_steps == 1  # --max-steps on a resume sets the steps only
+    assert recorded.log.run_dir == str(run_dir)  # where it ran, not "" nor the original
+    assert load_checkpoint(run_dir)["config"] == recorded.to_dict()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()] == [3, 4, 5]
+
+
+def test_resume_refuses_an_override_it_cannot_apply(trained_run, tmp_path):
+    """Issue #21: `--resume RUN --set train.lr=1e6` kept the old schedule while config.toml
+    claimed lr = 1000000.0. Now it is refused, naming the key and what a resume may change,
+    and nothing in the run changes."""
+    run_dir = copy_run(trained_run, tmp_path / "copy")
+    before = tree_digest(run_dir)
+    proc = run_cli("--resume", run_dir, "--set", "train.lr=1e6", "--max-steps", "5")
+    assert_clean_error(
+        proc, "train.lr=1000000.0 (checkpoint: ", "may change only", "train.max_steps"
+    )
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
+    assert tree_digest(run_dir) == before
+    # the saved value itself is no change: accepted
+    lr = load_config(run_dir / "config.toml").train.lr
+    proc = run_cli("--resume", run_dir, "--set", f"train.lr={lr}", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_run_that_fails_during_setup_leaves_no_directory(corpus_file, tmp_path):
+    """Issue #21: --wandb without wandb installed failed after config.toml was written; the
+    directory then refused a new run, and --resume found no checkpoint. Now the failed run
+    leaves nothing behind and the same command (without --wandb) just runs."""
+    no_wandb = tmp_path / "no_wandb"
+    no_wandb.mkdir()
+    (no_wandb / "wandb.py").write_text("raise ImportError('No module named wandb')\n")
+    env = cli_env(PYTHONPATH=str(no_wandb))
+    run_dir = tmp_path / "run"
+    proc = run_cli(*tiny_args(corpus_file, run_dir, 2), "--wandb", env=env)
+    assert_clean_error(proc, "pip install wandb")
+    assert not run_dir.exists()
+    run_dir.mkdir()  # a directory the user made: kept, and left as it was (empty)
+    assert_clean_error(run_cli(*tiny_args(corpus_file, run_dir, 2), "--wandb", env=env))
+    assert list(run_dir.iterdir()) == []
+
+    # what earlier versions left behind (only config.toml, no checkpoint): --resume says
+    # so, and a new run may use the directory
+    (run_dir / "config.toml").write_text("[train]\nmax_steps = 2\n")
+    assert_clean_error(run_cli("--resume", run_dir), "stopped before its first checkpoint")
+    proc = run_cli(*tiny_args(corpus_file, run_dir, 2))
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(run_dir)["step"] == 2
+    assert load_config(run_dir / "config.toml").train.max_steps == 2
+
+
 # --------------------------------------------------------------------------- preemption
 
 
@@ -427,6 +494,38 @@ def test_bad_input_is_one_line_without_traceback(case, bad_inputs, corpus_file, 
         assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_damaged_checkpoint_is_refused_by_name(trained_run, tmp_path):
+    """Issue #21: 4 KB of random bytes in the middle of a checkpoint loaded without complaint
+    (torch does not check tensor data), and the resumed run trained on them. The checksum
+    saved with every checkpoint refuses it, naming the file and how to start over."""
+    run_dir = copy_run(trained_run, tmp_path / "copy")
+    ckpt = run_dir / "checkpoint.pt"
+    raw = bytearray(ckpt.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 4096] = os.urandom(4096)
+    ckpt.write_bytes(bytes(raw))
+    before = tree_digest(run_dir)
+    proc = run_cli("--resume", run_dir)
+    assert_clean_error(proc, str(ckpt), "is damaged", "SHA-256", "--overwrite")
+    assert tree_digest(run_dir) == before
+    assert_clean_error(run_cli("eval", run_dir), str(ckpt), "is damaged")  # eval too
+    assert_clean_error(run_cli("sample", ckpt), str(ckpt), "is damaged")  # and sample
+
+
+def test_checkpoint_without_checksum_loads_with_a_warning(trained_run, tmp_path):
+    """A checkpoint from before checksums (plain torch.save) still resumes, saying once that
+    it was not verified; the checkpoints the resumed run writes carry one."""
+    run_dir = copy_run(trained_run, tmp_path / "old")
+    torch.save(load_checkpoint(trained_run), run_dir / "checkpoint.pt")
+    proc = run_cli("--resume", run_dir, "--max-steps", "4")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "carries no checksum" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), proc.stderr
+    assert str(run_dir / "checkpoint.pt") in warned[0]
+    proc = run_cli("eval", run_dir, "--max-bytes", "64")
+    assert proc.returncode == 0 and "checksum" not in proc.stderr, proc.stderr
+
+
 def test_download_ctrl_c_is_quiet_and_leaves_nothing(tmp_path):
     """A server that sends the headers, then nothing: Ctrl-C during the download."""
     listener = socket.socket()
@@ -503,6 +602,59 @@ def test_first_run_on_cpu_picks_the_preset_and_pytorch_ops(corpus_file, tmp_path
     ckpt = load_checkpoint(run_dir)
     assert ckpt["config"]["model"]["use_triton"] is False
     assert ckpt["config"]["model"]["dim"] == preset.model.dim
+
+
+def test_config_errors_are_one_line_each():
+    """Issue #21: a range error printed "invalid config:" and the problem on a second line."""
+    proc = run_cli("--config", "configs/tiny.toml", "--train.lr", "-1", "--print-config")
+    assert_clean_error(proc, "train.py: error: invalid config: train.lr=-1.0 must be a positive")
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
+    proc = run_cli(
+        "--config", "configs/tiny.toml", "--train.lr", "-1", "--train.batch_size", "0",
+        "--print-config",
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "train.py: error: invalid config: train.batch_size=0 must be >= 1",
+        "train.py: error: invalid config: train.lr=-1.0 must be a positive number",
+    ]
+
+
+def test_max_steps_says_when_it_shortens_the_warmup():
+    """Issue #21: --max-steps rescaled train.warmup_steps without saying so."""
+    proc = run_cli("--config", "configs/tiny.toml", "--max-steps", "20", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "note: --max-steps 20 is shorter than the warmup: train.warmup_steps 50 -> 2 (the "
+        "same 10% of the run); set --train.warmup_steps to choose another"
+    ]
+    assert "warmup_steps = 2" in proc.stdout
+    for quiet in (["--max-steps", "2000"], ["--max-steps", "20", "--train.warmup_steps", "5"]):
+        proc = run_cli("--config", "configs/tiny.toml", *quiet, "--print-config")
+        assert proc.returncode == 0 and proc.stderr == "", (quiet, proc.stderr)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the machine-without-a-GPU path")
+def test_fallback_corpus_banner_has_no_bare_warning_line(tmp_path):
+    """Issue #21: the fallback corpus's banner began with a line holding only "warning: "."""
+    proc = run_cli(
+        "--data.data_dir", tmp_path / "no_enwik8", "--data.download", "false",
+        "--max-steps", "1", "--run-dir", tmp_path / "run", "--set", "log.progress=false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "NO CUDA GPU" in proc.stderr
+    assert not [line for line in lines if line.strip() in ("warning:", "")], proc.stderr
+    assert any(line.startswith("warning: ENWIK8 IS NOT AVAILABLE") for line in lines)
+    assert sum("train.warmup_steps 30 -> 0" in line for line in lines) == 1
+
+
+def test_readme_cpu_install_gets_the_cpu_build_anywhere():
+    """Issue #21: `pip install torch==2.13.0` is the CPU build only next to a local wheel."""
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in install
+    assert "torch==" not in install
 
 
 def test_plot_of_a_run_without_records(tmp_path):

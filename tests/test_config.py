@@ -10,6 +10,7 @@ from triton_transformer.config import (
     ConfigError,
     add_config_arguments,
     apply_overrides,
+    check_resume_changes,
     config_from_dict,
     config_to_toml,
     load_config,
@@ -127,6 +128,43 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
         bad.validate()
     assert "train.batch_size" in str(err.value) and "model.dim" in str(err.value)
+    # one complete line per problem (train.py prints each as one error line)
+    assert str(err.value).splitlines() == [
+        "invalid config: model.dim=0 must be >= 1",
+        "invalid config: train.batch_size=0 must be >= 1",
+    ]
+
+
+def test_max_steps_notes_the_warmup_it_shortens():
+    notes = []
+    c = load_config(ENWIK8, parse(["--max-steps", "500"]), notes)
+    assert c.train.warmup_steps == 5
+    assert notes == [
+        "note: --max-steps 500 is shorter than the warmup: train.warmup_steps 1000 -> 5 "
+        "(the same 1% of the run); set --train.warmup_steps to choose another"
+    ]
+    for argv in (["--max-steps", "5000"], ["--max-steps", "500", "--train.warmup_steps", "7"]):
+        notes = []
+        load_config(ENWIK8, parse(argv), notes)
+        assert notes == [], argv  # nothing changed unasked
+
+
+def test_resume_may_change_only_what_it_can_apply():
+    saved = load_config(TINY)
+    ok = apply_overrides(
+        saved,
+        [("train.max_steps", 900), ("log.log_every", 3), ("eval.eval_every", 7),
+         ("log.run_dir", "elsewhere"), ("model.use_triton", True), ("train.lr", 3e-3)],
+    )  # fmt: skip
+    check_resume_changes(saved, ok, "run")  # train.lr=3e-3 is the saved value: no change
+    bad = apply_overrides(saved, [("train.lr", 1e6), ("model.depth", 3), ("train.seed", 1)])
+    with pytest.raises(ConfigError) as err:
+        check_resume_changes(saved, bad, "run")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "model.depth=3 (checkpoint: 2)" in msg
+    assert "train.lr=1000000.0 (checkpoint: 0.003)" in msg
+    assert "train.seed=1 (checkpoint: 42)" in msg and "train.max_steps" in msg  # what may change
 
 
 def test_programmatic_wrong_type_is_caught():

@@ -4,10 +4,18 @@ A run directory holds config.toml, metrics.jsonl, samples.jsonl and checkpoint.p
 checkpoint is written atomically (temp file, fsync, rename) and holds everything needed to
 continue bit for bit: model, optimizer, scheduler, step and every RNG stream
 (`capture_rng_state` / `restore_rng_state`).
+
+Every checkpoint carries the SHA-256 of the bytes torch.save wrote, in the zip archive's
+comment (the archive's last bytes; torch and zipfile read it as an ordinary zip). torch
+does not check the CRCs of tensor data, so without it a file damaged on disk or in a copy
+would load and train on garbage. Keeping it inside the file keeps the write atomic (one
+rename) and the checksum travels with every copy. Files without one (written before) load
+unverified, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -32,6 +40,7 @@ __all__ = [
     "METRICS_NAME",
     "SAMPLES_NAME",
     "CheckpointError",
+    "UnverifiedCheckpointWarning",
     "atomic_save",
     "capture_rng_state",
     "check_model_matches",
@@ -53,8 +62,22 @@ CHECKPOINT_VERSION = 1
 SHAPE_FIELDS = ("num_tokens", "dim", "depth", "heads", "dim_head", "max_seq_len", "ff_mult")
 
 
+# The zip "end of central directory" record: 22 bytes, the last two the comment's length
+_EOCD_SIG = b"PK\x05\x06"
+_EOCD_LEN = 22
+_CHECKSUM_PREFIX = b"triton-transformer sha256="
+_CHECKSUM_LEN = len(_CHECKSUM_PREFIX) + 64  # + the hex digest
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: unreadable, truncated, foreign, or of another model."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint written before checkpoints carried a checksum: loaded unverified."""
+
+
+_warned_unverified: set[Path] = set()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -75,10 +98,63 @@ def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint file, or a run directory holding checkpoint.pt."""
     path = Path(path)
     if path.is_dir():
+        if not (path / CHECKPOINT_NAME).is_file() and (path / "config.toml").is_file():
+            # a run that stopped before its first checkpoint: nothing to resume
+            raise FileNotFoundError(
+                f"no checkpoint at {path / CHECKPOINT_NAME}: that run stopped before its "
+                f"first checkpoint; start it again without --resume (with --overwrite if "
+                f"{path} holds its logs)"
+            )
         path = path / CHECKPOINT_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     return path
+
+
+def _hash_file(f, end: int) -> Any:
+    """SHA-256 of bytes [0, end) of the open binary file f."""
+    digest = hashlib.sha256()
+    f.seek(0)
+    left = end
+    while left > 0:
+        chunk = f.read(min(left, 1 << 24))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest
+
+
+def _verify_checksum(path: Path) -> bool:
+    """True if `path` carries a checksum and it matches; False if it carries none (older
+    checkpoints); CheckpointError if it does not match."""
+    size = path.stat().st_size
+    tail_len = _EOCD_LEN + _CHECKSUM_LEN
+    if size < tail_len:
+        return False
+    with path.open("rb") as f:
+        f.seek(size - tail_len)
+        tail = f.read(tail_len)
+        comment = tail[_EOCD_LEN:]
+        comment_len = int.from_bytes(tail[_EOCD_LEN - 2 : _EOCD_LEN], "little")
+        if not (
+            tail[:4] == _EOCD_SIG
+            and comment_len == _CHECKSUM_LEN
+            and comment.startswith(_CHECKSUM_PREFIX)
+        ):
+            return False
+        # the digest covers what torch.save wrote: the file without the comment, whose
+        # length field was 0 then
+        digest = _hash_file(f, size - _CHECKSUM_LEN - 2)
+        digest.update(b"\0\0")
+    if digest.hexdigest().encode() != comment[len(_CHECKSUM_PREFIX) :]:
+        raise CheckpointError(
+            f"{path} is damaged: its bytes do not match the SHA-256 checksum saved with it "
+            "(a disk or copy error?), so it is not loaded. A run keeps only its latest "
+            "checkpoint: restore this file from a copy, or start the run over (the same "
+            "command with --overwrite, or another --run-dir)"
+        )
+    return True
 
 
 def load_checkpoint(
@@ -96,6 +172,7 @@ def load_checkpoint(
             f"{path} is not a checkpoint written by train.py (not a PyTorch archive); pass "
             "a run directory or its checkpoint.pt"
         )
+    verified = _verify_checksum(path)  # before unpickling: never train on damaged bytes
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
@@ -112,6 +189,15 @@ def load_checkpoint(
         )
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint version {ckpt.get('version')!r}")
+    if not verified and path.resolve() not in _warned_unverified:
+        # once per file and process: train.py --resume reads it twice (config, then state),
+        # and the warnings module forgets what it showed whenever a filter changes
+        _warned_unverified.add(path.resolve())
+        warnings.warn(
+            f"{path} carries no checksum (written before checkpoints had one): loaded unverified",
+            UnverifiedCheckpointWarning,
+            stacklevel=2,
+        )
     return ckpt
 
 
@@ -151,13 +237,29 @@ def load_model(
 # --------------------------------------------------------------------------- writing
 
 
+def _append_checksum(f) -> None:
+    """Store the SHA-256 of the archive torch.save just wrote to f as its zip comment."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(size - _EOCD_LEN)
+    eocd = f.read(_EOCD_LEN)
+    if eocd[:4] != _EOCD_SIG or eocd[-2:] != b"\0\0":
+        # not the archive layout torch writes (a future format?): save it without one
+        # rather than write a comment that would corrupt it
+        return
+    digest = _hash_file(f, size).hexdigest().encode()
+    f.seek(size - 2)
+    f.write(_CHECKSUM_LEN.to_bytes(2, "little") + _CHECKSUM_PREFIX + digest)
+
+
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then os.replace: a crash
-    mid-write never leaves a truncated checkpoint behind."""
+    """torch.save to a temp file in the same directory with its checksum, fsync, then
+    os.replace: a crash mid-write never leaves a truncated checkpoint behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("wb") as f:
+        with tmp.open("w+b") as f:
             torch.save(obj, f)
+            f.flush()
+            _append_checksum(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

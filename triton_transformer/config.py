@@ -48,6 +48,7 @@ __all__ = [
     "TrainConfig",
     "add_config_arguments",
     "apply_overrides",
+    "check_resume_changes",
     "config_from_dict",
     "config_to_toml",
     "load_config",
@@ -180,7 +181,9 @@ class Config:
         """Raise `ConfigError` listing every invalid field; returns self."""
         problems = _check(self)
         if problems:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+            # one line per problem, each complete on its own (train.py prints each as one
+            # "train.py: error: ..." line)
+            raise ConfigError("\n".join(f"invalid config: {p}" for p in problems))
         return self
 
 
@@ -299,21 +302,30 @@ def _upgrade_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "eval": ev}
 
 
-def apply_overrides(config: Config, overrides: list[tuple[str, Any]] | None) -> Config:
+def apply_overrides(
+    config: Config, overrides: list[tuple[str, Any]] | None, notes: list[str] | None = None
+) -> Config:
     """Return a copy of `config` with ("section.field", value) overrides applied in order.
 
     String values are parsed into the field's type ("3e-4" -> 3e-4, "true" -> True); other
     values are type-checked. The result is not validated (call `.validate()`).
+    notes: if given, gets a line for every value changed that no override named (the warmup
+    that `--max-steps` shortens), for the command line to show.
     """
     config = config_from_dict(config.to_dict())  # deep copy
+    warmup_note = None
     for key, value in overrides or []:
         section, name, typ = _resolve_key(key)
         if isinstance(value, FitWarmup):
-            _set_max_steps_fitting_warmup(config, key, value.value)
+            warmup_note = _set_max_steps_fitting_warmup(config, key, value.value)
             continue
         if isinstance(value, str) and typ is not str:
             value = _parse_text(key, value, typ)
         setattr(getattr(config, section), name, _coerce(key, value, typ))
+        if key == "train.warmup_steps":
+            warmup_note = None  # set explicitly after --max-steps: nothing happened unasked
+    if warmup_note and notes is not None:
+        notes.append(warmup_note)
     return config
 
 
@@ -325,20 +337,30 @@ class FitWarmup:
     value: Any
 
 
-def _set_max_steps_fitting_warmup(config: Config, key: str, value: Any) -> None:
+def _set_max_steps_fitting_warmup(config: Config, key: str, value: Any) -> str | None:
+    """Set train.max_steps; returns a note if the warmup was shortened to fit."""
     t = config.train
-    old_steps = t.max_steps
+    old_steps, old_warmup = t.max_steps, t.warmup_steps
     t.max_steps = _coerce(
         key, _parse_text(key, value, int) if isinstance(value, str) else value, int
     )
     if t.warmup_steps > t.max_steps > 0 and old_steps > 0:
         t.warmup_steps = min(t.max_steps, round(t.warmup_steps * t.max_steps / old_steps))
+        return (
+            f"note: --max-steps {t.max_steps} is shorter than the warmup: train.warmup_steps "
+            f"{old_warmup} -> {t.warmup_steps} (the same {100 * old_warmup / old_steps:.3g}% "
+            "of the run); set --train.warmup_steps to choose another"
+        )
+    return None
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None
+    path: str | Path | None = None,
+    overrides: list[tuple[str, Any]] | None = None,
+    notes: list[str] | None = None,
 ) -> Config:
-    """Read a TOML config (None: the defaults), apply overrides and validate."""
+    """Read a TOML config (None: the defaults), apply overrides and validate (notes: see
+    `apply_overrides`)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -351,7 +373,52 @@ def load_config(
                 data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    return apply_overrides(config_from_dict(data), overrides).validate()
+    return apply_overrides(config_from_dict(data), overrides, notes).validate()
+
+
+# What a resumed run may change: how and where it runs, how long, what it logs and
+# evaluates. Everything else (the model, the optimizer, the schedule, the data and its
+# seed) lives in the checkpoint's state, which an override could not reach: the scheduler,
+# for one, restores its base learning rate from the checkpoint, so train.lr would be
+# recorded but never used.
+RESUME_MAY_CHANGE = (
+    "train.max_steps",
+    "train.device",
+    "train.precision",
+    "train.compile",
+    "train.cuda_graph",
+    "train.cuda_graph_warmup",
+    "train.dist_timeout_s",
+    "model.use_triton",  # the same model and checkpoints, other kernels
+    "model.attn_impl",
+    "data.data_dir",  # where the same corpus is found
+    "data.download",
+    "eval.*",
+    "log.*",
+)
+
+
+def _resume_may_change(key: str) -> bool:
+    section = key.split(".", 1)[0]
+    return key in RESUME_MAY_CHANGE or f"{section}.*" in RESUME_MAY_CHANGE
+
+
+def check_resume_changes(saved: Config, resumed: Config, source: str | Path) -> None:
+    """ConfigError naming every field that `resumed` changes from the checkpoint's `saved`
+    config although a resume cannot apply it (see RESUME_MAY_CHANGE)."""
+    old, new = saved.to_dict(), resumed.to_dict()
+    diffs = [
+        f"{section}.{name}={_toml_value(value)} (checkpoint: {_toml_value(old[section][name])})"
+        for section, values in new.items()
+        for name, value in values.items()
+        if value != old[section][name] and not _resume_may_change(f"{section}.{name}")
+    ]
+    if diffs:
+        raise ConfigError(
+            f"--resume {source} continues its run's model, optimizer, schedule and data: "
+            f"{', '.join(diffs)} cannot change; drop those overrides, or start a new run (a "
+            f"resume may change only {', '.join(RESUME_MAY_CHANGE)})"
+        )
 
 
 def _toml_value(value: Any) -> str:

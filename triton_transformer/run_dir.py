@@ -5,7 +5,10 @@ before anything is written:
     - refuses a run directory that is a file;
     - refuses to start a new run in a directory that already holds files (offering --resume
       or --overwrite); with --overwrite `clear_previous_run` deletes the previous run's files
-      once the new run is set up;
+      once the new run is set up. A directory holding only config.toml counts as empty: a
+      run that failed before its first step left it, with nothing to resume;
+    - `discard_failed_start`: a new run that fails before its first step deletes what it
+      wrote, so that the same command can simply be run again;
     - takes an exclusive lock (flock on <run_dir>/.lock, deleted at the end; the kernel
       drops the flock when the process dies, so a killed run never leaves a stale lock); a
       second run into the same directory is refused with the first one's process id;
@@ -53,6 +56,7 @@ class RunDirLock:
         self.run_dir = run_dir
         self._fd = fd
         self.created = False  # this run made the directory: removed again if left empty
+        self.resuming = False  # continuing the run whose checkpoint is in the directory
         self._previous_run = False  # --overwrite: the files to delete before writing
 
     @classmethod
@@ -71,6 +75,8 @@ class RunDirLock:
                 if (run_dir.is_dir())
                 else []
             )
+            if taken == ["config.toml"]:
+                taken = []  # a run that failed before its first step: nothing to lose
             if taken:
                 shown = ", ".join(taken[:4]) + (", ..." if len(taken) > 4 else "")
                 raise RunDirError(
@@ -84,6 +90,7 @@ class RunDirLock:
             raise RunDirError(f"cannot create run directory {run_dir}: {e.strerror}") from e
         lock = cls._try_lock(lock_path, create=True)
         lock.created = created
+        lock.resuming = resuming
         lock._previous_run = overwrite and not resuming
         for pattern in _TEMP_GLOBS:
             for stale in run_dir.glob(pattern):  # only the lock holder writes these
@@ -94,11 +101,23 @@ class RunDirLock:
         """With --overwrite, delete the previous run's files. Called once the new run is set
         up (corpus loaded, model built), so a run that fails before that deletes nothing."""
         if self._previous_run:
-            for name in RUN_FILES:
-                (self.run_dir / name).unlink(missing_ok=True)
-            for name in RUN_DIRS:
-                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+            self._delete_run_files()
             self._previous_run = False
+
+    def discard_failed_start(self) -> None:
+        """A new run failed before its first step: delete the files it wrote (config.toml,
+        a wandb directory), so that rerunning the same command is not refused as a clobber
+        and no run directory without a checkpoint is left behind (`release` then removes
+        the directory if this run created it). A resumed run keeps everything, and so does
+        --overwrite before it deleted the previous run: those files are not this run's."""
+        if not (self.resuming or self._previous_run):
+            self._delete_run_files()
+
+    def _delete_run_files(self) -> None:
+        for name in RUN_FILES:
+            (self.run_dir / name).unlink(missing_ok=True)
+        for name in RUN_DIRS:
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
 
     @classmethod
     def _try_lock(cls, lock_path: Path, *, create: bool) -> RunDirLock:

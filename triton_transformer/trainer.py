@@ -38,6 +38,7 @@ rank's RNG and data-sampler state so that all ranks resume exactly (`rng_ranks`)
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import signal
 import time
@@ -67,7 +68,12 @@ from triton_transformer.checkpoint import (
     truncate_logs,
     unwrap_model,
 )
-from triton_transformer.config import Config, config_to_toml
+from triton_transformer.config import (
+    Config,
+    check_resume_changes,
+    config_from_dict,
+    config_to_toml,
+)
 from triton_transformer.cuda_graph import capture_stream
 from triton_transformer.data import Corpus, random_batch
 from triton_transformer.distributed import (
@@ -178,9 +184,11 @@ class Trainer(GraphedSteps, Interrupts):
         callbacks: Sequence[Callback] = (),
         overwrite: bool = False,
     ) -> None:
-        self.config = config.validate()
+        # a copy: the run directory it resolves is recorded in it, not in the caller's
+        self.config = copy.deepcopy(config).validate()
         self.overwrite = overwrite
         self._lock: RunDirLock | None = None
+        self._stepped = False  # this trainer has run a training step (its files are a run)
         self.callbacks = list(callbacks)
         t = config.train
         self.device = resolve_device(t.device)
@@ -191,6 +199,7 @@ class Trainer(GraphedSteps, Interrupts):
         try:
             self._setup(resume, corpus)
         except BaseException as exc:
+            self._discard_if_unstarted()
             self.close()
             if self.dist.enabled and is_comm_error(exc):
                 raise self._comm_error(exc) from exc
@@ -206,7 +215,11 @@ class Trainer(GraphedSteps, Interrupts):
         ckpt = load_checkpoint(ckpt_path) if exists(ckpt_path) else None
         if exists(ckpt):
             check_model_matches(ckpt, config, ckpt_path)
+            # an override the checkpoint's state would silently undo (train.lr, ...) is refused
+            check_resume_changes(config_from_dict(ckpt["config"]), config, ckpt_path)
         self.run_dir = self._claim_run_dir(ckpt_path)
+        # config.toml and the checkpoints record the directory the run actually uses
+        config.log.run_dir = str(self.run_dir)
 
         seed_everything(t.seed)
         self.corpus = corpus if exists(corpus) else load_run_corpus(config, self.dist)
@@ -285,9 +298,16 @@ class Trainer(GraphedSteps, Interrupts):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if exists(self._lock):
                 self._lock.clear_previous_run()  # --overwrite: only now that setup succeeded
-            (self.run_dir / "config.toml").write_text(config_to_toml(config))
             truncate_logs(self.run_dir, self.step)
             self._wandb_id = self.log.start_wandb(config, self._wandb_id)
+            # last: a resume that fails to set up leaves the config it ran with in place
+            (self.run_dir / "config.toml").write_text(config_to_toml(config))
+
+    def _discard_if_unstarted(self) -> None:
+        """A new run that fails before its first step leaves no files behind (see
+        `RunDirLock.discard_failed_start`), so the same command can be run again."""
+        if exists(self._lock) and not self._stepped:
+            self._lock.discard_failed_start()
 
     def close(self) -> None:
         """Unlock the run directory; leave the process group if this trainer created it
@@ -595,6 +615,7 @@ class Trainer(GraphedSteps, Interrupts):
                 if self._stop_agreed or (self._stop_requested and not self.dist.enabled):
                     raise KeyboardInterrupt
                 info = self.train_step(sync=self._is_sync_step(self.step + 1))
+                self._stepped = True
                 step = self.step
                 result.losses.update(info["losses"])
                 # with CUDA graphs the losses arrive at sync steps, in time for the record
@@ -691,5 +712,8 @@ def train(
         # abort the process whose peer already tore its connections down
         barrier()
         return result
+    except Exception:
+        trainer._discard_if_unstarted()  # e.g. out of memory in the first step
+        raise
     finally:
         trainer.close()
