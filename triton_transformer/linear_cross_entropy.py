@@ -63,9 +63,10 @@ CHUNK_BYTES = 2**29
 
 # Passed to the forward kernel as ignore_index when there is none, so that it normalises by
 # the global n_valid read from memory (without ignore_index it would use its own, per-chunk,
-# row count). No in-range label equals it; an int64-min label would count as ignored instead
-# of poisoning the loss with NaN (the label check, when on, rejects it first).
-_NO_LABEL = -(2**63)
+# row count). No in-range label equals it; a label of exactly -2**31 would count as ignored
+# instead of poisoning the loss with NaN (the label check, when on, rejects it first). int32's
+# minimum, not int64's: torch.compile's launcher passes the scalar as a 32-bit int.
+_NO_LABEL = -(2**31)
 
 # Whether torch.addmm(..., out_dtype=float32) accepts an fp32 accumulator with fp16/bf16
 # factors on this torch (None: not tried yet). Without it the Triton GEMM's residual epilogue

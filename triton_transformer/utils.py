@@ -11,9 +11,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+# What torch.compile, export and AOTAutograd hand an op while tracing it.
+_TRACED = (FakeTensor, FunctionalTensor)
 
 # dtypes the Triton kernels accept; they compute in float32 whatever the storage type.
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -158,13 +163,9 @@ def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[...,
 
 
 def _tracing(tensors: tuple) -> bool:
-    """True while torch.compile or export traces, or when `tensors` are fake (a trace
-    outside a compile session, e.g. make_fx under a FakeTensorMode)."""
-    if torch.compiler.is_compiling():
-        return True
-    from torch._subclasses.fake_tensor import FakeTensor  # only reached off the hot path
-
-    return any(isinstance(t, FakeTensor) for t in tensors)
+    """True while torch.compile or export traces, or when `tensors` are traced ones: fake or
+    functional tensors (AOTAutograd's joint trace of a backward, make_fx under a FakeTensorMode)."""
+    return torch.compiler.is_compiling() or any(isinstance(t, _TRACED) for t in tensors)
 
 
 def call_op(op: Any, *args: Any) -> Any:
@@ -179,7 +180,7 @@ def call_op(op: Any, *args: Any) -> Any:
     several hundred µs per forward + backward on an H200 host (issue #20: a layernorm
     forward + backward took 1.15 ms of wall time against eager PyTorch's 0.15).
     """
-    if torch.compiler.is_compiling():
+    if _tracing(args):  # the registered op, which tracing records as one node
         return op(*args)
     impl = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function
     if impl is None or _mutates(op):  # the dispatcher bumps a mutated input's version
