@@ -126,6 +126,19 @@ def _row_mask(offs, n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(bh, H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block tl.program_id(0) of BLOCK_M query rows of batch·head bh, for the row kernels:
+    (b, h, row offsets, the same as int64, column offsets, the (rows < n_q, columns <
+    HEAD_DIM) mask)."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D != HEAD_DIM)
+    return b, h, offs_m, offs_m.to(tl.int64), offs_d, mask
+
+
+@triton.jit
 def _fwd_block(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold,
@@ -383,16 +396,10 @@ def _attn_bwd_delta_kernel(
     """Δ_i = Σ_d O[i, d] · dO[i, d] in fp32. ZERO_DQ: also zero the rows of the fp32 dQ
     accumulator (b·h, n_q, HEAD_DIM) that the single-pass backward adds into (no memset
     launch of its own)."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
         return
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)
-    mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+    b, h, offs_m, rows, offs_d, mask = _head_rows(bh, H, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
     o = tl.load(
         Out + b * sob + h * soh + rows[:, None] * son + offs_d[None, :], mask=mask, other=0.0
     )
@@ -414,16 +421,10 @@ def _attn_bwd_dq_kernel(
 ):  # fmt: skip
     """DQ (any strides, q's dtype) = sm_scale · DQ_ACC, the fp32 sum the single-pass
     backward's key-block programs added up."""
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
         return
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)
-    mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
+    b, h, _, rows, offs_d, mask = _head_rows(bh, H, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
     acc = tl.load(
         DQ_ACC + (bh.to(tl.int64) * N_Q + rows[:, None]) * HEAD_DIM + offs_d[None, :],
         mask=mask, other=0.0,
