@@ -91,8 +91,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import dropout_keep_tile
@@ -103,18 +101,11 @@ from triton_transformer.utils import (
     check_triton_tensor,
     dropout_threshold,
     first_order_only,
+    is_traced,
     next_power_of_2,
     seed_or_draw,
     sm_count,
 )
-
-# What torch.compile hands an op body while tracing it.
-_TRACED_TENSORS = (FakeTensor, FunctionalTensor)
-
-
-def _is_traced(t: torch.Tensor) -> bool:
-    return isinstance(t, _TRACED_TENSORS)
-
 
 ACTIVATIONS = (None, "relu_squared")
 
@@ -860,7 +851,7 @@ def _mm2d_into(
     epi = _EPI[relu_squared, residual is not None]
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
-        traced = _is_traced(a)
+        traced = is_traced(a)
         # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
         # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
         # tracing only where mm's out_dtype has a meta kernel)
@@ -1226,7 +1217,7 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     if weight.dtype == dtype:
         return None
     # is_compiling first: Dynamo then never reads (and guards on) the module global
-    if torch.compiler.is_compiling() or _is_traced(weight) or _weight_casts is None:
+    if torch.compiler.is_compiling() or is_traced(weight) or _weight_casts is None:
         return weight.detach().to(dtype)
     cache = _weight_casts
     key = (id(weight), dtype)

@@ -59,6 +59,7 @@ from triton_transformer.utils import (
     check_not_capturing,
     check_triton_tensor,
     first_order_only,
+    refuse_second_backward,
     row_block_size,
 )
 
@@ -428,19 +429,16 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, ignore_index):
         loss, n_valid = call_op(cross_entropy_inplace_op, logits, labels, ignore_index)
         ctx.save_for_backward(logits, n_valid)  # logits now hold the gradient
-        ctx.used = False
         return loss
 
     @staticmethod
     @first_order_only("cross_entropy")
     def backward(ctx, dloss):
-        if not torch.compiler.is_compiling():
-            if ctx.used:
-                raise RuntimeError(
-                    "cross_entropy(inplace_backward=True) scales its gradient buffer in place, "
-                    "so it supports one backward per forward (no retain_graph reuse)"
-                )
-            ctx.used = True
+        refuse_second_backward(
+            ctx,
+            "cross_entropy(inplace_backward=True) scales its gradient buffer in place, so it "
+            "supports one backward per forward (no retain_graph reuse)",
+        )
         grad, n_valid = ctx.saved_tensors
         call_op(cross_entropy_inplace_backward_op, grad, dloss, n_valid)
         return grad, None, None

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer import bmm as bmm_mod
-from triton_transformer.bmm import _check_pair, _is_traced, _mm2d_into, _weight_in
+from triton_transformer.bmm import _check_pair, _mm2d_into, _weight_in
 from triton_transformer.cross_entropy import (
     _bwd_params,
     _check_labels_in_range,
@@ -49,7 +49,14 @@ from triton_transformer.cross_entropy import (
     _launch_reduce,
     cross_entropy,
 )
-from triton_transformer.utils import call_op, cdiv, check_triton_tensor, first_order_only
+from triton_transformer.utils import (
+    call_op,
+    cdiv,
+    check_triton_tensor,
+    first_order_only,
+    is_traced,
+    refuse_second_backward,
+)
 
 __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
 
@@ -87,7 +94,7 @@ def _accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     global _addmm_out_dtype_ok
     if c.numel() == 0:
         return
-    if c.device.type == "cuda" and not _is_traced(c) and bmm_mod.matmul_impl != "triton":
+    if c.device.type == "cuda" and not is_traced(c) and bmm_mod.matmul_impl != "triton":
         if a.dtype == c.dtype:
             torch.addmm(c, a, b, out=c)
             return
@@ -190,19 +197,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
         ctx.weight_dtype = weight.dtype
         ctx.divide = x.dtype == torch.float16  # unnormalised gradients (see the docstring)
-        ctx.used = False
         return loss
 
     @staticmethod
     @first_order_only("linear_cross_entropy")
     def backward(ctx, dloss):
-        if not torch.compiler.is_compiling():
-            if ctx.used:
-                raise RuntimeError(
-                    "linear_cross_entropy scales its saved gradients in place, so it supports "
-                    "one backward per forward (no retain_graph reuse)"
-                )
-            ctx.used = True
+        refuse_second_backward(
+            ctx,
+            "linear_cross_entropy scales its saved gradients in place, so it supports one "
+            "backward per forward (no retain_graph reuse)",
+        )
         dx, dw, n_valid = ctx.saved_tensors
         call_op(linear_cross_entropy_scale_op, dx, dw, dloss, n_valid, ctx.divide)
         dweight = None

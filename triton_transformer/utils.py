@@ -165,7 +165,24 @@ def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[...,
 def _tracing(tensors: tuple) -> bool:
     """True while torch.compile or export traces, or when `tensors` are traced ones: fake or
     functional tensors (AOTAutograd's joint trace of a backward, make_fx under a FakeTensorMode)."""
-    return torch.compiler.is_compiling() or any(isinstance(t, _TRACED) for t in tensors)
+    return torch.compiler.is_compiling() or any(is_traced(t) for t in tensors)
+
+
+def is_traced(t: object) -> bool:
+    """Whether `t` is a tensor torch.compile, export or AOTAutograd hands an op while tracing
+    it (fake or functional), not one holding data."""
+    return isinstance(t, _TRACED)
+
+
+def refuse_second_backward(ctx: Any, message: str) -> None:
+    """For a backward that scales its saved buffers in place: raise `message` on a second
+    backward through the same graph (retain_graph reuse), which would scale them twice. Not
+    while torch.compile traces the backward (the compiled graph is not rerun that way)."""
+    if torch.compiler.is_compiling():
+        return
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(message)
+    ctx.backward_done = True
 
 
 def call_op(op: Any, *args: Any) -> Any:
