@@ -65,8 +65,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op, wrap_triton
 
 from triton_transformer._jit_helpers import dropout_keep_tile
@@ -80,6 +78,7 @@ from triton_transformer.utils import (
     dropout_threshold,
     first_order_only,
     interpreter_enabled,
+    is_traced,
     next_power_of_2,
     seed_or_draw,
     sm_count,
@@ -872,18 +871,13 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
         _FITTED[key] = tiles
 
 
-# What torch.compile hands an op body while tracing it.
-_TRACED = (FakeTensor, FunctionalTensor)
-
-
-def _has_tma(device: torch.device) -> bool:
-    """Hopper or newer CUDA device, kernels compiled (not the interpreter)."""
-    return device.type == "cuda" and not interpreter_enabled() and _cc_major(device.index) >= 9
-
-
 @functools.cache
-def _cc_major(index: int | None) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer CUDA device, kernels compiled (not the interpreter). Cached: every
+    backward asks, and the answer is fixed per device (Triton reads TRITON_INTERPRET once)."""
+    if device.type != "cuda" or interpreter_enabled():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # Whether the backward may load its streamed tiles through TMA descriptors (Hopper, eager
@@ -901,7 +895,7 @@ def _tma_loads(*tensors: torch.Tensor) -> bool:
     storages), 2-byte elements, a Hopper GPU, and no tracing (inductor would have to supply
     the descriptors' scratch memory)."""
     t0 = tensors[0]
-    if not (TMA_LOADS and _has_tma(t0.device)) or isinstance(t0, _TRACED):
+    if not (TMA_LOADS and _has_tma(t0.device)) or is_traced(t0):
         return False
     for t in tensors:
         if t.element_size() != 2 or t.stride(3) != 1:
@@ -1019,7 +1013,7 @@ def _bwd(
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
     # slower than the two-program kernel there). Under torch.compile (fake tensors) the
     # two-program kernel runs: inductor would have to supply the descriptors' scratch memory.
-    dq_tma = _has_tma(q.device) and not isinstance(q, _TRACED)
+    dq_tma = _has_tma(q.device) and not is_traced(q)
     atomic = _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
