@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Train the triton-transformer language model: a thin command line over
-`triton_transformer.trainer`.
+`triton_transformer.training.trainer`.
 
     python train.py --use-triton                      # configs/enwik8.toml on a GPU
     python train.py --config configs/tiny.toml        # ~1 minute on a CPU, PyTorch ops
@@ -124,7 +124,7 @@ def _triton_policy(use_triton: bool, on_cpu: bool, insist: bool, is_main: bool =
 
 def train_main(argv: list[str]) -> int:
     started = time.perf_counter()
-    from triton_transformer.config import (
+    from triton_transformer.training.config import (
         FitWarmup,
         add_config_arguments,
         apply_overrides,
@@ -168,8 +168,8 @@ def train_main(argv: list[str]) -> int:
     add_config_arguments(parser)
     args = parser.parse_args(argv)
 
-    from triton_transformer.checkpoint import find_checkpoint, load_checkpoint
-    from triton_transformer.distributed import env_info
+    from triton_transformer.training.checkpoint import find_checkpoint, load_checkpoint
+    from triton_transformer.training.distributed import env_info
 
     job = env_info()  # torchrun's RANK / WORLD_SIZE (rank 0 of 1 without torchrun)
     overrides = list(args.overrides)
@@ -222,10 +222,10 @@ def train_main(argv: list[str]) -> int:
 
 
 def _run_training(config, args: argparse.Namespace, job, started: float) -> int:
-    from triton_transformer.config import ConfigError
-    from triton_transformer.distributed import DistributedError
-    from triton_transformer.trainer import NonFiniteLossError
-    from triton_transformer.trainer import train as run_training
+    from triton_transformer.training.config import ConfigError
+    from triton_transformer.training.distributed import DistributedError
+    from triton_transformer.training.trainer import NonFiniteLossError
+    from triton_transformer.training.trainer import train as run_training
 
     # from here on an error may concern one rank only: each says its own (with its rank)
     where = f" (rank {job.rank} of {job.world_size})" if job.enabled else ""
@@ -286,9 +286,13 @@ def _duration(seconds: float) -> str:
 
 def _load_for_inference(run: str, device_flag: str, use_triton: bool, insist: bool):
     """(model in eval mode, its Config, device, autocast factory) from a run or checkpoint."""
-    from triton_transformer.checkpoint import load_checkpoint, load_model
-    from triton_transformer.config import config_from_dict
-    from triton_transformer.run_setup import autocast_context, resolve_device, resolve_precision
+    from triton_transformer.training.checkpoint import load_checkpoint, load_model
+    from triton_transformer.training.config import config_from_dict
+    from triton_transformer.training.setup import (
+        autocast_context,
+        resolve_device,
+        resolve_precision,
+    )
 
     device = resolve_device(device_flag)
     saved = config_from_dict(load_checkpoint(run, mmap=True)["config"])
@@ -323,7 +327,7 @@ def sample_main(argv: list[str]) -> int:
     if args.length < 0:
         return _error("--length must be >= 0")
 
-    from triton_transformer.evaluation import generate_text
+    from triton_transformer.training.evaluation import generate_text
 
     if args.prompt_file is not None:
         prompt = args.prompt_file.read_bytes()
@@ -383,8 +387,8 @@ def eval_main(argv: list[str]) -> int:
         return _error("--max-bytes must be >= 0 (0: the whole split)")
 
     from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
-    from triton_transformer.data import load_corpus
-    from triton_transformer.evaluation import evaluate_loss
+    from triton_transformer.training.data import load_corpus
+    from triton_transformer.training.evaluation import evaluate_loss
 
     model, config, device, autocast = _load_for_inference(
         args.run, args.device, args.use_triton, args.triton_interpret
@@ -427,7 +431,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 def download_main(argv: list[str]) -> int:
-    from triton_transformer.data import ENWIK8_URL, DownloadError, download_enwik8
+    from triton_transformer.training.data import ENWIK8_URL, DownloadError, download_enwik8
 
     parser = argparse.ArgumentParser(prog="train.py download", description="Fetch enwik8.")
     parser.add_argument("--data-dir", default="data", help="where enwik8.zip goes (data)")
@@ -443,7 +447,7 @@ def download_main(argv: list[str]) -> int:
 
 
 def plot_main(argv: list[str]) -> int:
-    from triton_transformer.plotting import X_AXES, plot_runs, read_metrics
+    from triton_transformer.training.plotting import X_AXES, plot_runs, read_metrics
 
     parser = argparse.ArgumentParser(
         prog="train.py plot", description="Train/validation loss curves of runs into a PNG."
@@ -479,10 +483,10 @@ COMMANDS = {
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (config, data, checkpoint, run directory, a missing
     optional package), reported in a line; anything else is a bug and keeps its traceback."""
-    from triton_transformer.checkpoint import CheckpointError
-    from triton_transformer.config import ConfigError
-    from triton_transformer.data import DownloadError
-    from triton_transformer.run_dir import RunDirError
+    from triton_transformer.training.checkpoint import CheckpointError
+    from triton_transformer.training.config import ConfigError
+    from triton_transformer.training.data import DownloadError
+    from triton_transformer.training.run_dir import RunDirError
 
     return (ConfigError, CheckpointError, RunDirError, DownloadError, ValueError, OSError,
             ImportError)  # fmt: skip

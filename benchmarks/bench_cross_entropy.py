@@ -31,6 +31,7 @@ import triton
 
 import triton_transformer.cross_entropy as ce_mod
 from triton_transformer.cross_entropy import cross_entropy
+from triton_transformer.cuda_graph import capture_graph
 
 IGNORE = -100
 
@@ -62,15 +63,7 @@ def providers(no_compile: bool) -> dict:
 
 def graph_ms(step) -> float:
     """Median time of one replay of `step` captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step, warmup_calls=3)
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 

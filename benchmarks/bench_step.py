@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
 from triton_transformer import AutoregressiveWrapper, Transformer
-from triton_transformer.cuda_graph import GraphedStep
+from triton_transformer.cuda_graph import GraphedStep, capturable_train_step
 
 PRESETS = {
     # the model of issue #7/#9 (enwik8, bytes): d512, depth 8, seq 512, batch 16
@@ -151,23 +151,6 @@ def build(
     return model
 
 
-def make_step(model: nn.Module, batch: torch.Tensor):
-    params = [q for q in model.parameters() if q.requires_grad]
-    lr = torch.tensor(3e-4, device="cuda")
-    opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(batch)
-        loss.backward()
-        norm = nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        return loss.detach(), norm
-
-    return step
-
-
 def measure(
     provider: str, mode: str, p: dict, dropout: float, steps: int, fused_loss: bool | None = None
 ) -> dict:
@@ -177,7 +160,7 @@ def measure(
     torch.cuda.reset_peak_memory_stats()
     model = build(provider, mode, p, dropout, fused_loss)
     batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
-    step = make_step(model, batch)
+    step = capturable_train_step(model, batch, lr=3e-4)
     if mode in ("graph", "compile-graph"):
         step = GraphedStep(step, warmup_steps=3)
     for _ in range(5 if mode.startswith("compile") else 4):  # compile / capture / autotune

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402
 
-from triton_transformer.config import apply_overrides, load_config  # noqa: E402
-from triton_transformer.trainer import Trainer  # noqa: E402
+from triton_transformer.training.config import apply_overrides, load_config  # noqa: E402
+from triton_transformer.training.trainer import Trainer  # noqa: E402
 
 MODES = {
     "torch": {},
@@ -130,7 +130,7 @@ def main() -> None:
     (out / "train.md").write_text(md)
     (out / "train_kernels.md").write_text(common.kernel_tables(rows, 25))
     print(md)
-    from triton_transformer.plotting import plot_runs
+    from triton_transformer.training.plotting import plot_runs
 
     done = [runs / r["mode"] for r in rows if "error" not in r]
     if done:

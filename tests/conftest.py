@@ -78,6 +78,6 @@ def corpus_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def corpus(corpus_file):
     """`corpus_file` loaded (split 90/5/5), for tests that hand the trainer a corpus."""
-    from triton_transformer.data import load_corpus  # after TRITON_INTERPRET is set above
+    from triton_transformer.training.data import load_corpus  # after TRITON_INTERPRET is set above
 
     return load_corpus(str(corpus_file))

@@ -620,15 +620,9 @@ def test_gpu_cuda_graph_capture(device):
         out.backward(dout)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    from triton_transformer.cuda_graph import capture_graph
+
+    graph, out = capture_graph(step)
     results = []
     for _ in range(2):
         graph.replay()

@@ -874,17 +874,9 @@ def test_cuda_graph_capture_gpu(device):
         out.float().square().mean().backward()
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for p in (x, w1, w2):
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    from triton_transformer.cuda_graph import capture_graph
+
+    graph, out = capture_graph(step, clear_grads=(x, w1, w2))
     static_grads = [p.grad for p in (x, w1, w2)]  # the graph writes these buffers
     outs = []
     for _ in range(2):

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_transformer.checkpoint import load_checkpoint
-from triton_transformer.config import load_config
-from triton_transformer.run_dir import RunDirLock
+from triton_transformer.training.checkpoint import load_checkpoint
+from triton_transformer.training.config import load_config
+from triton_transformer.training.run_dir import RunDirLock
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -163,13 +163,17 @@ def test_sample_uses_the_kv_cache(trained_run, monkeypatch, capsys):
     import triton_transformer.autoregressive_wrapper as aw
 
     made = []
-    real = aw.KVCache
 
-    def spy(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
+    # KVCache for eager decoding, StaticKVCache for the graphed decode (the default on a GPU)
+    def spy_on(real):
+        def spy(*args, **kwargs):
+            made.append(1)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(aw, "KVCache", spy)
+        return spy
+
+    for name in ("KVCache", "StaticKVCache"):
+        monkeypatch.setattr(aw, name, spy_on(getattr(aw, name)))
     spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)

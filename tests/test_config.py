@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_transformer.config import (
+from triton_transformer.training.config import (
     Config,
     ConfigError,
     add_config_arguments,

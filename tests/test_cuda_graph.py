@@ -10,6 +10,7 @@ from torch import nn
 
 from triton_transformer import AutoregressiveWrapper, Transformer
 from triton_transformer.cuda_graph import GraphedStep, StaticInputs
+from triton_transformer.cuda_graph import capturable_train_step as make_step
 
 pytestmark = pytest.mark.gpu
 
@@ -21,22 +22,6 @@ def make_model(use_triton: bool, dropout: float = 0.0) -> nn.Module:
         attn_dropout=dropout, ff_dropout=dropout, use_triton=use_triton, check_token_ids=False,
     )  # fmt: skip
     return AutoregressiveWrapper(model).cuda().train()
-
-
-def make_step(model: nn.Module, batch: torch.Tensor, lr: float = 1e-3):
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=torch.tensor(lr, device="cuda"), fused=True, capturable=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(batch)
-        loss.backward()
-        norm = nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        return loss.detach(), norm
-
-    return step
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -1,4 +1,4 @@
-"""Tests for triton_transformer.data: corpus discovery, download, splits and batching.
+"""Tests for triton_transformer.training.data: corpus discovery, download, splits and batching.
 
 Downloads go to a local HTTP server on 127.0.0.1 serving a small fake enwik8 (1000 bytes,
 passed as `expected_size` / `enwik8_size`), so nothing touches the network.
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_transformer import data as D
+from triton_transformer.training import data as D
 
 SIZE = 1000  # the fake enwik8's size; its split is proportional: 900 / 50 / 50
 

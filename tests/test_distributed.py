@@ -29,48 +29,32 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a worker script
     sys.path.insert(0, str(ROOT))
 
+import helpers  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import triton_transformer.trainer as trainer_mod  # noqa: E402
-from triton_transformer.config import Config, apply_overrides  # noqa: E402
-from triton_transformer.data import eval_window_starts, load_corpus  # noqa: E402
-from triton_transformer.distributed import all_gather_object  # noqa: E402
-from triton_transformer.trainer import Trainer, load_checkpoint, train  # noqa: E402
+import triton_transformer.training.data as data_mod  # noqa: E402
+from triton_transformer.training.checkpoint import load_checkpoint, load_model  # noqa: E402
+from triton_transformer.training.config import Config, apply_overrides  # noqa: E402
+from triton_transformer.training.data import eval_window_starts, load_corpus  # noqa: E402
+from triton_transformer.training.distributed import all_gather_object  # noqa: E402
+from triton_transformer.training.trainer import Trainer, train  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 120  # a launch that takes longer hangs: fail instead of waiting forever
 
 
 def tiny_overrides(run_dir: Path, corpus_file: Path, **overrides) -> dict:
-    values = {
-        "model.dim": 32,
-        "model.depth": 1,
-        "model.heads": 2,
-        "model.dim_head": 16,
-        "model.max_seq_len": 32,
-        "model.attn_dropout": 0.0,
-        "model.ff_dropout": 0.0,
-        "data.source": str(corpus_file),
-        "train.seq_len": 32,
-        "train.batch_size": 2,
-        "train.grad_accum_steps": 2,
-        "train.max_steps": 4,
-        "train.lr": 3e-3,
-        "train.warmup_steps": 2,
-        "train.device": "cpu",
-        "train.dist_timeout_s": 60.0,
-        "eval.eval_every": 0,
-        "eval.max_bytes": 5 * 2 * 32,
-        "eval.generate_every": 0,
-        "eval.prime_len": 8,
-        "eval.generate_len": 8,
-        "log.run_dir": str(run_dir),
-        "log.log_every": 1,
-        "log.checkpoint_every": 0,
-        "log.progress": False,
+    """`helpers.tiny_overrides` as the 2-process tests run it: no dropout, batch 2, 4 steps."""
+    ddp = {
+        "model__attn_dropout": 0.0,
+        "model__ff_dropout": 0.0,
+        "train__batch_size": 2,
+        "train__max_steps": 4,
+        "train__warmup_steps": 2,
+        "train__dist_timeout_s": 60.0,
+        "eval__max_bytes": 5 * 2 * 32,
     }
-    values.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return values
+    return helpers.tiny_overrides(run_dir, corpus_file, **{**ddp, **overrides})
 
 
 def make_config(values: dict) -> Config:
@@ -132,14 +116,14 @@ def worker(spec_path: str) -> None:
     if rank > 0:
         _record_writes(Path(spec["watch_dir"]), record["written"])
 
-    real_random_batch = trainer_mod.random_batch
+    real_random_batch = data_mod.random_batch
 
     def recording_random_batch(*args, **kwargs):
         batch = real_random_batch(*args, **kwargs)
         record["batches"].append(hashlib.sha256(batch.numpy().tobytes()).hexdigest())
         return batch
 
-    trainer_mod.random_batch = recording_random_batch
+    data_mod.random_batch = recording_random_batch
 
     # count DDP's gradient all-reduces (one per bucket per synchronised backward)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -329,7 +313,7 @@ def test_two_ranks_match_one_process_with_the_union_batch(tmp_path, corpus_file)
     assert r0["reduces"] == r1["reduces"] == [1, 2, 3, 4]
     final = load_checkpoint(run_dir)
     assert "rng_ranks" in final and len(final["rng_ranks"]) == 2
-    reference = trainer_mod.load_model(single.checkpoint)[0].state_dict()
+    reference = load_model(single.checkpoint)[0].state_dict()
     for name, value in final["model"].items():
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -501,8 +485,8 @@ def test_two_gpus_nccl_triton_bf16(tmp_path, corpus_file, monkeypatch):
 
 
 def test_torchrun_environment_and_config_checks(monkeypatch):
-    from triton_transformer.config import ConfigError
-    from triton_transformer.distributed import DistInfo, env_info
+    from triton_transformer.training.config import ConfigError
+    from triton_transformer.training.distributed import DistInfo, env_info
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")

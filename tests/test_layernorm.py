@@ -478,17 +478,14 @@ def test_gpu_cuda_graph_capture(stable, device):
     w.requires_grad_()
     b.requires_grad_()
     dy = torch.randn(x.shape, device=device, dtype=x.dtype)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles the kernels) outside the graph
-        for _ in range(2):
-            layernorm(x, w, b, stable=stable, use_triton=True).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    x.grad = w.grad = b.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from triton_transformer.cuda_graph import capture_graph
+
+    def step():
         y = layernorm(x, w, b, stable=stable, use_triton=True)
         y.backward(dy)
+        return y
+
+    graph, y = capture_graph(step, clear_grads=(x, w, b))  # warm-up compiles the kernels
     for _ in range(2):
         with torch.no_grad():
             x.copy_(-2.3 + 0.5 * torch.randn(x.shape, device=device))

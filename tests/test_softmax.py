@@ -325,20 +325,14 @@ def test_gpu_cuda_graph_capture(device, causal):
     x = scores((4, 8, 256, 256), device, torch.bfloat16).requires_grad_()
     dy = scores(x.shape, device, torch.bfloat16)
 
-    def step():
-        softmax(x, causal=causal, use_triton=True).backward(dy)
+    from triton_transformer.cuda_graph import capture_graph
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step():
         y = softmax(x, causal=causal, use_triton=True)
         y.backward(dy)
+        return y
+
+    graph, y = capture_graph(step, clear_grads=(x,))
     for _ in range(2):
         x.data.copy_(scores(x.shape, device, torch.bfloat16, scale=2.0))
         graph.replay()

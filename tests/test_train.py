@@ -6,7 +6,6 @@ deterministic; a resumed run must reproduce an uninterrupted one bit for bit.
 
 import importlib.util
 import itertools
-import json
 import math
 import os
 import signal
@@ -17,17 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl, tiny_config
 
-import triton_transformer.trainer as trainer_mod
-from triton_transformer.config import Config, ConfigError, apply_overrides
-from triton_transformer.trainer import (
-    NonFiniteLossError,
-    Trainer,
-    load_checkpoint,
-    load_model,
-    lr_multiplier,
-    train,
-)
+import triton_transformer.training.data as data_mod  # its random_batch draws the batches
+from triton_transformer.training.checkpoint import load_checkpoint, load_model
+from triton_transformer.training.config import ConfigError
+from triton_transformer.training.schedule import lr_multiplier
+from triton_transformer.training.trainer import NonFiniteLossError, Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -41,41 +36,6 @@ def _load_cli():
 
 
 cli = _load_cli()
-
-
-def tiny_config(run_dir: Path, corpus_file: Path, **overrides) -> Config:
-    values = {
-        "model.dim": 32,
-        "model.depth": 1,
-        "model.heads": 2,
-        "model.dim_head": 16,
-        "model.max_seq_len": 32,
-        "model.attn_dropout": 0.1,
-        "model.ff_dropout": 0.1,
-        "data.source": str(corpus_file),
-        "train.seq_len": 32,
-        "train.batch_size": 4,
-        "train.grad_accum_steps": 2,
-        "train.max_steps": 12,
-        "train.lr": 3e-3,
-        "train.warmup_steps": 3,
-        "train.device": "cpu",
-        "eval.eval_every": 0,
-        "eval.max_bytes": 256,
-        "eval.generate_every": 0,
-        "eval.prime_len": 8,
-        "eval.generate_len": 8,
-        "log.run_dir": str(run_dir),
-        "log.log_every": 1,
-        "log.checkpoint_every": 0,
-        "log.progress": False,
-    }
-    values.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return apply_overrides(Config(), list(values.items())).validate()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # --------------------------------------------------------------------------- the loop
@@ -174,7 +134,7 @@ def test_interrupt_mid_step_rewinds(tmp_path, corpus_file, corpus, reference_los
     run_dir = tmp_path / "run"
     config = _split_config(run_dir, corpus_file)
     calls = []
-    real_random_batch = trainer_mod.random_batch
+    real_random_batch = data_mod.random_batch
 
     def flaky_random_batch(*args, **kwargs):
         calls.append(1)
@@ -182,10 +142,10 @@ def test_interrupt_mid_step_rewinds(tmp_path, corpus_file, corpus, reference_los
             raise KeyboardInterrupt
         return real_random_batch(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "random_batch", flaky_random_batch)
+    monkeypatch.setattr(data_mod, "random_batch", flaky_random_batch)
     first = train(config, corpus=corpus)
     assert first.interrupted and first.step == 3
-    monkeypatch.setattr(trainer_mod, "random_batch", real_random_batch)
+    monkeypatch.setattr(data_mod, "random_batch", real_random_batch)
     second = train(config, resume=run_dir / "checkpoint.pt", corpus=corpus)
     assert {**first.losses, **second.losses} == reference_losses
 
@@ -461,8 +421,8 @@ def test_gpu_bf16_autocast_training(tmp_path, corpus_file, corpus, use_triton):
 def test_validation_set_ignores_batch_size_and_world_size(tmp_path, corpus_file, corpus):
     """The validation windows are a function of the data and eval.max_bytes: any batch size,
     and any split of them over ranks, gives the same loss (up to float rounding)."""
-    from triton_transformer.distributed import DistInfo
-    from triton_transformer.evaluation import evaluate_loss
+    from triton_transformer.training.distributed import DistInfo
+    from triton_transformer.training.evaluation import evaluate_loss
 
     trainer = Trainer(
         tiny_config(tmp_path / "run", corpus_file, eval__max_bytes=640), corpus=corpus
@@ -508,7 +468,7 @@ def test_ctrl_c_takes_effect_after_the_current_micro_batch(
     run_dir = tmp_path / "run"
     config = _split_config(run_dir, corpus_file)
     calls = []
-    real_random_batch = trainer_mod.random_batch
+    real_random_batch = data_mod.random_batch
 
     def random_batch(*args, **kwargs):
         calls.append(1)
@@ -516,11 +476,11 @@ def test_ctrl_c_takes_effect_after_the_current_micro_batch(
             os.kill(os.getpid(), signal.SIGINT)  # the handler only sets the flag
         return real_random_batch(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "random_batch", random_batch)
+    monkeypatch.setattr(data_mod, "random_batch", random_batch)
     first = train(config, corpus=corpus)
     assert first.interrupted and first.step == 3
     assert len(calls) == 3 * 2 + 1  # stopped before the second micro-batch
-    monkeypatch.setattr(trainer_mod, "random_batch", real_random_batch)
+    monkeypatch.setattr(data_mod, "random_batch", real_random_batch)
     second = train(config, resume=run_dir, corpus=corpus)
     assert {**first.losses, **second.losses} == reference_losses
 
@@ -552,7 +512,7 @@ def test_log_window_is_checkpointed(tmp_path, corpus_file, corpus):
 
 
 def test_mfu_from_known_peaks(monkeypatch):
-    from triton_transformer import metrics
+    from triton_transformer.training import metrics
     from triton_transformer.transformer import Transformer
 
     model = Transformer(num_tokens=256, dim=64, depth=2, heads=2, dim_head=32, max_seq_len=128)
@@ -569,7 +529,7 @@ def test_mfu_from_known_peaks(monkeypatch):
 
 
 def test_run_dir_refusals_in_process(tmp_path, corpus_file, corpus):
-    from triton_transformer.run_dir import RunDirError
+    from triton_transformer.training.run_dir import RunDirError
 
     run_dir = tmp_path / "run"
     train(tiny_config(run_dir, corpus_file, train__max_steps=3), corpus=corpus)

@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
+from helpers import read_jsonl, tiny_config
 from test_distributed import Launch, _check_in_sync, tiny_overrides
-from test_train import read_jsonl, tiny_config
 
-from triton_transformer.config import ConfigError, load_config
-from triton_transformer.trainer import load_checkpoint, train
+from triton_transformer.training.checkpoint import load_checkpoint
+from triton_transformer.training.config import ConfigError, load_config
+from triton_transformer.training.trainer import train
 
 
 @pytest.mark.parametrize(

@@ -15,17 +15,28 @@ What a captured step may do (PyTorch's "whole network capture" rules):
 `GraphedStep(step_fn, warmup_steps)` runs `step_fn` eagerly (on a side stream, as capture
 requires) for the warm-up calls, which are real training steps, captures it on the next call and
 replays it from then on; the call that captures also replays, so every call is one step.
+`capture_graph(fn)` is the same recipe in one call (warm up, capture, return the graph and the
+captured outputs), for tests and benchmarks that replay a graph themselves.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+__all__ = [
+    "GraphedStep",
+    "StaticInputs",
+    "capturable_train_step",
+    "capture_graph",
+    "capture_stream",
+    "warm_up",
+]
 
 
 @functools.cache
@@ -37,6 +48,61 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     capture stream.
     """
     return torch.cuda.Stream(device)
+
+
+def warm_up(fn: Callable[[], T], stream: torch.cuda.Stream | None = None) -> T:
+    """Run `fn` once on a side stream (default `capture_stream`), ordered after the work
+    already queued: lazily created handles (cuBLAS workspaces, NCCL communicators, autotuned
+    kernels) then belong to a stream that capture can follow."""
+    side = stream if stream is not None else capture_stream(torch.cuda.current_device())
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return out
+
+
+def capture_graph(
+    fn: Callable[[], T], warmup_calls: int = 2, clear_grads: Sequence[torch.Tensor] = ()
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `fn` up `warmup_calls` times, capture one call and return (graph, its outputs).
+
+    Capture records the kernels without running them: `graph.replay()` runs them, refreshing
+    the returned outputs in place. clear_grads: tensors whose `.grad` is set to None before
+    capture, so the captured backward allocates them in the graph's memory pool (and
+    overwrites, rather than accumulates into, them on every replay).
+    """
+    for _ in range(warmup_calls):
+        warm_up(fn)
+    for tensor in clear_grads:
+        tensor.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream(torch.cuda.current_device())):
+        out = fn()
+    return graph, out
+
+
+def capturable_train_step(
+    model: torch.nn.Module, batch: torch.Tensor, lr: float = 1e-3, max_norm: float = 1.0
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """A whole training step that obeys the rules above, as a closure for `GraphedStep`: bf16
+    autocast forward of `model(batch)` (a loss), backward, global-norm clipping and a fused,
+    capturable AdamW update whose learning rate lives on the device. Returns (loss, grad
+    norm) device tensors. The trainer's own step is `training.step.OptimizerStep`; this
+    minimal one is what the CUDA-graph tests and `benchmarks/bench_step.py` time."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=torch.tensor(lr, device="cuda"), fused=True, capturable=True)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)  # capture then allocates the grads in its pool
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        opt.step()
+        return loss.detach(), norm
+
+    return step
 
 
 class GraphedStep(Generic[T]):
@@ -70,13 +136,7 @@ class GraphedStep(Generic[T]):
             self.graph.replay()
             return self._outputs  # type: ignore[return-value]
         if self.calls <= self.warmup_steps:
-            # Warm-up on a side stream: lazily created handles (cuBLAS workspaces, NCCL
-            # communicators, autotuned kernels) then belong to a stream capture can follow.
-            self._side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._side):
-                out = self.step_fn()
-            torch.cuda.current_stream().wait_stream(self._side)
-            return out
+            return warm_up(self.step_fn, self._side)  # real steps, on the capture stream
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self._side):
             self._outputs = self.step_fn()

@@ -17,14 +17,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from triton_transformer.checkpoint import METRICS_NAME, SAMPLES_NAME
-from triton_transformer.config import Config, ConfigError
+from triton_transformer.training.checkpoint import METRICS_NAME, SAMPLES_NAME
+from triton_transformer.training.config import Config, ConfigError
 from triton_transformer.utils import exists
 
 __all__ = [
     "PEAK_BF16_FLOPS",
     "LossWindow",
     "RunLogger",
+    "Throughput",
     "WandbLogger",
     "flops_per_token",
     "mfu",
@@ -69,6 +70,22 @@ def mfu(
     if peak is None or peak <= 0:
         return None
     return flops_per_token * tokens_per_s / (peak * devices)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a step time into tokens/s and MFU for one run (all ranks together)."""
+
+    tokens_per_step: int  # global: batch_size * grad_accum_steps * seq_len * world_size
+    flops_per_token: int
+    peak_flops: float | None  # per device; None: MFU not reported
+    devices: int = 1
+
+    def tokens_per_s(self, steps: int, seconds: float) -> float:
+        return self.tokens_per_step * steps / max(seconds, 1e-9)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.devices)
 
 
 def _wandb_has_credentials() -> bool:

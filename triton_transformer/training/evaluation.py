@@ -16,10 +16,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
-from triton_transformer.data import decode_tokens, eval_window_starts, windows_at
-from triton_transformer.distributed import DistInfo, all_reduce_sum
+from triton_transformer.training.config import EvalConfig
+from triton_transformer.training.data import decode_tokens, eval_window_starts, windows_at
+from triton_transformer.training.distributed import DistInfo, all_reduce_sum
 
-__all__ = ["evaluate_loss", "fork_rng", "generate_text", "sample_from_split"]
+__all__ = ["Evaluator", "evaluate_loss", "fork_rng", "generate_text", "sample_from_split"]
 
 SINGLE_PROCESS = DistInfo()  # rank 0 of 1
 AutocastFactory = Callable[[], contextlib.AbstractContextManager]
@@ -105,6 +106,71 @@ def sample_from_split(
     with fork_rng(device), autocast():
         out = wrapper.generate(prime[None], length, temperature, filter_thres, generator=gen)
     return {"prime": decode_tokens(prime.cpu()), "sample": decode_tokens(out[0].cpu())}
+
+
+class Evaluator:
+    """Validation loss and text samples of the model being trained, per the eval.* settings.
+
+    wrapper: the unwrapped AutoregressiveWrapper (DDP would add collectives).
+    seq_len, batch_size: the run's windows (the validation set does not depend on the batch).
+    seed: the run's seed; a sample's prime is chosen by (seed, step).
+    progress: may show a progress bar (main rank, log.progress) for whole-split passes.
+    """
+
+    def __init__(
+        self,
+        wrapper: AutoregressiveWrapper,
+        valid: np.ndarray,
+        e: EvalConfig,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        autocast: AutocastFactory,
+        dist: DistInfo = SINGLE_PROCESS,
+        progress: bool = False,
+    ) -> None:
+        self.wrapper, self.valid, self.e = wrapper, valid, e
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.device, self.autocast, self.dist, self.progress = device, autocast, dist, progress
+
+    def loss(self, max_bytes: int | None = None) -> dict:
+        """Mean loss (nats/byte) and bits per byte over the validation windows: at most
+        `max_bytes` (default eval.max_bytes; 0: the whole split) spread over the split, the
+        same set at any batch size and number of ranks (sharded and all-reduced)."""
+        return evaluate_loss(
+            self.wrapper,
+            self.valid,
+            seq_len=self.seq_len,
+            max_bytes=self.e.max_bytes if max_bytes is None else max_bytes,
+            batch_size=self.batch_size,
+            device=self.device,
+            autocast=self.autocast,
+            dist=self.dist,
+            progress=self.progress and max_bytes == 0,
+        )
+
+    def whole_split(self, periodic: dict) -> dict:
+        """The loss over the whole split; `periodic` (this step's `loss()`) already is when
+        eval.max_bytes is 0."""
+        return periodic if self.e.max_bytes == 0 else self.loss(max_bytes=0)
+
+    def sample(self, step: int) -> dict:
+        """Generate eval.generate_len bytes after a validation prime chosen by (seed, step)."""
+        e = self.e
+        out = sample_from_split(
+            self.wrapper,
+            self.valid,
+            seed=(self.seed * 1_000_003 + step) % 2**63,
+            prime_len=e.prime_len,
+            length=e.generate_len,
+            temperature=e.temperature,
+            filter_thres=e.filter_thres,
+            device=self.device,
+            autocast=self.autocast,
+        )
+        return {"step": step, **out}
 
 
 @torch.no_grad()

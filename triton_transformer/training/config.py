@@ -82,7 +82,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Corpus for `triton_transformer.data.load_corpus`.
+    """Corpus for `triton_transformer.training.data.load_corpus`.
 
     source: "enwik8", "stdlib", "hf:NAME[:CONFIG]" or a path to a local file.
     shard_global_batch: with several processes (torchrun), every rank draws the same global

@@ -517,6 +517,37 @@ def random_batch(
     return torch.from_numpy(windows[starts.cpu().numpy()].astype(np.int64))
 
 
+class TrainBatches:
+    """The training micro-batches of one rank, drawn from `generator` (the data stream whose
+    state checkpoints store): each rank draws its own random windows, or with `shared` (data.
+    shard_global_batch) its rows of one global batch that every rank draws alike, so N ranks
+    of batch b see exactly the batches of one process of batch N * b."""
+
+    def __init__(
+        self,
+        data: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        generator: torch.Generator,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shared: bool = False,
+    ) -> None:
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.generator = generator
+        self.rank, self.world_size = rank, world_size
+        self.shared = shared and world_size > 1
+
+    def __call__(self) -> torch.Tensor:
+        """The next micro-batch, (batch_size, seq_len + 1) int64 on the CPU."""
+        b = self.batch_size
+        if not self.shared:
+            return random_batch(self.data, b, self.seq_len, self.generator)
+        batch = random_batch(self.data, b * self.world_size, self.seq_len, self.generator)
+        return batch[self.rank * b : (self.rank + 1) * b]
+
+
 def eval_batches(
     data: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
 ) -> Iterator[torch.Tensor]:
@@ -700,6 +731,7 @@ __all__ = [
     "Corpus",
     "DownloadError",
     "FallbackCorpusWarning",
+    "TrainBatches",
     "decode_tokens",
     "download_enwik8",
     "encode_text",

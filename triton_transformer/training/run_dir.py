@@ -13,22 +13,28 @@ before anything is written:
       drops the flock when the process dies, so a killed run never leaves a stale lock); a
       second run into the same directory is refused with the first one's process id;
     - deletes temp files that a killed run left behind (`.checkpoint.pt.tmp-*`).
+
+`new_run_dir` names a fresh run directory; `truncate_logs` drops log lines a crashed run
+wrote past its last checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
-from triton_transformer.checkpoint import CHECKPOINT_NAME, METRICS_NAME, SAMPLES_NAME
+from triton_transformer.training.checkpoint import CHECKPOINT_NAME, METRICS_NAME, SAMPLES_NAME
+from triton_transformer.training.config import LogConfig
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: no locking
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RunDirError", "RunDirLock"]
+__all__ = ["LOCK_NAME", "RunDirError", "RunDirLock", "new_run_dir", "truncate_logs"]
 
 LOCK_NAME = ".lock"
 # what a run writes: --overwrite deletes these (and nothing else)
@@ -162,3 +168,32 @@ def _same_file(fd: int, path: Path) -> bool:
     except FileNotFoundError:
         return False
     return os.fstat(fd).st_ino == st.st_ino
+
+
+def new_run_dir(lg: LogConfig, *, use_triton: bool, compile: bool) -> Path:
+    """out_dir/<run_name>-<torch|triton>[-compile]-<timestamp>, with a suffix if taken."""
+    backend = "triton" if use_triton else "torch"
+    if compile:
+        backend += "-compile"
+    base = f"{lg.run_name}-{backend}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = Path(lg.out_dir) / base, 1
+    while path.exists():
+        path, i = Path(lg.out_dir) / f"{base}-{i}", i + 1
+    return path
+
+
+def truncate_logs(run_dir: Path, step: int) -> None:
+    """Drop log lines past `step`: a crashed run may have logged steps after its last
+    checkpoint, which the resumed run will log again."""
+    for name in (METRICS_NAME, SAMPLES_NAME):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by a crash
+        path.write_text("".join(f"{line}\n" for line in keep))

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from triton_transformer.checkpoint import METRICS_NAME
+from triton_transformer.training.checkpoint import METRICS_NAME
 
 __all__ = ["X_AXES", "plot_runs", "read_metrics"]
 

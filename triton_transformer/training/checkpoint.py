@@ -1,9 +1,9 @@
-"""Checkpoints and the run directory on disk: what a run writes, and how it reads it back.
+"""Checkpoints on disk: writing them atomically with a checksum, reading them back safely.
 
 A run directory holds config.toml, metrics.jsonl, samples.jsonl and checkpoint.pt. The
-checkpoint is written atomically (temp file, fsync, rename) and holds everything needed to
-continue bit for bit: model, optimizer, scheduler, step and every RNG stream
-(`capture_rng_state` / `restore_rng_state`).
+checkpoint is written atomically (temp file, fsync, rename) by `Checkpointer` and holds
+everything needed to continue bit for bit: model, optimizer, scheduler, step and every RNG
+stream (`rng.py`). The run directory itself (lock, naming, log truncation) is `run_dir.py`'s.
 
 Every checkpoint carries the SHA-256 of the bytes torch.save wrote, in the zip archive's
 comment (the archive's last bytes; torch and zipfile read it as an ordinary zip). torch
@@ -16,21 +16,18 @@ unverified, with a warning.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import random
-import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from triton_transformer.config import Config, config_from_dict
-from triton_transformer.distributed import DistInfo
+from triton_transformer.training.config import Config, ModelConfig, config_from_dict
+from triton_transformer.training.distributed import DistInfo, all_gather_object, barrier
 from triton_transformer.transformer import Transformer
 from triton_transformer.utils import exists
 
@@ -40,17 +37,13 @@ __all__ = [
     "METRICS_NAME",
     "SAMPLES_NAME",
     "CheckpointError",
+    "Checkpointer",
     "UnverifiedCheckpointWarning",
     "atomic_save",
-    "capture_rng_state",
     "check_model_matches",
     "find_checkpoint",
     "load_checkpoint",
     "load_model",
-    "new_run_dir",
-    "rank_rng_state",
-    "restore_rng_state",
-    "truncate_logs",
     "unwrap_model",
 ]
 
@@ -201,14 +194,14 @@ def load_checkpoint(
     return ckpt
 
 
-def check_model_matches(ckpt: dict, config: Config, source: str | Path) -> None:
+def check_model_matches(ckpt: dict, model: ModelConfig, source: str | Path) -> None:
     """Raise CheckpointError naming every model field whose value differs from the
     checkpoint's in a way that changes parameter shapes."""
     saved = ckpt["config"].get("model", {})
     diffs = [
-        f"model.{name}={getattr(config.model, name)} (checkpoint: {saved[name]})"
+        f"model.{name}={getattr(model, name)} (checkpoint: {saved[name]})"
         for name in SHAPE_FIELDS
-        if name in saved and saved[name] != getattr(config.model, name)
+        if name in saved and saved[name] != getattr(model, name)
     ]
     if diffs:
         raise CheckpointError(
@@ -267,118 +260,32 @@ def atomic_save(obj: Any, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def new_run_dir(config: Config) -> Path:
-    """out_dir/<run_name>-<torch|triton>[-compile]-<timestamp>, with a suffix if taken."""
-    lg = config.log
-    backend = "triton" if config.model.use_triton else "torch"
-    if config.train.compile:
-        backend += "-compile"
-    base = f"{lg.run_name}-{backend}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, i = Path(lg.out_dir) / base, 1
-    while path.exists():
-        path, i = Path(lg.out_dir) / f"{base}-{i}", i + 1
-    return path
+class Checkpointer:
+    """Writes one run's checkpoint.pt and remembers the step of the last one written."""
 
+    def __init__(self, run_dir: Path, dist: DistInfo) -> None:
+        self.path = run_dir / CHECKPOINT_NAME
+        self.dist = dist
+        self.last_step: int | None = None  # None: none written (or loaded) by this run yet
 
-def truncate_logs(run_dir: Path, step: int) -> None:
-    """Drop log lines past `step`: a crashed run may have logged steps after its last
-    checkpoint, which the resumed run will log again."""
-    for name in (METRICS_NAME, SAMPLES_NAME):
-        path = run_dir / name
-        if not path.exists():
-            continue
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except json.JSONDecodeError:
-                pass  # a line cut short by a crash
-        path.write_text("".join(f"{line}\n" for line in keep))
+    def save(self, state: Callable[[], dict], rng: dict, step: int) -> Path:
+        """Atomically write `state()` with `rng`, this rank's RNG states. With several ranks
+        every rank must call it: rank 0 gathers all ranks' RNG states and writes the file;
+        the others wait until it is on disk (nobody runs ahead of, or reads, a checkpoint
+        that is still being written)."""
+        states = all_gather_object(rng)
+        if self.dist.is_main:
+            full = state()  # built on rank 0 only: the others never write it
+            full["rng"] = states[0]
+            if self.dist.enabled:
+                full["rng_ranks"] = states  # rank r resumes from states[r]
+            atomic_save(full, self.path)
+        barrier()
+        self.last_step = step
+        return self.path
 
-
-# --------------------------------------------------------------------------- RNG streams
-
-
-def capture_rng_state(device: torch.device, data_gen: torch.Generator) -> dict:
-    """Every RNG stream this process draws from: torch CPU, python, numpy, the data
-    sampler's generator and (on GPU) this process's CUDA device."""
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "data": data_gen.get_state(),
-    }
-    if device.type == "cuda":
-        # this process's GPU only: touching the others would create a CUDA context on
-        # every GPU in every rank
-        state["cuda_device"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng_state(
-    state: dict, device: torch.device, data_gen: torch.Generator, *, distributed: bool
-) -> None:
-    """Put back what `capture_rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    npst = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            npst["keys"].numpy().astype(np.uint32),
-            npst["pos"],
-            npst["has_gauss"],
-            npst["cached_gaussian"],
-        )
-    )
-    data_gen.set_state(state["data"])
-    if "cuda_device" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda_device"], device)
-    elif "cuda" in state and torch.cuda.is_available() and not distributed:
-        # checkpoints of the first version: every visible GPU's state
-        cuda = state["cuda"]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            warnings.warn(
-                "checkpoint's CUDA RNG states do not match this machine's GPUs", stacklevel=2
-            )
-
-
-def rank_rng_state(
-    ckpt: dict, dist: DistInfo, *, seed: int, step: int, shared_data_stream: bool
-) -> dict:
-    """This rank's RNG states from a checkpoint. Every rank gets its own back when the
-    world size is unchanged; otherwise (a checkpoint of another world size) rank 0 gets
-    the saved rank 0 states and every new rank fresh streams seeded from (seed, rank,
-    step), so no two ranks draw the same windows: a correct but not bitwise continuation.
-    shared_data_stream: all ranks draw one global batch (data.shard_global_batch).
-    """
-    saved = ckpt.get("rng_ranks") or [ckpt["rng"]]
-    rank, world = dist.rank, dist.world_size
-    if len(saved) == world:
-        return saved[rank]
-    if dist.is_main:
-        warnings.warn(
-            f"the checkpoint was written by {len(saved)} process(es), resuming with "
-            f"{world}: the random streams of the other ranks restart from fresh seeds, so "
-            "the data order differs from an uninterrupted run",
-            stacklevel=4,
-        )
-    if rank < len(saved):
-        state = dict(saved[rank])
-    else:
-        fresh = seed + 1_000_003 * rank + 7919 * step
-        state = dict(saved[0], torch=torch.Generator().manual_seed(fresh).get_state())
-        state["data"] = torch.Generator().manual_seed(fresh + 1).get_state()
-        state.pop("cuda_device", None)
-    if shared_data_stream:
-        state["data"] = saved[0]["data"]  # one shared global stream: keep its position
-    return state
+    def kept_note(self) -> str:
+        """What a run that stops now without saving leaves, for its error message."""
+        if self.last_step is None:
+            return "no checkpoint was written yet"
+        return f"the last good checkpoint ({self.path}, step {self.last_step}) is kept"

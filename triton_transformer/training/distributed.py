@@ -42,7 +42,6 @@ __all__ = [
     "init_distributed",
     "is_comm_error",
     "is_distributed",
-    "is_main_process",
     "main_process_first",
 ]
 
@@ -109,11 +108,6 @@ def get_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return env_info().world_size
-
-
-def is_main_process() -> bool:
-    """Only the main process (rank 0) prints, logs and writes files."""
-    return get_rank() == 0
 
 
 def init_distributed(device: torch.device, timeout_s: float) -> bool:

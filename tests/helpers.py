@@ -1,0 +1,52 @@
+"""Builders shared by the training, CLI and distributed tests (imported as `helpers`: pytest
+puts tests/ on sys.path, and so does running a test file as a worker script)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from triton_transformer.training.config import Config, apply_overrides
+
+# A model and run small enough for CPU: trains 12 steps in about a second.
+TINY = {
+    "model.dim": 32,
+    "model.depth": 1,
+    "model.heads": 2,
+    "model.dim_head": 16,
+    "model.max_seq_len": 32,
+    "model.attn_dropout": 0.1,
+    "model.ff_dropout": 0.1,
+    "train.seq_len": 32,
+    "train.batch_size": 4,
+    "train.grad_accum_steps": 2,
+    "train.max_steps": 12,
+    "train.lr": 3e-3,
+    "train.warmup_steps": 3,
+    "train.device": "cpu",
+    "eval.eval_every": 0,
+    "eval.max_bytes": 256,
+    "eval.generate_every": 0,
+    "eval.prime_len": 8,
+    "eval.generate_len": 8,
+    "log.log_every": 1,
+    "log.checkpoint_every": 0,
+    "log.progress": False,
+}
+
+
+def tiny_overrides(run_dir: Path, corpus_file: Path, **overrides) -> dict:
+    """`TINY` on `corpus_file` into `run_dir`, with `section__key=value` overrides."""
+    values = {**TINY, "data.source": str(corpus_file), "log.run_dir": str(run_dir)}
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return values
+
+
+def tiny_config(run_dir: Path, corpus_file: Path, **overrides) -> Config:
+    """A validated `Config` of `tiny_overrides`."""
+    values = tiny_overrides(run_dir, corpus_file, **overrides)
+    return apply_overrides(Config(), list(values.items())).validate()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
