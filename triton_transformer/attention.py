@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.bmm import bmm
@@ -79,6 +79,7 @@ from triton_transformer.utils import (
     first_order_only,
     interpreter_enabled,
     is_traced,
+    launcher,
     next_power_of_2,
     seed_or_draw,
     sm_count,
@@ -853,15 +854,14 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
     GPU has (Triton raises OutOfResources before anything runs), retry with fewer pipeline
     stages (the grid does not depend on them), down to one, and remember what fitted.
     Traced launches (torch.compile) take the table's tiles as they are."""
-    launcher = wrap_triton(kernel)
-    if launcher is not kernel:
-        launcher[grid](*args, **consts, **config)
+    if is_traced(args[0]):
+        launcher(kernel)[grid](*args, **consts, **config)
         return
     key = (kernel, *consts.values(), *config.values())
     tiles = _FITTED.get(key, config)
     while True:
         try:
-            kernel[grid](*args, **consts, **tiles)
+            launcher(kernel)[grid](*args, **consts, **tiles)
             break
         except triton.runtime.errors.OutOfResources:
             if tiles["num_stages"] <= 1:
@@ -959,7 +959,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
     if n_splits > 1:
         # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
         block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
-        wrap_triton(_attn_combine_kernel)[(n_q, gy, gz)](
+        launcher(_attn_combine_kernel)[(n_q, gy, gz)](
             part_acc, part_ml, out, out.stride(0), out.stride(2), out.stride(1),
             b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_S=block_s,
         )  # fmt: skip
@@ -1022,7 +1022,7 @@ def _bwd(
     # the single pass's fp32 dQ sum; the delta kernel zeroes it
     dq_acc = torch.empty((b * h, n_q, d) if atomic else (0,), device=q.device, dtype=torch.float32)
     bm = 64 if not meta["interpret"] else 32
-    wrap_triton(_attn_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
+    launcher(_attn_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
         out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm, ZERO_DQ=atomic,
@@ -1054,7 +1054,7 @@ def _bwd(
         triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     _launch_fitting(_attn_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
-        wrap_triton(_attn_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
+        launcher(_attn_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
             dq_acc, dq, *dq.stride(), b * h, h, n_q, scale,
             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
         )  # fmt: skip

@@ -102,6 +102,7 @@ from triton_transformer.utils import (
     dropout_threshold,
     first_order_only,
     is_traced,
+    launcher,
     next_power_of_2,
     seed_or_draw,
     sm_count,
@@ -770,16 +771,15 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, dro
         bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
         return (min(num_sms, ((M + bm - 1) // bm) * ((N + bn - 1) // bn) * split),)
 
-    kernel = wrap_triton(_mm_tma_tuned)
-    if kernel is not _mm_tma_tuned:  # traced (torch.compile): inductor tunes and launches
-        kernel[grid](*args, **flags)
+    if is_traced(a):  # torch.compile: inductor tunes and launches
+        wrap_triton(_mm_tma_tuned)[grid](*args, **flags)
     else:
         key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
         key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
         key += (drop is not None,)
         tuned = _TUNED.get(key)
         if tuned is not None:
-            _mm_tma_kernel[tuned[0]](*args, **flags, **tuned[1])
+            launcher(_mm_tma_kernel)[tuned[0]](*args, **flags, **tuned[1])
         else:
             _mm_tma_tuned[grid](*args, **flags)
             best = getattr(_mm_tma_tuned, "best_config", None)
@@ -787,7 +787,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, dro
                 _TUNED[key] = (grid(best.kwargs), best.all_kwargs())
     if split > 1:
         mn = M * N
-        wrap_triton(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
+        launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
 
 
 def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
@@ -808,7 +808,7 @@ def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> Non
         a_, b_, c_ = a, b, c
         if end - start < batch:
             a_, b_, c_ = a[start:end], b[start:end], c[start:end]
-        wrap_triton(_mm_ptr_kernel)[(grid_mn, end - start)](
+        launcher(_mm_ptr_kernel)[(grid_mn, end - start)](
             a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
             M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], N,
             *_dropout_args(drop, c_),
@@ -897,7 +897,7 @@ def _relu2_in_place(
     epilogue after cuBLAS's product (`_relu2_ew_kernel`)."""
     M, N = c.shape
     # 16 x 256 tiles, 4 warps: the d(pre) pass's (`relu2_grad_op`), also one read and write
-    wrap_triton(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+    launcher(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
         c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
         STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
         num_warps=4,
@@ -1047,7 +1047,7 @@ def relu2_grad_op(
     dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
     if dp.numel():
         drop = (p, seed) if p > 0.0 else None
-        wrap_triton(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+        launcher(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
             dy, s, dp, M, N, *dy.stride(), *s.stride(), *_dropout_args(drop, s),
             FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
             num_warps=4,

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer._jit_helpers import (
     lse_from_stats,
@@ -59,6 +59,7 @@ from triton_transformer.utils import (
     check_not_capturing,
     check_triton_tensor,
     first_order_only,
+    launcher,
     refuse_second_backward,
     row_block_size,
 )
@@ -297,7 +298,7 @@ def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_gra
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     block_m, block_n, single_pass, num_warps = _fwd_params(n_cols, write_grad)
-    wrap_triton(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
+    launcher(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, n_valid, loss_rows, lse,
         *_strides_2level(logits), *_strides_2level(labels),
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
@@ -308,7 +309,7 @@ def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_gra
 
 def _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count):
     n_outer, n_inner = labels.shape
-    wrap_triton(_cross_entropy_reduce_kernel)[(1,)](
+    launcher(_cross_entropy_reduce_kernel)[(1,)](
         loss_rows, labels, n_valid, loss, *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
@@ -350,7 +351,7 @@ def cross_entropy_backward_op(
     n_rows = n_outer * n_inner
     dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     block_m, block_n, _, num_warps = _bwd_params(n_cols)
-    wrap_triton(_cross_entropy_bwd_kernel)[(cdiv(n_rows, block_m),)](
+    launcher(_cross_entropy_bwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, lse, n_valid, dloss, dx,
         *_strides_2level(logits), *_strides_2level(labels), n_cols,
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
@@ -413,7 +414,7 @@ def cross_entropy_inplace_backward_op(
     n_outer, n_inner, n_cols = grad.shape
     n_rows = n_outer * n_inner
     block_m, block_n, _, num_warps = _bwd_params(n_cols)
-    wrap_triton(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+    launcher(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
         dloss, n_valid, grad, *_strides_2level(grad), n_rows, n_inner, n_cols,
         DIVIDE_BY_N_VALID=grad.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,

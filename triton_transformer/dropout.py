@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer.utils import (
     call_op,
@@ -40,6 +40,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     dropout_threshold,
     first_order_only,
+    launcher,
     seed_or_draw,
 )
 
@@ -144,7 +145,7 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     span = sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
     int64 = max(n + BLOCK, span + 1) >= 2**31
     if n:
-        wrap_triton(_dropout_kernel)[(cdiv(n, BLOCK),)](
+        launcher(_dropout_kernel)[(cdiv(n, BLOCK),)](
             x, seed, out, n, dropout_threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
             STRIDED=layout is not None, BLOCK=BLOCK, INT64=int64,
             num_warps=NUM_WARPS,

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer.utils import (
     as_rows,
@@ -56,6 +56,7 @@ from triton_transformer.utils import (
     describe,
     first_order_only,
     interpreter_enabled,
+    launcher,
     sm_count,
 )
 
@@ -226,7 +227,7 @@ def embedding_op(
     pos = as_rows(pos_weight) if pos_weight is not None else weight
     tile = _FWD_TILE
     grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
-    wrap_triton(_embedding_fwd_kernel)[grid](
+    launcher(_embedding_fwd_kernel)[grid](
         flat_ids, weight, pos, h, weight.stride(0), pos.stride(0), dim,
         b * n, n, start, n_vocab, dim, HAS_POS=pos_weight is not None, **tile,
     )  # fmt: skip
@@ -260,13 +261,13 @@ def embedding_backward_op(
     partial = torch.empty((n_splits, n_vocab, dim), device=dh.device, dtype=torch.float32)
     if n_splits:
         grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
-        wrap_triton(_embedding_bwd_partial_kernel)[grid](
+        launcher(_embedding_bwd_partial_kernel)[grid](
             g, ids.reshape(-1).contiguous(), partial, g.stride(0), n_tokens, per_split,
             n_vocab, dim, **_bwd_flags(g.dtype, interpret), **tile,
         )  # fmt: skip
     block_r = reduce_tile["BLOCK_R"]
     n_programs = cdiv(n_vocab, block_r) + cdiv(n_pos, block_r)
-    wrap_triton(_embedding_bwd_reduce_kernel)[(n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))](
+    launcher(_embedding_bwd_reduce_kernel)[(n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))](
         partial, g, dweight, dpos if n_pos else dweight, g.stride(0), dim, dim,
         n_splits, b, n, start, n_vocab, n_pos, dim, HAS_POS=n_pos > 0, **reduce_tile,
     )  # fmt: skip

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer.utils import (
     as_rows,
@@ -79,6 +79,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     exists,
     first_order_only,
+    launcher,
     next_power_of_2,
     sm_count,
 )
@@ -705,7 +706,7 @@ def launch_fwd(
         single = block_n >= N
     residual = h2 is not None
     dropout = residual and p > 0.0
-    wrap_triton(_ln_fwd_kernel)[(cdiv(M, block_m),)](
+    launcher(_ln_fwd_kernel)[(cdiv(M, block_m),)](
         x2, weight, bias if exists(bias) else weight, y2, stats,
         h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
@@ -720,7 +721,7 @@ def launch_fwd(
 def launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg: BwdConfig) -> None:
     """The "split" backward's first kernel: rowsums (2|3, M) fp32 = c1, c2 (and tie_grad)."""
     M, N = x2.shape[0], int(x2.shape[1])
-    wrap_triton(_ln_bwd_rowsum_kernel)[(cdiv(M, cfg.sum_block_m),)](
+    launcher(_ln_bwd_rowsum_kernel)[(cdiv(M, cfg.sum_block_m),)](
         x2, weight, dy2, stats, rowsums, M, N, 1.0 / N, x2.stride(0), dy2.stride(0), eps,
         STABLE=stable, BLOCK_M=cfg.sum_block_m, BLOCK_N=cfg.sum_block_n,
         num_warps=cfg.sum_warps,
@@ -762,17 +763,17 @@ def launch_bwd(
     if cfg.kind == "split":
         rowsums = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x2.device)
         launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
-        wrap_triton(_ln_bwd_cols_kernel)[(col_tiles, groups)](
+        launcher(_ln_bwd_cols_kernel)[(col_tiles, groups)](
             x2, weight, dy2, dx2, partial, stats, rowsums, dhn2_, dbr2_, seed_,
             M, N, rows_per_prog, *strides, p, drop_scale, **flags,
         )  # fmt: skip
     else:
-        wrap_triton(_ln_bwd_kernel)[(groups,)](
+        launcher(_ln_bwd_kernel)[(groups,)](
             x2, weight, dy2, dx2, partial, stats, dhn2_, dbr2_, seed_,
             M, N, 1.0 / N, rows_per_prog, *strides, eps, p, drop_scale,
             SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
-    wrap_triton(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
+    launcher(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
         partial[0], partial[-1], dweight, dbias if has_bias else dweight, groups, N,
         HAS_BIAS=has_bias, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,

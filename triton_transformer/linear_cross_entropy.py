@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer import bmm as bmm_mod
 from triton_transformer.bmm import _check_pair, _mm2d_into, _weight_in
@@ -55,6 +55,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     first_order_only,
     is_traced,
+    launcher,
     refuse_second_backward,
 )
 
@@ -174,7 +175,7 @@ def linear_cross_entropy_scale_op(
             continue
         n_rows, n_cols = g.shape
         block_m, block_n, _, num_warps = _bwd_params(n_cols)
-        wrap_triton(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+        launcher(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
             dloss, n_valid, g, 0, g.stride(0), n_rows, n_rows, n_cols,
             DIVIDE_BY_N_VALID=divide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip

@@ -26,7 +26,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_exp
 from triton_transformer.utils import (
@@ -36,6 +36,7 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     first_order_only,
+    launcher,
     row_block_size,
 )
 
@@ -175,7 +176,7 @@ def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
         x_rows = as_rows(x)  # a view unless the last dim is not unit-stride
         n_rows, n_cols = x_rows.shape
         n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(x.shape, causal)
-        wrap_triton(_softmax_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        launcher(_softmax_fwd_kernel)[(cdiv(n_rows, block_m),)](
             x_rows, y, x_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
             CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
@@ -192,7 +193,7 @@ def softmax_backward_op(dy: torch.Tensor, y: torch.Tensor, causal: bool) -> torc
         dy_rows = as_rows(dy)
         n_rows, n_cols = dy_rows.shape
         n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(y.shape, causal)
-        wrap_triton(_softmax_bwd_kernel)[(cdiv(n_rows, block_m),)](
+        launcher(_softmax_bwd_kernel)[(cdiv(n_rows, block_m),)](
             y, dy_rows, dx, n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
             CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,

@@ -1,0 +1,69 @@
+"""`utils.launcher`: eager kernel launches through a per-specialisation cache of the compiled
+kernel (issue #20). On the GPU every launch after the first takes the direct path, so each
+case here launches twice; the cache key must separate everything Triton specialises on."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from triton_transformer.utils import _specialization, launcher
+
+
+@triton.jit
+def _axpb_kernel(X, Y, n, a, b, SCALE: tl.constexpr, BLOCK: tl.constexpr = 128):
+    """y[i] = x[i] * a * SCALE + b for i < n (b an int, so its specialisation matters)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask).to(tl.float32)
+    tl.store(Y + offs, (x * a * SCALE + b).to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, a: float, b: int, scale: int, block: int | None = None):
+    y = torch.empty_like(x)
+    n = x.numel()
+    kw = {} if block is None else {"BLOCK": block}
+    launcher(_axpb_kernel)[(triton.cdiv(n, block or 128),)](x, y, n, a, b, SCALE=scale, **kw)
+    return y
+
+
+def test_key_separates_what_triton_specialises_on():
+    x = torch.zeros(64)
+    base = _specialization(0, (x, 7, 2.0), {"S": 1})
+    assert _specialization(0, (x, 7, 2.0), {"S": 1}) == base  # a repeat hits
+    assert _specialization(1, (x, 7, 2.0), {"S": 1}) != base  # another device
+    assert _specialization(0, (x[1:], 7, 2.0), {"S": 1}) != base  # misaligned pointer
+    assert _specialization(0, (x.half(), 7, 2.0), {"S": 1}) != base  # dtype
+    assert _specialization(0, (x, 1, 2.0), {"S": 1}) != base  # an int equal to 1
+    assert _specialization(0, (x, 16, 2.0), {"S": 1}) != base  # divisible by 16
+    assert _specialization(0, (x, 2**31 + 7, 2.0), {"S": 1}) != base  # int64
+    assert _specialization(0, (x, 7, 2.0), {"S": 2}) != base  # a constexpr
+    assert _specialization(0, (x, 7, True), {"S": 1}) != base  # a bool is not a float
+    assert _specialization(0, (x, 7, 9.0), {"S": 1}) == base  # floats: only their type
+    assert _specialization(0, (x, object()), {}) is None  # cannot key: Triton's own path
+
+
+def test_launcher_matches_reference(device):
+    # twice per case: on the GPU the second launch is the cached direct one
+    x = torch.randn(1000, device=device) + 0.5
+    for _ in range(2):
+        torch.testing.assert_close(_launch(x, 2.0, 3, 1), x * 2.0 + 3)
+        torch.testing.assert_close(_launch(x, 2.0, 1, 2), x * 4.0 + 1)  # b == 1
+        torch.testing.assert_close(_launch(x, -1.5, 16, 1), x * -1.5 + 16)  # b % 16 == 0
+        torch.testing.assert_close(_launch(x[1:], 2.0, 3, 1), x[1:] * 2.0 + 3)  # misaligned
+        xh = x.half()
+        torch.testing.assert_close(_launch(xh, 2.0, 3, 1), (xh.float() * 2.0 + 3).half())
+        torch.testing.assert_close(_launch(x, 2.0, 3, 1, block=64), x * 2.0 + 3)  # a default
+
+
+@pytest.mark.gpu
+def test_launcher_replays_in_a_cuda_graph():
+    # a direct launch captured into a CUDA graph reads the captured buffers on replay
+    x = torch.randn(4096, device="cuda")
+    _launch(x, 2.0, 3, 1)  # compile and cache outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = _launch(x, 2.0, 3, 1)
+    x.copy_(torch.randn(4096, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(y, x * 2.0 + 3)
