@@ -4,6 +4,14 @@ Token embedding + learned absolute positional embedding, `depth` pre-norm residu
 (multi-head attention, then a relu-squared feed-forward), a final stable layernorm and a
 bias-free projection to logits. All projections are bias-free and the norms have no bias.
 
+Options (Transformer keyword arguments; the defaults are the model above, parameter for
+parameter): `pos_emb="rope"` (rotary q/k embeddings, `rope.py`, instead of the learned table),
+`norm="rmsnorm"` (RMSNorm everywhere, fused with the residual adds as LayerNorm is, and a plain
+final RMSNorm), `ff_act="swiglu" | "gelu"` (silu(gate) * up with a 2·hidden input projection,
+`swiglu.py`; or exact GELU, PyTorch's F.gelu on both branches: no Triton kernel) and
+`qk_norm=True` (RMSNorm over head_dim of q and k before the rotation). Together:
+the Llama-style block.
+
 `use_triton` only picks which implementation of each op runs (Triton kernel or the PyTorch
 reference); the parameters, and so the state dict, are the same either way.
 
@@ -18,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -29,15 +38,22 @@ from triton_transformer.attention import (
 )
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
+from triton_transformer.dropout import dropout
 from triton_transformer.embedding import embedding
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.linear_cross_entropy import linear_cross_entropy
 from triton_transformer.residual_layernorm import residual_layernorm
+from triton_transformer.rmsnorm import RMSNorm, residual_rmsnorm
+from triton_transformer.rope import DEFAULT_BASE, rope
+from triton_transformer.swiglu import swiglu
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
 
 __all__ = ["ATTN_IMPLS", "KVCache", "StaticKVCache", "Transformer"]
 
 ATTN_IMPLS = ("flash", "naive")
+POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+FF_ACTS = ("relu2", "swiglu", "gelu")
 
 
 @dataclass
@@ -153,10 +169,22 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
+def _make_norm(kind: str, dim: int, use_triton: bool) -> LayerNorm | RMSNorm:
+    """A block's pre-norm: a bias-free LayerNorm or an RMSNorm (parameter `weight` either way)."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, use_triton=use_triton)
+    return LayerNorm(dim, bias=False, use_triton=use_triton)
+
+
 def _add_and_norm(
-    h: torch.Tensor, branch: torch.Tensor, norm: LayerNorm, use_triton: bool
+    h: torch.Tensor, branch: torch.Tensor, norm: LayerNorm | RMSNorm, use_triton: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + branch, norm(h + branch)) in one fused op, with `norm`'s parameters."""
+    if isinstance(norm, RMSNorm):
+        return residual_rmsnorm(
+            h, branch, norm.weight, eps=norm.eps, use_triton=use_triton,
+            out_dtype=_matmul_dtype(h),
+        )  # fmt: skip
     return residual_layernorm(
         h, branch, norm.weight, norm.bias, eps=norm.eps, stable=norm.stable,
         use_triton=use_triton, out_dtype=_matmul_dtype(h),
@@ -170,12 +198,17 @@ def _is_int_tensor(t: object) -> bool:
 
 
 class Attention(nn.Module):
-    """Pre-norm multi-head self-attention: layernorm -> qkv projection -> attention -> out.
+    """Pre-norm multi-head self-attention: norm -> qkv projection -> attention -> out.
 
     attn_impl "flash": the fused FlashAttention kernel (use_triton) or PyTorch's reference
-    semantics; without a KV cache it reads q, k, v in place from the qkv projection and its
-    backward writes d(qkv) in one piece (`attention_packed`). "naive": lucidrains' composition
-    bmm -> softmax -> dropout -> bmm (`attention_naive`), the readable reference.
+    semantics; without a KV cache (and without qk_norm / rope) it reads q, k, v in place from
+    the qkv projection and its backward writes d(qkv) in one piece (`attention_packed`).
+    "naive": lucidrains' composition bmm -> softmax -> dropout -> bmm (`attention_naive`), the
+    readable reference.
+
+    norm: "layernorm" or "rmsnorm" (the pre-norm, `self.norm`). qk_norm: RMSNorm over head_dim
+    of q and k (`q_norm`, `k_norm`, weights (dim_head,)) before the rotation. rope: rotate q
+    and k by their positions (`rope.rope`, base `rope_base`) before attending.
     """
 
     def __init__(
@@ -189,6 +222,10 @@ class Attention(nn.Module):
         max_seq_len: int,
         use_triton: bool,
         attn_impl: str = "flash",
+        norm: str = "layernorm",
+        qk_norm: bool = False,
+        rope: bool = False,
+        rope_base: float = DEFAULT_BASE,
     ) -> None:
         super().__init__()
         self.attn_impl = attn_impl
@@ -196,24 +233,17 @@ class Attention(nn.Module):
         self.max_seq_len = max_seq_len
         self.causal = causal
         self.dropout = dropout
+        self.rope = rope
+        self.rope_base = rope_base
         inner_dim = heads * dim_head
-        self.norm = LayerNorm(dim, bias=False, use_triton=use_triton)
+        self.norm = _make_norm(norm, dim, use_triton)
         self.to_qkv = nn.Linear(dim, inner_dim * 3, bias=False)
         self.to_out = nn.Linear(inner_dim, dim, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        mask: torch.Tensor | None,
-        use_triton: bool,
-        kv_cache: KVCache | StaticKVCache | None = None,
-        layer: int = 0,
-    ) -> torch.Tensor:
-        """x (b, n, dim) -> (b, n, dim). With a `kv_cache` the new keys/values are appended
-        to layer `layer`'s cache and the queries attend over all cached tokens."""
-        y = self.norm(x, use_triton=use_triton)
-        return self.from_normed(y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=layer)
+        if qk_norm:
+            self.q_norm = RMSNorm(dim_head, use_triton=use_triton)
+            self.k_norm = RMSNorm(dim_head, use_triton=use_triton)
+        else:
+            self.q_norm = self.k_norm = None
 
     def from_normed(
         self,
@@ -224,9 +254,13 @@ class Attention(nn.Module):
         kv_cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         seed: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
-        with the previous residual add). `seed`: the attention dropout's (see `attention`)."""
+        """y (b, n, dim) -> (b, n, dim), where y = self.norm(x) is computed by the caller (the
+        model fuses it with the previous residual add). With a `kv_cache` the new keys/values
+        are appended to layer `layer`'s cache and the queries attend over all cached tokens.
+        `seed`: the attention dropout's (see `attention`). `positions`: the rotary positions
+        of the n tokens, (n,) int on the device (None: 0..n-1; used only with rope)."""
         qkv = linear(y, self.to_qkv.weight, use_triton=use_triton)
         kwargs = dict(
             causal=self.causal,
@@ -237,11 +271,17 @@ class Attention(nn.Module):
         )
         if self.attn_impl == "flash":
             kwargs["seed"] = seed
-        if self.attn_impl == "flash" and not exists(kv_cache):
+        plain = not self.rope and self.q_norm is None
+        if self.attn_impl == "flash" and not exists(kv_cache) and plain:
             # q, k, v read in place from qkv; out is (b, n, h*d) without a copy
             out = attention_packed(qkv, self.heads, **kwargs)
         else:
             q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
+            if self.q_norm is not None:
+                q = self.q_norm(q, use_triton=use_triton)
+                k = self.k_norm(k, use_triton=use_triton)
+            if self.rope:  # the cache then holds rotated keys
+                q, k = rope(q, k, positions, base=self.rope_base, use_triton=use_triton)
             if isinstance(kv_cache, StaticKVCache):
                 k_cache, v_cache, seen = kv_cache.append(layer, k, v, self.max_seq_len)
                 out = attention_cached(q, k_cache, v_cache, seen, use_triton=use_triton)
@@ -256,29 +296,54 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Pre-norm feed-forward: layernorm -> linear + relu(.)**2 + dropout (fused) -> linear."""
+    """Pre-norm feed-forward: norm -> linear + activation + dropout -> linear.
 
-    def __init__(self, dim: int, *, mult: int, dropout: float, use_triton: bool) -> None:
+    act "relu2": relu(.)**2, with the dropout, in the input projection's epilogue (Triton).
+    "swiglu": the input projection yields 2·hidden features, gate then up, and
+    `swiglu(gate, up)` = silu(gate) * up feeds the output projection (a separate fused
+    kernel; fusing it into the matmul epilogue is a follow-up). "gelu": exact GELU (F.gelu on
+    both branches: no Triton kernel). hidden = dim * mult in every case.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        mult: int,
+        dropout: float,
+        use_triton: bool,
+        norm: str = "layernorm",
+        act: str = "relu2",
+    ) -> None:
         super().__init__()
         self.dropout = dropout
-        self.norm = LayerNorm(dim, bias=False, use_triton=use_triton)
-        self.proj_in = nn.Linear(dim, dim * mult, bias=False)
-        self.proj_out = nn.Linear(dim * mult, dim, bias=False)
-
-    def forward(self, x: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
-        """x (b, n, dim) -> (b, n, dim)."""
-        return self.from_normed(self.norm(x, use_triton=use_triton), use_triton=use_triton)
+        self.act = act
+        self.norm = _make_norm(norm, dim, use_triton)
+        hidden = dim * mult
+        self.proj_in = nn.Linear(dim, hidden * (2 if act == "swiglu" else 1), bias=False)
+        self.proj_out = nn.Linear(hidden, dim, bias=False)
 
     def from_normed(
         self, y: torch.Tensor, *, use_triton: bool, seed: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`forward` after the norm: y = self.norm(x), already computed (the model fuses it
-        with the previous residual add). `seed`: the dropout's (see `bmm.linear`)."""
-        # relu² and the dropout after it run in the projection's epilogue (Triton)
-        x = linear(
-            y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton,
-            dropout_p=self.dropout if self.training else 0.0, seed=seed,
-        )  # fmt: skip
+        """y (b, n, dim) -> (b, n, dim), where y = self.norm(x) is computed by the caller (the
+        model fuses it with the previous residual add). `seed`: the dropout's (see
+        `bmm.linear`, `dropout.dropout`)."""
+        p = self.dropout if self.training else 0.0
+        if self.act == "relu2":
+            # relu² and the dropout after it run in the projection's epilogue (Triton)
+            x = linear(
+                y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton,
+                dropout_p=p, seed=seed,
+            )  # fmt: skip
+        else:
+            x = linear(y, self.proj_in.weight, use_triton=use_triton)
+            if self.act == "swiglu":
+                gate, up = x.chunk(2, dim=-1)  # strided views, read in place
+                x = swiglu(gate, up, use_triton=use_triton)
+            else:
+                x = F.gelu(x)
+            x = dropout(x, p, use_triton=use_triton, seed=seed)
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 
 
@@ -302,6 +367,13 @@ class Transformer(nn.Module):
     loss comes from `linear_cross_entropy`, the output projection and cross entropy in chunks
     of tokens, so the (tokens x num_tokens) logits never exist whole. False materialises the
     logits first (as the PyTorch path always does). Same parameters either way.
+
+    Block options (the defaults are the classic model; see the module docstring):
+    `pos_emb` "learned" (the `pos_emb` table) or "rope" (no table; q and k rotated with base
+    `rope_base`, the decode paths passing their cache positions on the device); `norm`
+    "layernorm" (bias-free, final norm stable) or "rmsnorm" (every norm, the final one too);
+    `ff_act` "relu2", "swiglu" or "gelu"; `qk_norm` RMSNorm of q and k over head_dim.
+    `options` holds them, to record in a checkpoint.
     """
 
     def __init__(
@@ -321,10 +393,25 @@ class Transformer(nn.Module):
         check_token_ids: bool = True,
         attn_impl: str = "flash",
         fused_loss: bool = True,
+        pos_emb: str = "learned",
+        norm: str = "layernorm",
+        ff_act: str = "relu2",
+        qk_norm: bool = False,
+        rope_base: float = DEFAULT_BASE,
     ) -> None:
         super().__init__()
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        for name, val, allowed in (
+            ("attn_impl", attn_impl, ATTN_IMPLS),
+            ("pos_emb", pos_emb, POS_EMBS),
+            ("norm", norm, NORMS),
+            ("ff_act", ff_act, FF_ACTS),
+        ):
+            if val not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {val!r}")
+        if not isinstance(qk_norm, bool):
+            raise TypeError(f"qk_norm must be a bool, got {qk_norm!r}")
+        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or rope_base <= 0:
+            raise ValueError(f"rope_base must be a positive number, got {rope_base!r}")
         for name, val in dict(
             num_tokens=num_tokens,
             dim=dim,
@@ -350,9 +437,13 @@ class Transformer(nn.Module):
         self.check_token_ids = check_token_ids
         self.attn_impl = attn_impl
         self.fused_loss = fused_loss
+        self.options = dict(
+            pos_emb=pos_emb, norm=norm, ff_act=ff_act, qk_norm=qk_norm, rope_base=float(rope_base)
+        )
 
         self.token_emb = nn.Embedding(num_tokens, dim)
-        self.pos_emb = nn.Embedding(max_seq_len, dim)
+        # None with rope: no positional table, no `pos_emb.weight` in the state dict
+        self.pos_emb = nn.Embedding(max_seq_len, dim) if pos_emb == "learned" else None
         self.layers = nn.ModuleList(
             nn.ModuleList(
                 [
@@ -365,15 +456,30 @@ class Transformer(nn.Module):
                         max_seq_len=max_seq_len,
                         use_triton=use_triton,
                         attn_impl=attn_impl,
+                        norm=norm,
+                        qk_norm=qk_norm,
+                        rope=pos_emb == "rope",
+                        rope_base=float(rope_base),
                     ),
-                    FeedForward(dim, mult=ff_mult, dropout=ff_dropout, use_triton=use_triton),
+                    FeedForward(
+                        dim,
+                        mult=ff_mult,
+                        dropout=ff_dropout,
+                        use_triton=use_triton,
+                        norm=norm,
+                        act=ff_act,
+                    ),
                 ]
             )
             for _ in range(depth)
         )
         # The stable variant (CogView's PB-relax) divides each row by its max |x| first,
-        # so a large residual stream cannot overflow the variance in fp16.
-        self.norm = LayerNorm(dim, bias=False, stable=True, use_triton=use_triton)
+        # so a large residual stream cannot overflow the variance in fp16. (RMSNorm has no
+        # such variant: its final norm is a plain one.)
+        if norm == "rmsnorm":
+            self.norm = RMSNorm(dim, use_triton=use_triton)
+        else:
+            self.norm = LayerNorm(dim, bias=False, stable=True, use_triton=use_triton)
         self.to_logits = nn.Linear(dim, num_tokens, bias=False)
 
         self.apply(self._init_weights)
@@ -424,11 +530,17 @@ class Transformer(nn.Module):
 
         # check_ids=False: _check_inputs checked the ids (when check_token_ids is on); an
         # unchecked out-of-range id gets a NaN row from the Triton kernel, so a NaN loss
+        positions = None  # rope: the tokens' positions on the device (None: 0..n-1)
         if isinstance(kv_cache, StaticKVCache):
             # the positions follow a length that lives on the device: gather them there
             positions = kv_cache.begin(n, x.device)
             h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
-            h = h + self.pos_emb.weight[positions]
+            if exists(self.pos_emb):
+                h = h + self.pos_emb.weight[positions]
+        elif not exists(self.pos_emb):
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
+            if start:  # a KVCache step: its positions follow the host-side length
+                positions = torch.arange(start, start + n, device=x.device)
         else:
             h = embedding(
                 x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton,
@@ -442,7 +554,7 @@ class Transformer(nn.Module):
         for i, (attn, ff) in enumerate(self.layers):
             a = attn.from_normed(
                 y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i,
-                seed=seeds[2 * i] if exists(seeds) else None,
+                seed=seeds[2 * i] if exists(seeds) else None, positions=positions,
             )  # fmt: skip
             h, y = _add_and_norm(h, a, ff.norm, use_triton)
             f = ff.from_normed(

@@ -1,0 +1,307 @@
+"""GPU benchmark of the modern-block ops: RMSNorm (and the fused residual + RMSNorm), RoPE and
+SwiGLU, ours against PyTorch eager, torch.compile and Liger-Kernel, in one run.
+
+    python3 benchmarks/bench_modern_ops.py --out DIR [--quick] [--no-compile] [--ops ...]
+    TRITON_INTERPRET=1 python3 benchmarks/bench_modern_ops.py --out DIR --smoke   # CPU check
+
+Providers: ours (the Triton ops: `rmsnorm`, `residual_rmsnorm`, `rope`, `swiglu`), torch (the
+same functions' PyTorch branch, eager), compile (torch.compile of that branch, static shapes)
+and liger (`liger_kernel.ops.rms_norm.LigerRMSNormFunction`, `liger_kernel.ops.rope.
+LigerRopeFunction`, `liger_kernel.ops.swiglu.LigerSiLUMulFunction`, imported lazily; skipped
+when Liger-Kernel is missing, and a provider that fails is recorded with its error, not fatal).
+Liger's RoPE reads precomputed (seq, head_dim) cos/sin tables, built outside the timed call;
+ours computes them in the kernel. residual_rmsnorm has no Liger counterpart.
+
+Modes: fwd (inference: no grad recorded) and fwd+bwd (the forward with grad enabled, then
+torch.autograd.grad of all differentiable inputs). bf16 by default.
+
+Bytes counted are the minimum each op must move, the same for every provider (e = bytes per
+element; weights, per-row statistics and cos/sin tables ignored):
+  rmsnorm           fwd 2·M·N·e (x, y)                 fwd+bwd 5·M·N·e (+ x, dy, dx)
+  residual_rmsnorm  fwd 4·M·N·e (h, branch, h_new, y)  fwd+bwd 8·M·N·e (+ h_new, dy, dh_new, dh)
+  rope              fwd 2·(|q|+|k|)·e                  fwd+bwd 4·(|q|+|k|)·e
+  swiglu            fwd 3·M·N·e (gate, up, y)          fwd+bwd 8·M·N·e (+ dy, gate, up, dg, du)
+GB/s uses the GPU kernel time (`common.time_op`: kernel durations summed by torch.profiler, L2
+flushed before every call); `event_ms` is triton.testing.do_bench's median and `wall_us` the
+host time per call in a synchronised loop. `frac` is GB/s over the device-to-device copy
+bandwidth measured in the same run.
+
+Writes, under --out: `<op>.json` / `<op>.md` / `<op>.png` per op (`common.report`) and
+`modern_ops.json` (every row plus the environment) and `modern_ops.md` (ours against each
+other provider, kernel time and wall time, per op, shape and mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from triton_transformer.rmsnorm import residual_rmsnorm, rmsnorm
+from triton_transformer.rope import rope
+from triton_transformer.swiglu import swiglu
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPS = ("rmsnorm", "residual_rmsnorm", "rope", "swiglu")
+MODES = ("fwd", "fwd+bwd")
+EPS = 1e-6
+# Shapes per op: (M, N) rows x width for the norms and swiglu; (b, h_q, h_k, n, d) for rope.
+SHAPES = {
+    "rmsnorm": [(4096, 768), (4096, 2048), (8192, 4096), (4096, 8192), (2048, 16384)],
+    "residual_rmsnorm": [(4096, 768), (8192, 4096)],
+    "rope": [(8, 12, 12, 1024, 64), (4, 32, 8, 2048, 128), (1, 32, 32, 8192, 128)],
+    "swiglu": [(8192, 2048), (8192, 5632), (4096, 11008), (8192, 14336)],
+}
+QUICK = {op: shapes[:2] for op, shapes in SHAPES.items()}
+SMOKE = {
+    "rmsnorm": [(8, 40)],
+    "residual_rmsnorm": [(8, 40)],
+    "rope": [(1, 2, 1, 5, 8)],
+    "swiglu": [(8, 40)],
+}
+BYTES = {  # elements-passes per element of the op's main tensor (see the docstring)
+    "rmsnorm": {"fwd": 2, "fwd+bwd": 5},
+    "residual_rmsnorm": {"fwd": 4, "fwd+bwd": 8},
+    "rope": {"fwd": 2, "fwd+bwd": 4},
+    "swiglu": {"fwd": 3, "fwd+bwd": 8},
+}
+
+
+def _common():
+    """benchmarks/common.py (its helpers need CUDA), or None on the CPU."""
+    if DEVICE != "cuda":
+        return None
+    import common
+
+    return common
+
+
+def _liger_ops():
+    """liger_kernel.ops (the kernels) if importable, else None."""
+    common = _common()
+    mod = common.liger() if common is not None else None
+    return mod.ops if mod is not None else None
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(op: str, shape: tuple, dtype: torch.dtype) -> tuple[list, dict]:
+    """(differentiable inputs, extra non-differentiable arguments) of one case."""
+    g = dict(device=DEVICE, dtype=dtype)
+    if op == "rope":
+        b, hq, hk, n, d = shape
+        q, k = torch.randn(b, hq, n, d, **g), torch.randn(b, hk, n, d, **g)
+        return [q, k], {}
+    M, N = shape
+    if op == "swiglu":
+        return [torch.randn(M, N, **g), torch.randn(M, N, **g)], {}
+    w = 1.0 + 0.1 * torch.randn(N, device=DEVICE, dtype=torch.float32)
+    if op == "rmsnorm":
+        return [torch.randn(M, N, **g), w.to(dtype)], {}
+    return [torch.randn(M, N, **g), torch.randn(M, N, **g), w.to(dtype)], {}
+
+
+def main_elems(op: str, shape: tuple) -> int:
+    if op == "rope":
+        b, hq, hk, n, d = shape
+        return b * (hq + hk) * n * d
+    return shape[0] * shape[1]
+
+
+def _rope_tables(n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face-layout (1, n, d) cos/sin tables, for Liger's RoPE."""
+    inv_freq = 10000.0 ** -(torch.arange(0, d, 2, device=DEVICE, dtype=torch.float64) / d)
+    theta = torch.arange(n, device=DEVICE, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((theta, theta), dim=-1)[None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def provider_fn(provider: str, op: str, shape: tuple, dtype: torch.dtype) -> Callable | None:
+    """The function of a provider for one op: f(*inputs) -> tensor or tuple; None if absent."""
+    use_triton = provider == "ours"
+    if provider in ("ours", "torch", "compile"):
+        fns = {
+            "rmsnorm": lambda x, w: rmsnorm(x, w, EPS, use_triton),
+            "residual_rmsnorm": lambda h, br, w: residual_rmsnorm(
+                h, br, w, eps=EPS, use_triton=use_triton
+            ),
+            "rope": lambda q, k: rope(q, k, use_triton=use_triton),
+            "swiglu": lambda gate, up: swiglu(gate, up, use_triton),
+        }
+        fn = fns[op]
+        if provider == "compile":
+            common = _common()
+            fn = common.compiled(fn) if common is not None else torch.compile(fn)
+        return fn
+    ops = _liger_ops()
+    if provider != "liger" or ops is None or op == "residual_rmsnorm":
+        return None
+    if op == "rmsnorm":
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)
+    if op == "rope":
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        cos, sin = _rope_tables(shape[3], shape[4], dtype)
+        return lambda q, k: LigerRopeFunction.apply(q, k, cos, sin)
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return lambda gate, up: LigerSiLUMulFunction.apply(gate, up)
+
+
+def mode_fn(fn: Callable, inputs: list, mode: str) -> Callable[[], object]:
+    """The timed call: the forward alone (no grad), or forward + backward of every input."""
+    if mode == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return run
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    with torch.no_grad():
+        out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    cotangents = [torch.randn_like(o) for o in outs]
+
+    def run():
+        res = fn(*leaves)
+        res = res if isinstance(res, tuple) else (res,)
+        return torch.autograd.grad(res, leaves, cotangents)
+
+    return run
+
+
+def time_call(run: Callable[[], object]) -> dict:
+    common = _common()
+    if common is not None:
+        return common.time_op(run)
+    run()  # CPU smoke: one warm call, one timed
+    t0 = time.perf_counter()
+    run()
+    return {
+        "ms": float("nan"),
+        "event_ms": float("nan"),
+        "wall_us": (time.perf_counter() - t0) * 1e6,
+    }
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run_bench(args) -> list[dict]:
+    common = _common()
+    copy_gbps = common.ceilings()["copy_gbps"] if common is not None else float("nan")
+    shapes = SMOKE if args.smoke else QUICK if args.quick else SHAPES
+    providers = ["ours", "torch"] + ([] if args.no_compile else ["compile"]) + ["liger"]
+    rows = []
+    for op in args.ops:
+        for dname in args.dtypes:
+            dtype = DTYPES[dname]
+            for shape in shapes[op]:
+                inputs, _ = make_inputs(op, shape, dtype)
+                elem = torch.empty((), dtype=dtype).element_size()
+                for mode in MODES:
+                    for provider in providers:
+                        row = dict(op=op, dtype=dname, mode=mode, shape="x".join(map(str, shape)),
+                                   size=main_elems(op, shape), provider=provider)  # fmt: skip
+                        try:
+                            fn = provider_fn(provider, op, shape, dtype)
+                            if fn is None:
+                                continue
+                            t = time_call(mode_fn(fn, inputs, mode))
+                        except Exception as e:  # a provider's failure is a result, not fatal
+                            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+                            continue
+                        nbytes = BYTES[op][mode] * main_elems(op, shape) * elem
+                        gbps = nbytes / (t["ms"] * 1e-3) / 1e9
+                        row.update(ms=t["ms"], event_ms=t["event_ms"], wall_us=t["wall_us"])
+                        row.update({"GB/s": gbps, "frac": gbps / copy_gbps})
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return "error" if "error" in r else f"{r['ms']:.4g} / {r['wall_us']:.0f}"
+
+
+def _ratio(ours: dict | None, other: dict | None) -> str:
+    if not ours or not other or "ms" not in ours or "ms" not in other:
+        return "-"
+    return f"{other['ms'] / ours['ms']:.2f}"
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: per op, shape, dtype and mode, each provider's kernel ms and wall µs, and
+    ours' kernel-time speedup over each other provider (> 1: ours faster)."""
+    lines = [
+        "# Modern-block ops: ours against torch, torch.compile and Liger-Kernel",
+        "",
+        "kernel ms (torch.profiler, L2 flushed) / wall µs per call; x = other's kernel time "
+        "over ours'.",
+        "",
+        "| op | dtype | shape | mode | ours | torch | compile | liger | x torch | x compile "
+        "| x liger |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keyed = {(r["op"], r["dtype"], r["shape"], r["mode"], r["provider"]): r for r in rows}
+    cases = dict.fromkeys((r["op"], r["dtype"], r["shape"], r["mode"]) for r in rows)
+    for case in cases:
+        get = {p: keyed.get((*case, p)) for p in ("ours", "torch", "compile", "liger")}
+        cells = [_cell(r) for r in get.values()]
+        ratios = [_ratio(get["ours"], get[p]) for p in ("torch", "compile", "liger")]
+        lines.append("| " + " | ".join([*case, *cells, *ratios]) + " |")
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        lines += ["", "## Providers that failed", ""]
+        lines += [
+            f"- {r['provider']} {r['op']} {r['shape']} {r['mode']}: {r['error']}" for r in errors
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="RMSNorm, RoPE and SwiGLU benchmark")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true", help="two shapes per op")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
+    args = ap.parse_args()
+    start = time.time()
+    rows = run_bench(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    common = _common()
+    env = common.env_info() if common is not None else {"device": "cpu", "torch": torch.__version__}
+    env["liger"] = _liger_ops() is not None
+    (args.out / "modern_ops.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (args.out / "modern_ops.md").write_text(summary(rows))
+    if common is not None:
+        for op in args.ops:
+            op_rows = [r for r in rows if r["op"] == op and "GB/s" in r]
+            if op_rows:
+                common.report(args.out, op, op_rows, x="size", y="GB/s")
+    print(f"done in {time.time() - start:.0f}s; {args.out / 'modern_ops.md'}")
+
+
+if __name__ == "__main__":
+    main()

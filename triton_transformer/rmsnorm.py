@@ -1,0 +1,610 @@
+"""RMSNorm over the last dim, and the fused residual add (+ dropout) + RMSNorm.
+
+`rmsnorm(x, weight, eps, use_triton)`; `use_triton=False` runs the PyTorch reference that
+defines the semantics (fp32 arithmetic for fp16/bf16 inputs, one rounding at the end):
+
+    rstd = 1 / sqrt(mean(x²) + eps)
+    y    = x * rstd * weight
+
+`residual_rmsnorm(h, branch, weight, dropout_p=...)` returns (h_new, y) with
+h_new = h + dropout(branch) and y = rmsnorm(h_new), as `residual_layernorm.py` does for
+LayerNorm: the pre-norm block boundary of a Llama-style model in one kernel each way.
+
+The Triton paths are `torch.library.triton_op`s (`triton_transformer::rmsnorm_fwd` /
+`rmsnorm_bwd`, `residual_rmsnorm_fwd` / `residual_rmsnorm_bwd`) wired with
+`register_autograd`, so torch.compile traces them (no graph break) and a CUDA graph can capture
+them (nothing is read on the host; the dropout seed is a 0-dim device tensor). The backward is
+first-order only (`utils.first_order_only`). Outputs are fresh tensors, never views.
+
+The kernels follow `layernorm.py` (whose device helpers `_load_x`, `_store_dx`, `_load_x_dy`
+and `_colsum_kernel` they import: the residual sum, the dropout mask regenerated from the seed
+and the row-index keyed Philox stream are the same functions, so the masks match LayerNorm's):
+
+- Forward: BLOCK_M rows per program as a (BLOCK_M, BLOCK_N) tile. BLOCK_N >= N: one read of x,
+  one write of y (2·N·e bytes per row, the floor). BLOCK_N < N: a pass for sum(x²) and a pass
+  writing y (3·N·e). Only rstd (fp32, one per row) is saved.
+- Backward: with xhat = x * rstd and g = dy * w,
+
+      dx      = rstd * (g - xhat * c),   c = mean(xhat * g)
+      dweight = sum over rows of dy * xhat
+
+  "row" (BLOCK_N >= N): a program holds BLOCK_M whole rows, reads x and dy once, writes dx
+  (3·N·e per row) and accumulates its dweight partial in registers across its contiguous range
+  of rows. "loop" (BLOCK_N < N): one pass over column blocks for c, a second writes dx and adds
+  the block's dweight into the program's row of fp32 partials. Either way each program writes
+  its column sums as one row of a (programs, N) buffer and layernorm's column-sum kernel adds
+  the rows in a fixed order: deterministic, no atomics.
+- Residual mode: the forward forms x = h + dropout(branch) (rounded to h_new's dtype exactly as
+  stored), writes it and normalises it; the backward adds the downstream gradient of h_new and
+  writes the (masked) branch gradient, which is dh itself when there is no dropout.
+
+Launch configurations: `_FWD_TABLE` / `_BWD_TABLE` below start from LayerNorm's H200/H100-tuned
+entries (the same memory pattern with one statistic less), not swept for RMSNorm yet;
+`benchmarks/bench_modern_ops.py` measures them against Liger-Kernel and torch.compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op
+
+from triton_transformer.layernorm import (
+    BwdConfig,
+    _bwd_plan,
+    _colsum_kernel,
+    _load_x,
+    _load_x_dy,
+    _nearest,
+    _store_dx,
+    check_out_dtype,
+    width_class,
+)
+from triton_transformer.utils import (
+    as_rows,
+    call_op,
+    cdiv,
+    check_dropout_p,
+    check_triton_tensor,
+    draw_seed,
+    first_order_only,
+    launcher,
+)
+
+# Widest column block a program holds; wider rows loop over column blocks. Tests monkeypatch it
+# small to exercise the looped paths at small N.
+MAX_BLOCK_N = 32768
+
+# (BLOCK_M, BLOCK_N, num_warps) of the forward and the backward configuration per width class
+# (N rounded up to a power of two, >= 16): LayerNorm's tuned entries (see the module docstring).
+# RMSNorm has no "split" backward: the widest class loops over 4096-column blocks.
+_FWD_TABLE: dict[int, tuple[int, int, int]] = {
+    16: (128, 16, 8),
+    32: (64, 32, 8),
+    64: (32, 64, 8),
+    128: (16, 128, 4),
+    256: (16, 256, 8),
+    512: (2, 512, 2),
+    1024: (4, 1024, 4),
+    2048: (4, 2048, 4),
+    4096: (2, 4096, 8),
+    8192: (1, 8192, 16),
+    16384: (1, 16384, 8),
+}
+_BWD_TABLE: dict[int, BwdConfig] = {
+    16: BwdConfig("row", 128, 16, 8, 4),
+    32: BwdConfig("row", 64, 32, 8, 4),
+    64: BwdConfig("row", 32, 64, 8, 4),
+    128: BwdConfig("row", 64, 128, 16, 1),
+    256: BwdConfig("row", 32, 256, 16, 2, prefetch=True),
+    512: BwdConfig("row", 1, 512, 4, 4, prefetch=True),
+    1024: BwdConfig("row", 4, 1024, 4, 2, prefetch=True),
+    2048: BwdConfig("row", 2, 2048, 8, 2, prefetch=True),
+    4096: BwdConfig("row", 1, 4096, 8, 2, prefetch=True),
+    8192: BwdConfig("row", 1, 8192, 16, 2, prefetch=True),
+    16384: BwdConfig("loop", 1, 4096, 8, 2),
+}
+_COLSUM_BLOCK_C = 32
+_COLSUM_BLOCK_G = 256
+_COLSUM_WARPS = 8
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    X, W, Y, Rstd, H, BR, SEED,
+    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, p, drop_scale,
+    SINGLE: tl.constexpr, RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr,
+    INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
+    inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
+    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE:
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_x(
+            X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
+            RESIDUAL, DROPOUT, INT64_IDX, True,
+        )  # fmt: skip
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # The first pass recomputes x (RESIDUAL: from h and branch); only the last stores it.
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            mask = row_mask[:, None] & (off + cols < N)[None, :]
+            x = _load_x(
+                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
+                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+            )  # fmt: skip
+            ss += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(ss * inv_n + eps)
+        for off in range(0, N, BLOCK_N):
+            col_mask = off + cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_x(
+                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
+                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True,
+            )  # fmt: skip
+            w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_rows + off + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["rows_per_prog"])
+def _rms_bwd_kernel(
+    X, W, DY, DX, Partial, Rstd, DHN, DBR, SEED,
+    M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
+    p, drop_scale,
+    SINGLE: tl.constexpr, HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr,
+    DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """The "row" (SINGLE) and "loop" backward: dx of rows [pid * rows_per_prog, ...) and their
+    dweight column sums as row pid of Partial."""
+    inv_n = tl.cast(inv_n, tl.float32)
+    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
+    cols = tl.arange(0, BLOCK_N)
+    dw_out = Partial + pid.to(tl.int64) * N
+    if SINGLE:
+        col_mask = cols < N
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            x_next, dy_next = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            if PREFETCH:  # the next tile's loads overlap this tile's reductions
+                x, dy = x_next, dy_next
+                x_next, dy_next = _load_x_dy(
+                    X, DY, rows + BLOCK_M, row_end, cols, col_mask, stride_x, stride_dy
+                )
+            else:
+                x, dy = _load_x_dy(X, DY, rows, row_end, cols, col_mask, stride_x, stride_dy)
+            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+            xhat = x.to(tl.float32) * rstd[:, None]
+            dy = dy.to(tl.float32)
+            g = dy * w[None, :]
+            c = tl.sum(xhat * g, axis=1) * inv_n
+            dx = (g - xhat * c[:, None]) * rstd[:, None]
+            _store_dx(
+                DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
+                p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+            )  # fmt: skip
+            dw_acc += dy * xhat
+        tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    else:
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)[:, None]
+            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+            # Pass 1: c = mean(xhat * g).
+            c = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for off in range(0, N, BLOCK_N):
+                col_mask = off + cols < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows64 * stride_x + off + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(DY + rows64 * stride_dy + off + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
+                xhat = x.to(tl.float32) * rstd[:, None]
+                c += tl.sum(xhat * dy.to(tl.float32) * w[None, :], axis=1)
+            c = c * inv_n
+            # Pass 2: dx, and this row tile's share of the program's dweight partials
+            # (read-modify-write of the program's own buffer row; the first tile just writes).
+            not_first = tl.full([BLOCK_N], r0, tl.int32) > row_start
+            for off in range(0, N, BLOCK_N):
+                col_mask = off + cols < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows64 * stride_x + off + cols[None, :], mask=mask, other=0.0)
+                dy = tl.load(DY + rows64 * stride_dy + off + cols[None, :], mask=mask, other=0.0)
+                w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
+                xhat = x.to(tl.float32) * rstd[:, None]
+                dy = dy.to(tl.float32)
+                dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
+                _store_dx(
+                    DX, DHN, DBR, SEED, dx, rows, off + cols, mask, N, stride_dx, stride_dhn,
+                    stride_dbr, p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                )  # fmt: skip
+                dw = tl.load(dw_out + off + cols, mask=col_mask & not_first, other=0.0)
+                tl.store(dw_out + off + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------- launch config
+
+
+@functools.cache
+def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, single) of the forward for rows of `n_cols`."""
+    width = width_class(n_cols)
+    block_m, block_n, num_warps = _nearest(_FWD_TABLE, width)
+    block_n = min(block_n, width, max_block)
+    return block_m, block_n, num_warps, n_cols <= block_n
+
+
+@functools.cache
+def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
+    """The backward configuration for rows of `n_cols`: a "row" entry whose row does not fit
+    its (capped) block loops over blocks instead."""
+    width = width_class(n_cols)
+    cfg = _nearest(_BWD_TABLE, width)
+    block_n = min(cfg.block_n, width, max_block)
+    if cfg.kind == "row" and block_n < n_cols:
+        return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
+    return cfg._replace(block_n=block_n)
+
+
+def _clear_config_caches() -> None:
+    """Forget the cached configurations (after the tables or MAX_BLOCK_N change)."""
+    _fwd_config.cache_clear()
+    _bwd_entry.cache_clear()
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def launch_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None) -> None:
+    """Normalise the rows of x2 into y2 (both (M, N), unit column stride), rstd (M,) fp32.
+
+    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
+    M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
+    if M == 0 or N == 0:
+        return
+    block_m, block_n, num_warps, single = _fwd_config(N, MAX_BLOCK_N)
+    residual = h2 is not None
+    dropout = residual and p > 0.0
+    launcher(_rms_fwd_kernel)[(cdiv(M, block_m),)](
+        x2, weight, y2, rstd, h2 if residual else x2, br2 if residual else x2,
+        seed if dropout else rstd,
+        M, N, 1.0 / N, x2.stride(0), y2.stride(0),
+        h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
+        eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
+        SINGLE=single, RESIDUAL=residual, DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def launch_bwd(
+    dy2, x2, weight, rstd, dx2, dweight, *, dhn2=None, dbr2=None, p=0.0, seed=None,
+    cfg: BwdConfig | None = None,
+) -> None:  # fmt: skip
+    """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight and, when dbr2 is
+    given, the branch gradient dropout-masked (p, seed) into dbr2. `cfg` overrides the table."""
+    M, N = x2.shape[0], int(x2.shape[1])
+    if N == 0:
+        return
+    if M == 0:
+        dweight.zero_()
+        return
+    cfg = cfg or _bwd_entry(N, MAX_BLOCK_N)
+    if cfg.kind not in ("row", "loop"):
+        raise ValueError(f"rmsnorm has 'row' and 'loop' backwards, got {cfg.kind!r}")
+    if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
+        raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
+    _, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
+    partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
+    dropout = dbr2 is not None and p > 0.0
+    dhn2_ = dhn2 if dhn2 is not None else dy2  # stand-ins for absent tensors (never read)
+    dbr2_ = dbr2 if dbr2 is not None else dx2
+    launcher(_rms_bwd_kernel)[(groups,)](
+        x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed if dropout else rstd,
+        M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
+        dhn2_.stride(0), dbr2_.stride(0), p, 1.0 / (1.0 - p) if dropout else 1.0,
+        SINGLE=cfg.kind == "row", HAS_DHN=dhn2 is not None, WRITE_DBR=dbr2 is not None,
+        DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    launcher(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
+        partial, partial, dweight, dweight, groups, N,
+        HAS_BIAS=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
+        num_warps=_COLSUM_WARPS,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+
+
+@triton_op("triton_transformer::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y a new contiguous tensor shaped like x, in out_dtype (None: x's); rstd
+    (rows,) fp32 for the backward."""
+    N = x.shape[-1]
+    x2 = as_rows(x)
+    M = x2.shape[0]
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    launch_fwd(x2, weight.contiguous(), y.view(M, N), rstd, eps)
+    return y, rstd
+
+
+@triton_op("triton_transformer::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight), in the dtypes of x and weight."""
+    N = x.shape[-1]
+    x2, dy2 = as_rows(x), as_rows(dy)
+    M = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dweight = torch.empty_like(weight)
+    launch_bwd(dy2, x2, weight.contiguous(), rstd, dx.view(M, N), dweight)
+    return dx, dweight
+
+
+def _rms_setup_context(ctx, inputs, output) -> None:
+    x, weight, _, _ = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # rstd never gets a gradient
+    ctx.save_for_backward(x, weight, rstd)
+
+
+@first_order_only("rmsnorm")
+def _rms_backward(ctx, dy, _drstd):
+    if dy is None:  # grads are not materialised: y was not used
+        return None, None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = call_op(rmsnorm_bwd, dy, x, weight, rstd)
+    return dx, dweight, None, None
+
+
+rmsnorm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+
+
+@triton_op("triton_transformer::residual_rmsnorm_fwd", mutates_args=())
+def residual_rmsnorm_fwd(
+    h: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    p: float,
+    seed: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h_new, y, rstd): h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64 device
+    tensor; unused when p == 0) in the promoted dtype of (h, branch), y = rmsnorm(h_new) in
+    out_dtype (None: h_new's); both new contiguous tensors shaped like h. rstd (rows,) fp32."""
+    N = h.shape[-1]
+    h2, br2 = as_rows(h), as_rows(branch)
+    M = h2.shape[0]
+    dtype = torch.promote_types(h.dtype, branch.dtype)
+    h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
+    y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=h.device)
+    launch_fwd(h_new.view(M, N), weight.contiguous(), y.view(M, N), rstd, eps,
+               h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
+    return h_new, y, rstd
+
+
+@triton_op("triton_transformer::residual_rmsnorm_bwd", mutates_args=())
+def residual_rmsnorm_bwd(
+    dy: torch.Tensor,
+    dh_new: torch.Tensor | None,
+    h_new: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+    h_dtype: torch.dtype,
+    branch_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh, dbranch, dweight): dh = rmsnorm's dx + dh_new (None: zero); dbranch the
+    dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and the same
+    dtype: the caller reuses dh)."""
+    N = h_new.shape[-1]
+    x2, dy2 = as_rows(h_new), as_rows(dy)
+    M = x2.shape[0]
+    dh = torch.empty(h_new.shape, dtype=h_dtype, device=h_new.device)
+    separate = p > 0.0 or branch_dtype != h_dtype
+    dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
+                          device=h_new.device)  # fmt: skip
+    dweight = torch.empty_like(weight)
+    launch_bwd(
+        dy2, x2, weight.contiguous(), rstd, dh.view(M, N), dweight,
+        dhn2=as_rows(dh_new) if dh_new is not None else None,
+        dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
+    )  # fmt: skip
+    return dh, dbranch, dweight
+
+
+def _res_setup_context(ctx, inputs, output) -> None:
+    h, branch, weight, _, ctx.p, seed, _ = inputs
+    h_new, _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # h_new has no gradient after the last block
+    ctx.h_dtype, ctx.branch_dtype = h.dtype, branch.dtype
+    ctx.save_for_backward(h_new, weight, rstd, seed)
+
+
+@first_order_only("residual_rmsnorm")
+def _res_backward(ctx, dh_new, dy, _drstd):
+    if dy is None and dh_new is None:
+        return (None,) * 7
+    h_new, weight, rstd, seed = ctx.saved_tensors
+    if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
+        dy = torch.zeros_like(h_new)
+    dh, dbranch, dweight = call_op(
+        residual_rmsnorm_bwd, dy, dh_new, h_new, weight, rstd, ctx.p, seed, ctx.h_dtype,
+        ctx.branch_dtype,
+    )  # fmt: skip
+    if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
+        dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
+    return dh, dbranch, dweight, None, None, None, None
+
+
+residual_rmsnorm_fwd.register_autograd(_res_backward, setup_context=_res_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _rmsnorm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The reference: fp32 arithmetic for fp16/bf16 x (fp64 stays fp64), one rounding."""
+    dtype = x.dtype
+    compute = torch.promote_types(torch.promote_types(dtype, weight.dtype), torch.float32)
+    xf = x.to(compute)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.to(compute)).to(out_dtype or dtype)
+
+
+def check_rmsnorm_args(x: object, weight: object, eps: object, use_triton: bool) -> None:
+    """Validate rmsnorm's arguments (shared with residual_rmsnorm)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim to normalise over, got a scalar")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"weight must have shape ({x.shape[-1]},) to match the last dim of x "
+            f"{tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if use_triton:
+        check_triton_tensor(x, "x")
+        check_triton_tensor(weight, "weight")
+        if weight.device != x.device:
+            raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    use_triton: bool = False,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the last dim of `x`: x / sqrt(mean(x²) + eps) * w.
+
+    Args:
+        x: (..., N) float tensor, any rank >= 1, any strides.
+        weight: (N,) scale; may have another float dtype than x (computed in fp32).
+        eps: added to the mean square.
+        use_triton: run the Triton kernels instead of the PyTorch reference.
+        out_dtype: the output's float dtype (None: x's); the kernel rounds once into it.
+
+    Returns:
+        (..., N) tensor in out_dtype: a new tensor, never a view.
+    """
+    check_rmsnorm_args(x, weight, eps, use_triton)
+    check_out_dtype(out_dtype)
+    if not use_triton:
+        return _rmsnorm_torch(x, weight, eps, out_dtype)
+    return call_op(rmsnorm_fwd, x, weight, float(eps), out_dtype)[0]
+
+
+def residual_rmsnorm(
+    h: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    eps: float = 1e-5,
+    use_triton: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_new, y): h_new = h + dropout(branch), y = rmsnorm(h_new, weight) over the last dim.
+
+    Args:
+        h: (..., N) residual stream, any strides.
+        branch: the block's output, same shape as h (dtype may differ: h_new is promoted).
+        weight: (N,) RMSNorm scale.
+        dropout_p: dropout probability on `branch`, in [0, 1); applied only when `training`.
+            Triton: a Philox mask keyed by a device seed (not the mask F.dropout draws).
+        eps: added to the mean square.
+        use_triton: one fused Triton kernel each way instead of the PyTorch reference.
+        out_dtype: y's float dtype (None: h_new's).
+
+    Returns:
+        (h_new, y), new tensors shaped like h; h_new in the promoted dtype of (h, branch).
+    """
+    check_rmsnorm_args(h, weight, eps, use_triton)
+    check_out_dtype(out_dtype)
+    if not isinstance(branch, torch.Tensor):
+        raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
+    if branch.shape != h.shape:
+        raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
+    p = check_dropout_p(dropout_p) if training else 0.0
+    if not use_triton:
+        h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
+        return h_new, _rmsnorm_torch(h_new, weight, eps, out_dtype)
+    check_triton_tensor(branch, "branch")
+    if branch.device != h.device:
+        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
+    # The seed is drawn only with dropout; otherwise weight stands in (never read).
+    seed = draw_seed(h.device) if p > 0.0 else weight
+    h_new, y, _ = call_op(residual_rmsnorm_fwd, h, branch, weight, float(eps), p, seed, out_dtype)
+    return h_new, y
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a learned scale `weight` (ones at init), named like
+    torch.nn.RMSNorm's so state dicts interchange."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, use_triton: bool = False) -> None:
+        super().__init__()
+        self.dim, self.eps, self.use_triton = dim, eps, use_triton
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        use_triton: bool | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x: (..., dim) -> (..., dim) in out_dtype (None: x's); `use_triton=None` uses the
+        module's flag."""
+        use_triton = self.use_triton if use_triton is None else use_triton
+        return rmsnorm(x, self.weight, self.eps, use_triton, out_dtype=out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"

@@ -1,0 +1,195 @@
+"""SwiGLU's gating, silu(gate) * up, as one fused elementwise kernel each way (Liger-style).
+
+`swiglu(gate, up, use_triton)`; `use_triton=False` runs the PyTorch reference that defines the
+semantics (fp32 arithmetic for fp16/bf16, one rounding to the inputs' dtype):
+
+    y = silu(gate) * up = gate * sigmoid(gate) * up
+
+and the backward, with s = sigmoid(gate),
+
+    d(gate) = dy * up * s * (1 + gate * (1 - s))
+    d(up)   = dy * gate * s
+
+In a Llama-style feed-forward, `x @ W_in.T` yields (..., 2·hidden) and gate / up are its two
+halves (strided views, read in place here); `swiglu(gate, up)` then feeds the down projection.
+
+The Triton path is two `torch.library.triton_op`s, `triton_transformer::swiglu_fwd` and
+`swiglu_bwd`, wired with `register_autograd` (torch.compile traces them, CUDA graphs capture
+them), first-order only (`utils.first_order_only`). The forward reads gate and up once and
+writes y (3·e bytes per element, the floor); the backward recomputes sigmoid from the saved
+gate and up (nothing else is saved) and reads dy, gate, up once, writing d(gate) and d(up)
+(5·e per element). Both see their inputs as (rows, N) with a unit-stride last dim (`as_rows`:
+a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N); offsets are 64-bit.
+
+Follow-up, not done here: fusing the gating into the epilogue of the matmul that produces
+gate and up (`bmm.py`, owned separately) would skip writing and re-reading the (.., 2·hidden)
+projection: the issue's "SwiGLU fused into the MLP's matmul epilogue".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from triton_transformer.utils import (
+    as_rows,
+    call_op,
+    cdiv,
+    check_triton_tensor,
+    describe,
+    first_order_only,
+    launcher,
+    next_power_of_2,
+)
+
+# Elements per program tile and its widest row block; not swept yet (the benchmark measures).
+TILE = 2048
+MAX_BLOCK_N = 1024
+NUM_WARPS = 4
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows (int64, (BLOCK_M, 1)), columns ((1, BLOCK_N)) and mask of this program's tile."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    G, U, Y, M, N, stride_g, stride_u, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(Y + rows * stride_y + cols, (g * s * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * s
+    dg = dy * u * (s + silu * (1.0 - s))  # = dy * u * s * (1 + g * (1 - s))
+    tl.store(DG + rows * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows * stride_du + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _blocks(n_cols: int) -> tuple[int, int]:
+    block_n = min(MAX_BLOCK_N, max(16, next_power_of_2(n_cols)))
+    return max(1, TILE // block_n), block_n
+
+
+def _grid(M, N: int, block_m: int, block_n: int) -> tuple:
+    return (cdiv(M, block_m), cdiv(N, block_n))
+
+
+@triton_op("triton_transformer::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: a new contiguous tensor shaped and typed like gate."""
+    N = int(gate.shape[-1])
+    g2, u2 = as_rows(gate), as_rows(up)
+    M = g2.shape[0]
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if M and N:
+        block_m, block_n = _blocks(N)
+        launcher(_swiglu_fwd_kernel)[_grid(M, N, block_m, block_n)](
+            g2, u2, y, M, N, g2.stride(0), u2.stride(0), N,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return y
+
+
+@triton_op("triton_transformer::swiglu_bwd", mutates_args=())
+def swiglu_bwd(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d(gate), d(up)): new contiguous tensors in the dtypes of gate and up."""
+    N = int(gate.shape[-1])
+    dy2, g2, u2 = as_rows(dy), as_rows(gate), as_rows(up)
+    M = g2.shape[0]
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if M and N:
+        block_m, block_n = _blocks(N)
+        launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
+            dy2, g2, u2, dgate, dup, M, N, dy2.stride(0), g2.stride(0), u2.stride(0), N, N,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return dgate, dup
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    gate, up = inputs
+    ctx.save_for_backward(gate, up)
+
+
+@first_order_only("swiglu")
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return call_op(swiglu_bwd, dy, gate, up)
+
+
+swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The reference: fp32 arithmetic for fp16/bf16 (fp64 stays fp64), one rounding."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
+
+
+def check_swiglu_args(gate: object, up: object, use_triton: bool) -> None:
+    """Validate swiglu's arguments: one-line errors."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float torch.Tensor, got {describe(t)}")
+        if use_triton:
+            check_triton_tensor(t, name)
+    if up.shape != gate.shape:
+        raise ValueError(f"up shape {tuple(up.shape)} != gate shape {tuple(gate.shape)}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up dtype {up.dtype} != gate dtype {gate.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dim, got a scalar")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """silu(gate) * up, elementwise: SwiGLU's gating.
+
+    Args:
+        gate: (..., N) float tensor, any strides (e.g. the first half of a projection).
+        up: same shape and dtype as gate.
+        use_triton: the fused Triton kernels instead of the PyTorch reference.
+
+    Returns:
+        (..., N) tensor in gate's dtype: a new tensor, never a view.
+    """
+    check_swiglu_args(gate, up, use_triton)
+    if not use_triton:
+        return _swiglu_torch(gate, up)
+    return call_op(swiglu_fwd, gate, up)
