@@ -170,7 +170,8 @@ def test_eos_stops_and_pads(device):
     prompt = torch.tensor([[3, 12], [1, 9]], device=device)
     calls = []
     model.net.register_forward_pre_hook(lambda m, args: calls.append(1))
-    out = model.generate(prompt, 10, temperature=0.0, eos_token=15)
+    # eager decode steps (cuda_graph=False), so that the hook counts every forward
+    out = model.generate(prompt, 10, temperature=0.0, eos_token=15, cuda_graph=False)
     expected = [[13, 14, 15] + [15] * 7, [10, 11, 12, 13, 14, 15] + [15] * 4]
     assert out.tolist() == expected
     assert len(calls) == 6  # stopped once both sequences had produced eos
