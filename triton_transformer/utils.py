@@ -373,15 +373,16 @@ _KEYABLE = (int, float, bool, str, type(None))
 
 def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
     """The cache key of a launch: what Triton specialises each positional argument on (a
-    tensor's dtype and 16-byte alignment; an int's being 1, its divisibility by 16 and
-    whether it fits int32; a float's or bool's type), then the keyword arguments as given.
-    A coarser key would reuse a kernel compiled for other facts; a finer one only costs a
-    compile. None when an argument cannot be keyed (a TMA descriptor, say)."""
+    tensor's dtype and 16-byte alignment; a float's or bool's type), an int's value (it
+    decides Triton's facts: equal to 1, divisible by 16, within int32), then the keyword
+    arguments as given. A coarser key would reuse a kernel compiled for other facts; a finer
+    one only costs one launch through Triton's path per new value (a training loop repeats
+    its shapes). None when an argument cannot be keyed (a TMA descriptor, say)."""
     key = [device]
     for a in args:
         t = type(a)
-        if t is int:
-            key.append(1 if a == 1 else (2 if a % 16 else 3) + (0 if -(2**31) <= a < 2**31 else 2))
+        if t is int:  # the value itself: finer than Triton's facts, and cheaper to take
+            key.append(a)
         elif isinstance(a, torch.Tensor):
             key.append(a.dtype)
             key.append(a.data_ptr() % 16 == 0)
@@ -406,7 +407,7 @@ class KernelLauncher:
     """`launcher(kernel)[grid](*args, **kwargs)`: launches `kernel` as `kernel[grid]` would,
     through a per-specialisation cache of its compiled form (see the comment above)."""
 
-    __slots__ = ("compiled", "defaults", "direct", "kernel", "names")
+    __slots__ = ("compiled", "defaults", "direct", "driver", "kernel", "knobs", "names")
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -415,8 +416,12 @@ class KernelLauncher:
         # Triton's interpreter (CPU tests) runs kernels itself: nothing to cache there
         self.direct = params is not None and not interpreter_enabled() and _has_knobs()
         if self.direct:
+            from triton import knobs
+            from triton.runtime import driver
+
             self.names = [p.name for p in params]
             self.defaults = [p.default for p in params]
+            self.driver, self.knobs = driver, knobs  # an import per launch costs a µs
 
     def __getitem__(self, grid: tuple) -> Callable[..., None]:
         return functools.partial(self.launch, grid)
@@ -430,16 +435,14 @@ class KernelLauncher:
         if not self.direct or type(grid) is not tuple:
             self.kernel[grid](*args, **kwargs)
             return
-        from triton import knobs
-        from triton.runtime import driver
-
+        driver = self.driver
         device = driver.active.get_current_device()
         key = _specialization(device, args, kwargs)
         try:
             entry = None if key is None else self.compiled.get(key)
         except TypeError:  # an unhashable keyword value
             key = entry = None
-        if entry is None or not _no_launch_hooks(knobs.runtime):
+        if entry is None or not _no_launch_hooks(self.knobs.runtime):
             compiled = self.kernel[grid](*args, **kwargs)
             if key is not None and entry is None and compiled is not None:
                 self._remember(key, compiled, len(args), kwargs)
