@@ -38,6 +38,7 @@ def test_key_separates_what_triton_specialises_on():
     assert _specialization(0, (x, 16, 2.0), {"S": 1}) != base  # divisible by 16
     assert _specialization(0, (x, 2**31 + 7, 2.0), {"S": 1}) != base  # int64
     assert _specialization(0, (x, 7, 2.0), {"S": 2}) != base  # a constexpr
+    assert _specialization(0, (x, 7, 2.0), {"S": True}) != base  # True == 1, but not its type
     assert _specialization(0, (x, 7, True), {"S": 1}) != base  # a bool is not a float
     assert _specialization(0, (x, 7, 9.0), {"S": 1}) == base  # floats: only their type
     assert _specialization(0, (x, object()), {}) is None  # cannot key: Triton's own path
@@ -54,6 +55,16 @@ def test_launcher_matches_reference(device):
         xh = x.half()
         torch.testing.assert_close(_launch(xh, 2.0, 3, 1), (xh.float() * 2.0 + 3).half())
         torch.testing.assert_close(_launch(x, 2.0, 3, 1, block=64), x * 2.0 + 3)  # a default
+
+
+def test_positional_constexprs_are_not_confused(device):
+    # a constexpr passed by position is not part of the cache key: such launches take
+    # Triton's own path, so SCALE 1 then 3 must not reuse the SCALE=1 kernel
+    x = torch.randn(300, device=device)
+    for scale in (1, 3, 1, 3):
+        y = torch.empty_like(x)
+        launcher(_axpb_kernel)[(3,)](x, y, 300, 2.0, 5, scale)
+        torch.testing.assert_close(y, x * 2.0 * scale + 5)
 
 
 @pytest.mark.gpu

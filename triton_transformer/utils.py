@@ -367,6 +367,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 # anything it cannot key exactly (a callable grid, a TMA descriptor, a tensor passed by
 # keyword, launch hooks such as a profiler's, Triton's interpreter), takes Triton's own
 # path; traced tensors (torch.compile, export) take `wrap_triton`, which records the launch.
+# Not seen by the cache: Triton's debug and instrumentation knobs toggled after a kernel's
+# first launch, and `pre_run_hooks` (the project sets neither).
 
 _KEYABLE = (int, float, bool, str, type(None))
 
@@ -390,7 +392,8 @@ def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
             key.append(t)
         else:
             return None
-    key.extend(kwargs.items())
+    # by type too: True, 1 and 1.0 are equal, but a constexpr's type changes the kernel
+    key.extend((name, v.__class__, v) for name, v in kwargs.items())
     return tuple(key)
 
 
@@ -407,7 +410,9 @@ class KernelLauncher:
     """`launcher(kernel)[grid](*args, **kwargs)`: launches `kernel` as `kernel[grid]` would,
     through a per-specialisation cache of its compiled form (see the comment above)."""
 
-    __slots__ = ("compiled", "defaults", "direct", "driver", "kernel", "knobs", "names")
+    __slots__ = (
+        "compiled", "defaults", "direct", "driver", "kernel", "knobs", "n_keyable", "names",
+    )  # fmt: skip
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -421,6 +426,10 @@ class KernelLauncher:
 
             self.names = [p.name for p in params]
             self.defaults = [p.default for p in params]
+            # positional arguments up to the first constexpr: `_specialization` keys runtime
+            # arguments only (a constexpr passed by position takes Triton's path)
+            constexprs = [i for i, p in enumerate(params) if p.is_constexpr]
+            self.n_keyable = constexprs[0] if constexprs else len(params)
             self.driver, self.knobs = driver, knobs  # an import per launch costs a µs
 
     def __getitem__(self, grid: tuple) -> Callable[..., None]:
@@ -432,7 +441,7 @@ class KernelLauncher:
 
             wrap_triton(self.kernel)[grid](*args, **kwargs)
             return
-        if not self.direct or type(grid) is not tuple:
+        if not self.direct or type(grid) is not tuple or len(args) > self.n_keyable:
             self.kernel[grid](*args, **kwargs)
             return
         driver = self.driver
