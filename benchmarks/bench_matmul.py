@@ -36,7 +36,7 @@ d(pre) pass, a split-K sweep of the weight gradients, host wall time per `linear
 small shape (ours vs --old vs F.linear), and the autotuned config per shape.
 Writes <out>/matmul.{md,png,json}, <out>/matmul_extra.json, and <out>/matmul_table.json: per
 problem, "tma" or "ptr" where that kernel beat cuBLAS (torch.addmm for residuals), and for
-relu² "ptr" where the pointer kernel beat the TMA one: bmm.MATMUL_TABLE's format.
+relu² "ptr" where the pointer kernel beat the TMA one: matmul_plan.MATMUL_TABLE's format.
 
 Usage: python3 benchmarks/bench_matmul.py --out DIR --presets [enwik8,gpt2,large]
            [--tma-configs few|all] [--iters N]
@@ -64,6 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 import triton_transformer.bmm as bmm_module
+import triton_transformer.matmul_kernels as kernels_module
+import triton_transformer.matmul_plan as plan_module
 from triton_transformer.utils import sm_count
 
 SHAPES = [  # (K in, N out, relu²)
@@ -85,7 +87,7 @@ def load_old(path: str | None):
 
 
 def layout_key(M: int, N: int, K: int, a: torch.Tensor, b: torch.Tensor) -> str:
-    la, lb = bmm_module._layout(a), bmm_module._layout(b)
+    la, lb = plan_module._layout(a), plan_module._layout(b)
     ch = lambda lay: "nt"[lay[0]] if lay else "s"
     return f"{M}x{N}x{K}:{ch(la)}{ch(lb)}"
 
@@ -118,7 +120,7 @@ PRESET_PROVIDERS = ("auto", "tma", "ptr", "cublas", "cublas+ew", "torch ew", "co
 # one by more than this: run-to-run noise must not flip entries.
 MARGIN = 0.98
 # `--tma-configs few`: the first config of these tile shapes (BLOCK_M, BLOCK_N, BLOCK_K) in
-# `bmm._tma_configs()`: wide outputs, the middle, and narrow ones (few output tiles).
+# `matmul_kernels._tma_configs()`: wide outputs, the middle, and narrow ones (few output tiles).
 FEW_TMA_TILES = ((128, 256, 64), (128, 128, 64), (64, 128, 64))
 
 
@@ -138,13 +140,13 @@ def projections(p: dict) -> list[tuple[str, int, int, str]]:
 
 @contextlib.contextmanager
 def matmul_path(impl: str, force: str | None) -> Iterator[None]:
-    """bmm's `matmul_impl` and `_FORCE_PATH` set for the duration (restored after)."""
-    saved = bmm_module.matmul_impl, bmm_module._FORCE_PATH
-    bmm_module.matmul_impl, bmm_module._FORCE_PATH = impl, force
+    """The planner's `matmul_impl` and `_FORCE_PATH` set for the duration (restored after)."""
+    saved = plan_module.matmul_impl, plan_module._FORCE_PATH
+    plan_module.matmul_impl, plan_module._FORCE_PATH = impl, force
     try:
         yield
     finally:
-        bmm_module.matmul_impl, bmm_module._FORCE_PATH = saved
+        plan_module.matmul_impl, plan_module._FORCE_PATH = saved
 
 
 def on_path(impl: str, force: str | None, fn: Callable[[], object]) -> Callable[[], object]:
@@ -158,21 +160,21 @@ def on_path(impl: str, force: str | None, fn: Callable[[], object]) -> Callable[
 
 
 def picked(fn: Callable[[], object]) -> str:
-    """Which path bmm's planner chose for the (last) 2-D product `fn` ran: "cublas",
+    """Which path the planner (matmul_plan) chose for the (last) 2-D product `fn` ran: "cublas",
     "cublas+ew", "tma" (with its K split), "ptr", or "-" when it planned none (batched)."""
     seen = []
-    real = bmm_module._plan
+    real = plan_module._plan
 
     def spy(*args):
         plan = real(*args)
         seen.append(plan)
         return plan
 
-    bmm_module._plan = spy  # _mm2d_into looks the planner up at each call
+    plan_module._plan = spy  # _mm2d_into looks the planner up at each call
     try:
         fn()
     finally:
-        bmm_module._plan = real
+        plan_module._plan = real
     if not seen:
         return "-"
     plan = seen[-1]
@@ -185,7 +187,7 @@ def limit_tma_autotune(which: str) -> str:
     the report."""
     import triton.testing
 
-    tuned = bmm_module._mm_tma_tuned
+    tuned = kernels_module._mm_tma_tuned
 
     def quick_bench(kernel_call, quantiles):  # triton's default: 25 ms warm-up, 100 ms runs
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -395,7 +397,7 @@ def main() -> None:
     ceil = common.ceilings()
     peak = ceil["bf16_tflops"]
     print(f"ceilings: {ceil}", flush=True)
-    bmm_module.matmul_impl = "triton"  # "ours" is our kernel; "ours(auto)" the shipped policy
+    plan_module.matmul_impl = "triton"  # "ours" is our kernel; "ours(auto)" the shipped policy
     rows, extra, table = [], {"split_sweep": [], "wall": [], "relu2_grad": []}, {}
 
     def add(provider, M, K, N, mode, shape, gemm, t, flops):
@@ -436,13 +438,13 @@ def main() -> None:
                     ours = lambda a=a, b=b: bmm_module.bmm_op(a, b)
                 with torch.no_grad():
                     t_ours = add("ours", M, K, N, mode, shape, gemm, timed(ours), flops)
-                    bmm_module._FORCE_PATH = "ptr"  # our pointer kernel, the other Triton path
+                    plan_module._FORCE_PATH = "ptr"  # our pointer kernel, the other Triton path
                     t_ptr = add("ours(ptr)", M, K, N, mode, shape, gemm, timed(ours), flops)
-                    bmm_module._FORCE_PATH = None
+                    plan_module._FORCE_PATH = None
                     if args.auto:
-                        bmm_module.matmul_impl = "auto"
+                        plan_module.matmul_impl = "auto"
                         add("ours(auto)", M, K, N, mode, shape, gemm, timed(ours), flops)
-                        bmm_module.matmul_impl = "triton"
+                        plan_module.matmul_impl = "triton"
                     t_torch = add("torch", M, K, N, mode, shape, gemm,
                                   timed(lambda a=a, b=b: torch.mm(a, b)), flops)  # fmt: skip
                     if ep:
@@ -488,13 +490,13 @@ def main() -> None:
                           f"{t_torch:5.0f} TFLOP/s -> {choice}", flush=True)  # fmt: skip
 
                 if mode == "dW" and not args.no_sweep:  # split-K sweep of the weight gradient
-                    la, lb = bmm_module._layout(a), bmm_module._layout(b)
+                    la, lb = plan_module._layout(a), plan_module._layout(b)
                     num_sms = sm_count(torch.device("cuda", torch.cuda.current_device()))
                     c = torch.empty(gm, gn, device=dev, dtype=bf16)
                     for split in (1, 2, 4, 8, 16):
 
                         def run_split(a=a, b=b, c=c, s=split, la=la, lb=lb, n=num_sms):
-                            bmm_module._launch_tma(a, b, c, None, None, False, la, lb, s, n, None)
+                            plan_module._launch_tma(a, b, c, None, None, False, la, lb, s, n, None)
 
                         t = timed(run_split)
                         if t:
@@ -502,7 +504,7 @@ def main() -> None:
                             extra["split_sweep"].append(
                                 {"M": M, "gemm": gemm, "split": split, "ms": t["ms"],
                                  "TFLOP/s": flops / t["ms"] / 1e9,
-                                 "heuristic": bmm_module._split_k(gm, gn, gk, num_sms)}
+                                 "heuristic": plan_module._split_k(gm, gn, gk, num_sms)}
                             )  # fmt: skip
 
             if relu:  # the relu² backward's elementwise pass: read dy and y, write d(pre)
@@ -535,7 +537,7 @@ def main() -> None:
 
     def kernel_only(x, w):  # ours without the op dispatch and checks: the launch alone
         y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-        bmm_module._mm2d_into(x, w.t(), y)
+        plan_module._mm2d_into(x, w.t(), y)
         return y
 
     cases = {
@@ -553,7 +555,7 @@ def main() -> None:
             ww = w.clone().requires_grad_(mode != "fwd")
 
             def call(fn=fn, xx=xx, ww=ww, mode=mode, name=name):
-                bmm_module.matmul_impl = "cublas" if name == "ours:cublas" else "auto"
+                plan_module.matmul_impl = "cublas" if name == "ours:cublas" else "auto"
                 y = fn(xx, ww)
                 if mode != "fwd":
                     y.backward(torch.ones_like(y))
@@ -571,7 +573,7 @@ def main() -> None:
             print(f"wall per linear call (16x512 @ 512x512, {mode}): {name} {us:.1f} us")
 
     extra["autotuned"] = {
-        str(k): str(v) for k, v in getattr(bmm_module._mm_tma_tuned, "cache", {}).items()
+        str(k): str(v) for k, v in getattr(kernels_module._mm_tma_tuned, "cache", {}).items()
     }
     name = torch.cuda.get_device_name()
     table = {k: v for k, v in sorted(table.items()) if v}

@@ -1,6 +1,6 @@
-"""Probe behind `bmm._FEW_ROWS_PTR`: the decode step's products (M = batch = 1 or 16 rows) of
-the enwik8 model, through `linear`'s plan, cuBLAS (torch's mm + relu + square for relu²) and
-the pointer kernel at narrow tiles. Kernel time, L2 flushed (`common.kernel_ms`).
+"""Probe behind `matmul_plan._FEW_ROWS_PTR`: the decode step's products (M = batch = 1 or 16
+rows) of the enwik8 model, through `linear`'s plan, cuBLAS (torch's mm + relu + square for
+relu²) and the pointer kernel at narrow tiles. Kernel time, L2 flushed (`common.kernel_ms`).
 
     python3 benchmarks/probe_decode_gemm.py
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-from triton_transformer import bmm
+from triton_transformer import bmm, matmul_plan
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the pointer kernel
 PTR_CONFIGS = [(16, 32, 128, 8, 4, 3), (16, 64, 64, 8, 4, 4), (16, 32, 256, 8, 4, 3),
@@ -44,7 +44,7 @@ def probe(M: int, N: int, K: int, relu2: bool) -> dict[str, float]:
     for cfg in PTR_CONFIGS:
 
         def launch(cfg=cfg):
-            bmm._launch_ptr(x[None], w.t()[None], out, None, None, relu2, cfg, False)
+            matmul_plan._launch_ptr(x[None], w.t()[None], out, None, None, relu2, cfg, False)
 
         launch()
         err = ((out[0].float() - ref).norm() / ref.norm()).item()

@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from triton_transformer import attention as attn
-from triton_transformer import bmm
+from triton_transformer import matmul_kernels
 
 
 def signature(kernel, pointers: dict[str, str], floats: set[str], constants: dict) -> dict:
@@ -66,14 +66,14 @@ print("attention backward: ok")
 
 mm_ptrs = dict(A=bf16, B=bf16, C=bf16, R=bf16, AUX=bf16, WS="*fp32", SEED="*i64")
 compile_sm90(
-    bmm._mm_tma_kernel, mm_ptrs, {"drop_scale"},
+    matmul_kernels._mm_tma_kernel, mm_ptrs, {"drop_scale"},
     dict(A_T=False, B_T=True, RELU_SQUARED=True, HAS_RESIDUAL=False, STORE_AUX=True,
          DROPOUT=True, SPLIT=False, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
          GROUP_M=8, EPI_SUB=2, FLATTEN=True),
 )  # fmt: skip
 print("TMA matmul, relu² + dropout epilogue: ok")
 compile_sm90(
-    bmm._relu2_grad_kernel, dict(DY=bf16, S=bf16, DP=bf16, SEED="*i64"), {"drop_scale"},
+    matmul_kernels._relu2_grad_kernel, dict(DY=bf16, S=bf16, DP=bf16, SEED="*i64"), {"drop_scale"},
     dict(FROM_SQUARE=True, DROPOUT=True, BLOCK_M=16, BLOCK_N=256),
 )  # fmt: skip
 print("relu² gradient with dropout: ok")

@@ -4,11 +4,15 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles, so sizes 
 (37, 45, 29) already cover ragged edges in M, N and K, and K > BLOCK_K (the K loop).
 """
 
+import types
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
+import triton_transformer.matmul_kernels as kernels_module
+import triton_transformer.matmul_plan as plan_module
 from triton_transformer.bmm import bmm, linear
 from triton_transformer.utils import draw_seeds
 
@@ -77,15 +81,15 @@ def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
     # k.transpose(-1, -2) must reach the kernel as a strided view of k's storage, not a copy.
     # fp32 runs the pointer kernel on every device (the batched path) under "triton" ("auto"
     # gives batched products to cuBLAS on a GPU).
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     seen = []
-    real = bmm_module._launch_ptr
+    real = plan_module._launch_ptr
 
     def spy(a, b, c, *args, **kwargs):
         seen.append((a.data_ptr(), b.data_ptr()))
         return real(a, b, c, *args, **kwargs)
 
-    monkeypatch.setattr(bmm_module, "_launch_ptr", spy)
+    monkeypatch.setattr(plan_module, "_launch_ptr", spy)
     q = rand((2, 2, 9, 16), torch.float32, device).requires_grad_()
     k = rand((2, 2, 11, 16), torch.float32, device).requires_grad_()
     bmm(q, k.transpose(-1, -2), use_triton=True).sum().backward()
@@ -97,8 +101,8 @@ def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
 def test_bmm_expanded_grad_and_batch_chunks(device, monkeypatch):
     # sum() hands backward a stride-0 gradient; a tiny grid-batch cap forces several launches
     # of the pointer kernel (ours: "triton").
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
-    monkeypatch.setattr(bmm_module, "_MAX_GRID_BATCH", 2)
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
+    monkeypatch.setattr(plan_module, "_MAX_GRID_BATCH", 2)
     a = rand((5, 7, 20), torch.float32, device).requires_grad_()
     b = rand((5, 20, 3), torch.float32, device, mean=1.1).requires_grad_()
     out = bmm(a, b, use_triton=True)
@@ -111,8 +115,18 @@ def test_bmm_expanded_grad_and_batch_chunks(device, monkeypatch):
     assert rel_err(b.grad, b64.grad) < 1e-5
 
 
+def test_matmul_impl_is_settable_through_bmm(monkeypatch):
+    # The switch lives in the planner (matmul_plan); `bmm.matmul_impl`, its documented name,
+    # reads and sets that same global.
+    monkeypatch.setattr(plan_module, "matmul_impl", plan_module.matmul_impl)  # restored after
+    assert bmm_module.matmul_impl == "auto"
+    bmm_module.matmul_impl = "triton"
+    assert plan_module.matmul_impl == "triton" and bmm_module.matmul_impl == "triton"
+    assert "matmul_impl" not in vars(bmm_module)  # no stale copy in bmm's namespace
+
+
 def test_bmm_is_deterministic(device, monkeypatch):
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")  # our kernel, also on a GPU
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")  # our kernel, also on a GPU
     a = rand((2, 40, 70), torch.float16, device)
     b = rand((2, 70, 24), torch.float16, device, mean=1.1)
     assert torch.equal(bmm(a, b, use_triton=True), bmm(a, b, use_triton=True))
@@ -247,7 +261,7 @@ def test_reuse_weight_casts_shares_one_copy_until_the_weight_changes(device):
 def test_mixed_precision_weight_grad_gpu(M, K, N, impl, device, monkeypatch):
     # auto: cuBLAS writes the fp32 gradient (mm with out_dtype); triton: the TMA kernel's fp32
     # store (and split-K reduction), at the model's projection shapes
-    monkeypatch.setattr(bmm_module, "matmul_impl", impl)
+    monkeypatch.setattr(plan_module, "matmul_impl", impl)
     check_mixed_precision_weight_grad(M, K, N, None, device)
     if N == 2048:
         check_mixed_precision_weight_grad(M, K, N, "relu_squared", device)
@@ -327,7 +341,7 @@ def test_launch_config_tiles():
     for dtype in DTYPES:
         for shape in [(1, 1, 1, 1), (37, 45, 29, 3), (512, 512, 64, 32), (4096, 2048, 512, 1)]:
             for interpret in (True, False):
-                bm, bn, bk, group, warps, stages = bmm_module._ptr_config(*shape, dtype, interpret)
+                bm, bn, bk, group, warps, stages = plan_module._ptr_config(*shape, dtype, interpret)
                 for block in (bm, bn, bk):
                     assert block >= 16 and block & (block - 1) == 0  # tl.dot: powers of 2, >= 16
                 assert bm <= 128 and bn <= 128 and bk <= 64 and group >= 1
@@ -499,25 +513,32 @@ def test_double_backward_raises(kind, device, assert_first_order_only):
 
 def test_layout_for_tma():
     base = torch.empty(64, 48, dtype=torch.bfloat16)
-    assert bmm_module._layout(base) == (0, 48)
-    assert bmm_module._layout(base.t()) == (1, 48)
-    assert bmm_module._layout(base[:, :40]) == (0, 48)  # row stride still 96 bytes
-    assert bmm_module._layout(base[:, 1:]) is None  # base 2 bytes off 16-byte alignment
-    assert bmm_module._layout(torch.empty(8, 45, dtype=torch.bfloat16)) is None  # 90-byte rows
-    assert bmm_module._layout(base[:, ::2]) is None  # no unit stride
+    assert plan_module._layout(base) == (0, 48)
+    assert plan_module._layout(base.t()) == (1, 48)
+    assert plan_module._layout(base[:, :40]) == (0, 48)  # row stride still 96 bytes
+    assert plan_module._layout(base[:, 1:]) is None  # base 2 bytes off 16-byte alignment
+    assert plan_module._layout(torch.empty(8, 45, dtype=torch.bfloat16)) is None  # 90-byte rows
+    assert plan_module._layout(base[:, ::2]) is None  # no unit stride
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():  # what torch.compile traces with: no data pointers
         fake = torch.empty(64, 48, dtype=torch.bfloat16)
-        assert bmm_module._layout(fake.t()) == (1, 48) and bmm_module._layout(fake[:, 1:]) is None
+        assert plan_module._layout(fake.t()) == (1, 48) and plan_module._layout(fake[:, 1:]) is None
+
+
+def _pretend_gpu(monkeypatch, major: int, num_sms: int, name: str) -> None:
+    """`_plan` reads the device's compute capability, SM count and name from
+    torch.cuda.get_device_properties: plan for another GPU (or without one)."""
+    props = types.SimpleNamespace(major=major, multi_processor_count=num_sms, name=name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
 
 
 def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
     bf16 = torch.bfloat16
-    few = ("ptr", bmm_module._FEW_ROWS_PTR)
-    monkeypatch.setattr(bmm_module, "COMPILE_TMA", False)
-    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
+    few = ("ptr", plan_module._FEW_ROWS_PTR)
+    monkeypatch.setattr(plan_module, "COMPILE_TMA", False)
+    _pretend_gpu(monkeypatch, 9, 132, "H200")
     table = {
         "512x512x8192:tn": "tma",
         "64x64x64:nn": "ptr",
@@ -525,10 +546,10 @@ def test_plan_picks_paths(monkeypatch):
         "4096x2048x512:nt+relu2": "ptr",
         "128x128x128:nt+relu2": "fused",
     }
-    monkeypatch.setattr(bmm_module, "MATMUL_TABLE", {"H200": table})
+    monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
 
     def plan(M, N, K, a_t=0, b_t=1, epi="", impl="auto", force=None, tracing=False, ok=True):
-        return bmm_module._plan.__wrapped__(
+        return plan_module._plan.__wrapped__(
             "cuda", 0, bf16, M, N, K, a_t, b_t, epi, ok, 2, impl, force, tracing
         )
 
@@ -551,6 +572,11 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(64, 64, 64, epi="+relu2", impl="triton")[0] == "tma"
     assert plan(64, 64, 64, epi="+relu2", impl="cublas")[0] == "tma"  # relu² stays fused
     assert plan(64, 64, 64, epi="+relu2", tracing=True) == ("cublas+ew",)
+    # traced where eager fuses in the TMA kernel (no COMPILE_TMA): cuBLAS + the relu² pass,
+    # not the pointer kernel; a table entry for the pointer kernel still wins
+    assert plan(8192, 2048, 512, epi="+relu2", tracing=True) == ("cublas+ew",)
+    assert plan(4096, 2048, 512, epi="+relu2", tracing=True)[0] == "ptr"
+    assert plan(8192, 2048, 512, epi="+relu2", impl="triton", tracing=True)[0] == "ptr"
     assert plan(64, 64, 64, epi="+relu2+res")[0] == "tma"  # the pass has no residual
     assert plan(8192, 2048, 512, epi="+relu2", force="cublas+ew") == ("cublas+ew",)
     assert plan(8192, 512, 512, force="cublas+ew") == ("cublas",)  # nothing to force
@@ -573,13 +599,13 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(5, 512, 2048, impl="triton") == few
     assert plan(5, 512, 512, impl="cublas") == ("cublas",)
     # another GPU: no TMA; the H200's table does not apply
-    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (8, 108, "A100"))
+    _pretend_gpu(monkeypatch, 8, 108, "A100")
     assert plan(8192, 512, 512) == ("cublas",)
     assert plan(512, 512, 8192, a_t=1, b_t=0) == ("cublas",)
     assert plan(64, 64, 64, epi="+relu2")[0] == "ptr"
     assert plan(8192, 512, 512, impl="triton")[0] == "ptr"
     # not CUDA: the interpreter, unless a test forces "cublas+ew" (torch.mm, then the pass)
-    cpu = bmm_module._plan.__wrapped__
+    cpu = plan_module._plan.__wrapped__
     assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "", True, 2, "auto", None)[0] == "ptr"
     assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "+relu2", True, 2, "auto", "cublas+ew") == (
         "cublas+ew",
@@ -593,41 +619,41 @@ def test_traced_products_go_to_cublas(monkeypatch):
     # tensors (`_MM_OUT_DTYPE_TRACEABLE` False) the weight gradient is ours.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if not bmm_module._MM_OUT_DTYPE_TRACEABLE:
+    if not plan_module._MM_OUT_DTYPE_TRACEABLE:
         pytest.skip("this PyTorch has no meta kernel for torch.mm's out_dtype")
 
     def no_triton(*args, **kwargs):
         raise AssertionError("a Triton kernel was launched")
 
     plans = []
-    uncached = bmm_module._plan.__wrapped__
+    uncached = plan_module._plan.__wrapped__
 
     def plan(*args):  # uncached, and recorded
         plans.append(uncached(*args))
         return plans[-1]
 
-    monkeypatch.setattr(bmm_module, "_device_info", lambda i: (9, 132, "H200"))
-    monkeypatch.setattr(bmm_module, "_plan", plan)
-    monkeypatch.setattr(bmm_module, "_launch_tma", no_triton)
-    monkeypatch.setattr(bmm_module, "_launch_ptr", no_triton)
-    monkeypatch.setattr(bmm_module, "COMPILE_TMA", True)  # reach a launch without a copy
+    _pretend_gpu(monkeypatch, 9, 132, "H200")
+    monkeypatch.setattr(plan_module, "_plan", plan)
+    monkeypatch.setattr(plan_module, "_launch_tma", no_triton)
+    monkeypatch.setattr(plan_module, "_launch_ptr", no_triton)
+    monkeypatch.setattr(plan_module, "COMPILE_TMA", True)  # reach a launch without a copy
     bf16 = torch.bfloat16
     with FakeTensorMode():
         dy = torch.empty(4096, 768, dtype=bf16, device="cuda")
         x = torch.empty(4096, 3072, dtype=bf16, device="cuda")
         dw = torch.empty(768, 3072, dtype=torch.float32, device="cuda")
-        bmm_module._mm2d_into(dy.t(), x, dw)  # dW = dY^T @ X, written in fp32
+        plan_module._mm2d_into(dy.t(), x, dw)  # dW = dY^T @ X, written in fp32
         assert plans == [("cublas",)]
         q = torch.empty(8, 128, 64, dtype=bf16, device="cuda")
         scores = torch.empty(8, 128, 128, dtype=bf16, device="cuda")
-        bmm_module._bmm_into(q, q.transpose(-1, -2), scores)
-        monkeypatch.setattr(bmm_module, "_MM_OUT_DTYPE_TRACEABLE", False)
+        plan_module._bmm_into(q, q.transpose(-1, -2), scores)
+        monkeypatch.setattr(plan_module, "_MM_OUT_DTYPE_TRACEABLE", False)
         with pytest.raises(AssertionError, match="Triton"):
-            bmm_module._mm2d_into(dy.t(), x, dw)
+            plan_module._mm2d_into(dy.t(), x, dw)
         assert plans[-1][0] == "tma"
-        monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+        monkeypatch.setattr(plan_module, "matmul_impl", "triton")
         with pytest.raises(AssertionError, match="Triton"):
-            bmm_module._bmm_into(q, q.transpose(-1, -2), scores)
+            plan_module._bmm_into(q, q.transpose(-1, -2), scores)
 
 
 def test_split_k_choice():
@@ -636,11 +662,11 @@ def test_split_k_choice():
             (512, 2048, 2048): 1, (256, 512, 2048): 4, (1536, 512, 8192): 4,
             (512, 512, 8192): 8, (2048, 512, 8192): 4, (512, 2048, 8192): 4}  # fmt: skip
     for (M, N, K), split in best.items():
-        assert bmm_module._split_k(M, N, K, 132) == split, (M, N, K)
-    assert bmm_module._split_k(8192, 2048, 512, 132) == 1
-    assert bmm_module._split_k(512, 512, 512, 132) == 1  # short K: not worth a second kernel
+        assert plan_module._split_k(M, N, K, 132) == split, (M, N, K)
+    assert plan_module._split_k(8192, 2048, 512, 132) == 1
+    assert plan_module._split_k(512, 512, 512, 132) == 1  # short K: not worth a second kernel
     for M, N, K in [(128, 128, 1 << 20), (1, 1, 1 << 16), (4096, 4096, 1 << 16)]:
-        split = bmm_module._split_k(M, N, K, 132)
+        split = plan_module._split_k(M, N, K, 132)
         tiles = -(-M // 128) * -(-N // 128)
         assert 1 <= split <= 16 and (split == 1 or tiles * split <= 2 * 132)
 
@@ -652,22 +678,22 @@ def _run_tma_kernel(
     drop: (p, seed) of the epilogue dropout."""
     M, K = a.shape
     N = b.shape[1]
-    la, lb = bmm_module._layout(a), bmm_module._layout(b)
+    la, lb = plan_module._layout(a), plan_module._layout(b)
     c = torch.full((M, N), float("nan"), dtype=a.dtype, device=a.device)
     aux = torch.full_like(c, float("nan")) if save_relu else None
     ws = torch.empty((split, M, N), device=a.device) if split > 1 else c
     rs = residual.stride() if residual is not None else (0, 0)
     num_sms = 3  # fewer programs than tiles: each loops over several (persistent)
-    bmm_module._mm_tma_kernel[(num_sms,)](
+    kernels_module._mm_tma_kernel[(num_sms,)](
         a, b, c, residual if residual is not None else c, aux if save_relu else c, ws,
-        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split, *bmm_module._dropout_args(drop, c),
+        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split, *plan_module._dropout_args(drop, c),
         A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
         HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, DROPOUT=drop is not None,
         SPLIT=split > 1,
         NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
     )  # fmt: skip
     if split > 1:
-        bmm_module._splitk_reduce_kernel[(-(-M * N // 256),)](ws, c, M * N, split, BLOCK=256)
+        kernels_module._splitk_reduce_kernel[(-(-M * N // 256),)](ws, c, M * N, split, BLOCK=256)
     return c, aux
 
 
@@ -693,7 +719,7 @@ def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub
     if device == "cuda":
         import triton
 
-        triton.set_allocator(bmm_module._tma_alloc)
+        triton.set_allocator(plan_module._tma_alloc)
     M, N, K = 40, 48, 104
     dtype = torch.float16
     A = rand((M, K), dtype, device, mean=0.3)
@@ -757,11 +783,11 @@ def check_linear_bf16(M, K, N, activation, device):
 def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
     # Every projection forward and backward (dX, dW) through the Hopper TMA kernel and through
     # the pointer fallback, matmul_impl forced to Triton (no cuBLAS table entry applies).
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
-    monkeypatch.setattr(bmm_module, "_FORCE_PATH", path)
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", path)
     tma_calls = []
-    real = bmm_module._launch_tma
-    monkeypatch.setattr(bmm_module, "_launch_tma", lambda *a: tma_calls.append(1) or real(*a))
+    real = plan_module._launch_tma
+    monkeypatch.setattr(plan_module, "_launch_tma", lambda *a: tma_calls.append(1) or real(*a))
     check_linear_bf16(M, K, N, activation, device)
     hopper = torch.cuda.get_device_capability()[0] in (9, 10)
     assert len(tma_calls) == (3 if path == "tma" and hopper else 0)
@@ -774,10 +800,10 @@ def test_few_rows_gpu(K, N, activation, M, device, monkeypatch):
     # decode-sized products (a token per sequence) take the narrow pointer tiles, or cuBLAS
     # for plain products with a long K; forward and backward against float64
     ptr_calls = []
-    real = bmm_module._launch_ptr
-    monkeypatch.setattr(bmm_module, "_launch_ptr", lambda *a: ptr_calls.append(a[6]) or real(*a))
+    real = plan_module._launch_ptr
+    monkeypatch.setattr(plan_module, "_launch_ptr", lambda *a: ptr_calls.append(a[6]) or real(*a))
     check_linear_bf16(M, K, N, activation, device)
-    few_rows = ptr_calls.count(bmm_module._FEW_ROWS_PTR)
+    few_rows = ptr_calls.count(plan_module._FEW_ROWS_PTR)
     # the forward (unless cuBLAS takes it) and dX = dY @ W (M rows, K = N: cuBLAS if N >= 2048)
     expected = (activation is not None or K < 2048) + (N < 2048)
     assert few_rows == expected, (ptr_calls, expected)
@@ -786,7 +812,7 @@ def test_few_rows_gpu(K, N, activation, M, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["auto", "cublas"])
 def test_matmul_impl_gpu(impl, device, monkeypatch):
-    monkeypatch.setattr(bmm_module, "matmul_impl", impl)
+    monkeypatch.setattr(plan_module, "matmul_impl", impl)
     check_linear_bf16(2048, 512, 512, None, device)
     check_linear_bf16(2048, 512, 2048, "relu_squared", device)  # the epilogue stays Triton
     # A residual of the same dtype goes to torch.addmm (under "auto" as under "cublas").
@@ -804,7 +830,7 @@ def test_cublas_ew_gpu(p, device, monkeypatch):
     # relu² through cuBLAS and the elementwise pass at a GPT-2 shape (d768 -> 3072), forward
     # and backward against float64; with dropout, the fused epilogue's mask (same seed).
     M, K, N = 4096, 768, 3072
-    monkeypatch.setattr(bmm_module, "_FORCE_PATH", "cublas+ew")
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", "cublas+ew")
     if p == 0.0:
         check_linear_bf16(M, K, N, "relu_squared", device)
         return
@@ -812,7 +838,7 @@ def test_cublas_ew_gpu(p, device, monkeypatch):
     w = rand((N, K), torch.bfloat16, device, mean=-0.01, std=K**-0.5)
     seed = draw_seeds(device, 1)[0]
     y = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
-    monkeypatch.setattr(bmm_module, "_FORCE_PATH", None)
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", None)
     y_fused = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
     relu2 = (x.double() @ w.double().T).clamp(min=0) ** 2
     live = relu2 > 1e-3 * relu2.max()
@@ -825,7 +851,7 @@ def test_compiled_mixed_precision_weight_grad_gpu(device, monkeypatch):
     # Under torch.compile an fp32 weight's gradient (bf16 operands) is cuBLAS's mm with
     # out_dtype where this PyTorch traces it (`_MM_OUT_DTYPE_TRACEABLE`), else our kernel:
     # either way fp32, and equal to eager's to fp32 rounding.
-    monkeypatch.setattr(bmm_module, "matmul_impl", "auto")
+    monkeypatch.setattr(plan_module, "matmul_impl", "auto")
     torch._dynamo.reset()
     x = rand((2048, 768), torch.bfloat16, device, mean=0.2)
     w = rand((3072, 768), torch.float32, device, mean=0.01, std=768**-0.5).requires_grad_()
@@ -899,8 +925,8 @@ def test_cuda_graph_capture_gpu(device):
 @pytest.mark.parametrize("compile_tma", [True, False])
 def test_compile_without_graph_breaks_gpu(compile_tma, device, monkeypatch):
     # Traced with the TMA kernel (inductor allocates its descriptor scratch) or the pointer one.
-    monkeypatch.setattr(bmm_module, "COMPILE_TMA", compile_tma)
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    monkeypatch.setattr(plan_module, "COMPILE_TMA", compile_tma)
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     torch._dynamo.reset()
 
     def f(x, w1, w2, q, k):
@@ -934,18 +960,18 @@ def test_compile_without_graph_breaks_gpu(compile_tma, device, monkeypatch):
 def test_autotune_cache_per_shape_gpu(device, monkeypatch):
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("the autotuned kernel is the Hopper path")
-    monkeypatch.setattr(bmm_module, "matmul_impl", "triton")
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     w = rand((512, 512), torch.bfloat16, device, std=512**-0.5)
     for M in (1024, 3072):
         linear(rand((M, 512), torch.bfloat16, device), w, use_triton=True)
-    keys = list(bmm_module._mm_tma_tuned.cache)
+    keys = list(kernels_module._mm_tma_tuned.cache)
     for M in (1024, 3072):
         assert any(k[:3] == (M, 512, 512) for k in keys), keys
     n = len(keys)
     linear(rand((1024, 512), torch.bfloat16, device), w, use_triton=True)
-    assert len(bmm_module._mm_tma_tuned.cache) == n  # same shape: the cached config
+    assert len(kernels_module._mm_tma_tuned.cache) == n  # same shape: the cached config
     # Eager launches after the first skip the autotuner: its pick is kept per problem.
-    assert any(k[:3] == (1024, 512, 512) for k in bmm_module._TUNED)
+    assert any(k[:3] == (1024, 512, 512) for k in plan_module._TUNED)
 
 
 # --- dropout fused into the relu² epilogue ----------------------------------------------------
@@ -998,8 +1024,8 @@ def test_cublas_ew_relu2_matches_float64(dtype, p, device, monkeypatch):
     # from the same seed, forward and both gradients against float64 (fp16 keeps relu(pre)
     # for the backward through the pass's second output).
     calls = []
-    real = bmm_module._relu2_in_place
-    monkeypatch.setattr(bmm_module, "_relu2_in_place", lambda *a: calls.append(a[1]) or real(*a))
+    real = plan_module._relu2_in_place
+    monkeypatch.setattr(plan_module, "_relu2_in_place", lambda *a: calls.append(a[1]) or real(*a))
     N = 72  # > one 64-column tile, not a multiple of 16
     x = rand((2, 19, 40), dtype, device, mean=0.2, std=1.0).requires_grad_()
     w = rand((N, 40), dtype, device, mean=0.0, std=0.3).requires_grad_()
@@ -1007,7 +1033,7 @@ def test_cublas_ew_relu2_matches_float64(dtype, p, device, monkeypatch):
     dy = rand((2, 19, N), dtype, device, mean=0.3)
     outs = {}
     for force in (None, "cublas+ew"):
-        monkeypatch.setattr(bmm_module, "_FORCE_PATH", force)
+        monkeypatch.setattr(plan_module, "_FORCE_PATH", force)
         y = linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
         outs[force] = (y.detach(), *torch.autograd.grad(y, (x, w), dy))
     assert len(calls) == 1 and (calls[0] is not None) == (dtype == torch.float16)

@@ -9,14 +9,14 @@ x (M, K) rows, weight (V, K), labels y (M,) and z_i = x_i W^T the logits of row 
     dW   = dz^T x        (V, K)
 
 Triton path (Liger-Kernel's FusedLinearCrossEntropy). The forward walks the rows in chunks of
-`chunk_rows` (fixed Python-side boundaries: no host reads of device values, so a CUDA graph
-can capture it). Per chunk: z_c = x_c W^T into one reusable (chunk_rows, V) buffer (bmm's
-`_mm2d_into`: cuBLAS or a Triton GEMM), then cross entropy's in-place forward kernel writes the
-rows' losses and overwrites z_c with dz_c, then dx_c = dz_c W into a preallocated dx, and
-dW += dz_c^T x_c, accumulated in fp32. n_valid is counted over *all* labels before the first
-chunk, since every chunk is normalised by the global count. The forward thus also computes
-both gradients (for an upstream gradient of 1); backward only scales them in place by dloss,
-a 0-d device tensor read in the kernel (a no-op when it is exactly 1, a plain
+`chunk_rows` (fixed Python-side boundaries: no host reads of device values, so a CUDA graph can
+capture it). Per chunk: z_c = x_c W^T into one reusable (chunk_rows, V) buffer
+(`matmul_plan._mm2d_into`: cuBLAS or a Triton GEMM), then cross entropy's in-place forward
+kernel writes the rows' losses and overwrites z_c with dz_c, then dx_c = dz_c W into a
+preallocated dx, and dW += dz_c^T x_c, accumulated in fp32. n_valid is counted over *all*
+labels before the first chunk, since every chunk is normalised by the global count. The forward
+thus also computes both gradients (for an upstream gradient of 1); backward only scales them in
+place by dloss, a 0-d device tensor read in the kernel (a no-op when it is exactly 1, a plain
 `loss.backward()`). One backward per forward; create_graph=True raises
 (`utils.first_order_only`).
 
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
-from triton_transformer import bmm as bmm_mod
-from triton_transformer.bmm import _check_pair, _mm2d_into, _weight_in
+from triton_transformer import matmul_plan
+from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
     _bwd_params,
     _check_labels_in_range,
@@ -49,6 +49,7 @@ from triton_transformer.cross_entropy import (
     _launch_reduce,
     cross_entropy,
 )
+from triton_transformer.matmul_plan import _mm2d_into
 from triton_transformer.utils import (
     call_op,
     cdiv,
@@ -95,7 +96,7 @@ def _accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     global _addmm_out_dtype_ok
     if c.numel() == 0:
         return
-    if c.device.type == "cuda" and not is_traced(c) and bmm_mod.matmul_impl != "triton":
+    if c.device.type == "cuda" and not is_traced(c) and matmul_plan.matmul_impl != "triton":
         if a.dtype == c.dtype:
             torch.addmm(c, a, b, out=c)
             return

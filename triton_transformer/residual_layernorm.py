@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.library import triton_op
 
 from triton_transformer.layernorm import (
@@ -206,44 +205,3 @@ def residual_layernorm(
         out_dtype,
     )  # fmt: skip
     return h_new, y
-
-
-class ResidualLayerNorm(nn.Module):
-    """`residual_layernorm` as a module: (h, branch) -> (h + dropout(branch), layernorm(...)).
-
-    Parameters are named `weight`/`bias` like `LayerNorm` and torch.nn.LayerNorm, so a block's
-    LayerNorm state dict loads into it unchanged.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        bias: bool = True,
-        stable: bool = False,
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        use_triton: bool = False,
-    ):
-        super().__init__()
-        self.dim, self.stable, self.eps, self.use_triton = dim, stable, eps, use_triton
-        self.dropout = check_dropout_p(dropout)
-        self.weight = nn.Parameter(torch.ones(dim))
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(dim))
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(
-        self, h: torch.Tensor, branch: torch.Tensor, use_triton: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        use_triton = self.use_triton if use_triton is None else use_triton
-        return residual_layernorm(
-            h, branch, self.weight, self.bias, dropout_p=self.dropout, training=self.training,
-            eps=self.eps, stable=self.stable, use_triton=use_triton,
-        )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.dim}, bias={self.bias is not None}, stable={self.stable}, eps={self.eps}, "
-            f"dropout={self.dropout}"
-        )

@@ -1,0 +1,503 @@
+"""How each matmul runs: cuBLAS or one of `matmul_kernels.py`'s Triton kernels, planned per
+problem (cached) and launched. `bmm.py`'s ops and `linear_cross_entropy.py` call
+`_mm2d_into` (2-D products with the relu², dropout and residual epilogues) and `_bmm_into`
+(batched products).
+
+Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and device; cached):
+- "cublas": torch.mm; torch.addmm for a residual of the operands' dtype (cuBLAS's own C-input
+  epilogue, beta = 1); torch.mm with out_dtype for an fp32 output of fp16/bf16 operands (the
+  weight gradients under mixed precision: the fp32 accumulator written as is). Never relu².
+- "cublas+ew": relu² without a residual: torch.mm into the output, then `_relu2_ew_kernel`, one
+  elementwise pass in place computing relu(y)² [· dropout mask / (1 - p)] (the mask of the
+  fused epilogue, so the backward regenerates it the same way) and writing relu(y) where the
+  backward needs it (fp16), as the fused epilogue would. The backward is the fused path's.
+- "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
+  or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
+  16 for the output). `_mm_tma_kernel` is persistent (one program per SM looping over tiles
+  in grouped order), loads tiles with device-side tensor descriptors
+  (`tl.make_tensor_descriptor`; its scratch comes from `triton.set_allocator`) and is
+  autotuned per (M, N, K, layout, epilogue, dtype) over `_tma_configs()`. A transposed
+  operand (W read as (K, N) in the backward, dY^T for dW) is a descriptor of the untransposed
+  storage whose tile is transposed in shared memory: no copies. Problems with few output
+  tiles and a long K (the weight gradients, K = tokens) split K over programs
+  (`_split_k`): fp32 partials in a workspace, summed in a fixed order by a second kernel, so
+  results stay deterministic (no atomics).
+- "ptr": `_mm_ptr_kernel`, the pointer-based (strided, batched) kernel: other GPUs, fp32,
+  batched bmm under "triton", decode-sized problems (<= 16 rows, `_FEW_ROWS_PTR`), and
+  layouts TMA cannot describe.
+- "interp": the same pointer kernel with small tiles and fp32 products for bf16 (the
+  interpreter has no bf16 arithmetic); picked when tensors are not on CUDA (CPU tests).
+
+`matmul_impl` (module-level; `bmm.matmul_impl` reads and sets it too) chooses among them on CUDA:
+- "auto" (default): every problem cuBLAS computes whole goes to cuBLAS (plain products 2-D
+  and batched, residual adds of one dtype, fp32 weight gradients, also while torch.compile
+  traces where this PyTorch has a meta kernel for mm's out_dtype), except where
+  `MATMUL_TABLE` lists a Triton kernel ("tma"/"ptr") measured faster for this device and
+  problem, and decode-sized products with a short K (`_plan_few_rows`). relu² runs fused in
+  our epilogue (TMA kernel on Hopper, else the pointer kernel) unless the table says
+  "cublas+ew" for the problem: the fused kernel has to beat cuBLAS plus the separate pass.
+  A residual of another dtype (autocast's fp32 residual stream under a bf16 product) runs
+  in our epilogue: addmm needs one dtype (addmm's out_dtype does not trace: pytorch#163880).
+- "triton": never cuBLAS (benchmarks and tests of our kernels).
+- "cublas": cuBLAS wherever it computes the whole problem, listed or not; relu² stays fused.
+
+Why cuBLAS by default: every plain GEMM measured so far went to it. H200, triton 3.6, torch
+2.11, benchmarks/bench_matmul.py (kernel times, L2 flushed), the enwik8 model's projections
+(d512, ff 2048, vocab 256) at 2048 and 8192 tokens: our best kernel reached 0.59-0.91x of
+torch.mm (weight gradients and 2048-token problems lose most: few output tiles, K = 512
+leaves little to pipeline), and 0.40-0.79x of torch.addmm with the residual (our epilogue
+reads it with plain loads in the accumulator layout); at GPT-2's shapes (d768, 16,384
+tokens, vocab 50,304) the TMA kernel ran at 0.90x of cuBLAS (issue "Lead at GPT-2 scale").
+The fused relu² forward won:
+d512 -> 2048 at 8192 tokens 528 TFLOP/s with the TMA kernel, 0.90x a plain torch.mm of the
+same shape and 1.9x PyTorch's mm + relu + square; at 2048 tokens the pointer kernel, 359
+TFLOP/s, 0.79x of mm and 1.5x of mm + relu + square. Against cuBLAS + our single
+elementwise pass ("cublas+ew"), and every projection of the GPT-2 and large presets (forward,
+dX, dW): measured in the next GPU run (`bench_matmul.py --presets`), whose "table" column
+gives the entries to add here.
+
+Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
+a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
+torch.compile the Triton paths run the pointer kernel unless `COMPILE_TMA` is set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from triton_transformer.matmul_kernels import (
+    _mm_ptr_kernel,
+    _mm_tma_kernel,
+    _mm_tma_tuned,
+    _relu2_ew_kernel,
+    _splitk_reduce_kernel,
+)
+from triton_transformer.utils import (
+    cdiv,
+    dropout_threshold,
+    is_traced,
+    launcher,
+    next_power_of_2,
+)
+
+# Which GEMM runs a problem on CUDA: "auto" (cuBLAS for whatever it computes whole, relu²
+# fused, `MATMUL_TABLE`'s exceptions), "triton" (never cuBLAS) or "cublas" (cuBLAS wherever it
+# computes the whole problem, relu² fused). See the module docstring. Module-level, read once
+# per call.
+matmul_impl = "auto"
+
+# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]" (A/B:
+# "n" row-major, "t" a transposed view, "s" other strides): "tma" / "ptr" where that Triton
+# kernel measured faster than cuBLAS (for relu², the faster of our two fused kernels); for
+# relu² without a residual, "fused" (our epilogue; the default) or "cublas+ew" (cuBLAS's
+# product, then our elementwise relu² pass) where that measured faster than the fused kernel.
+# benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
+# presets' projections. Kernel times, L2 flushed.
+MATMUL_TABLE: dict[str, dict[str, str]] = {
+    "NVIDIA H200": {
+        # triton 3.6, torch 2.11, 2026-11-22: enwik8's proj_in at 2048 tokens (a micro-batch
+        # of 4 x 512), fused: pointer kernel 359, TMA kernel 337 TFLOP/s
+        "2048x2048x512:nt+relu2": "ptr",
+    }
+}
+
+# Tests and benchmarks only: force a path where it is allowed: "tma" or "ptr" (our kernels,
+# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual through cuBLAS and
+# the elementwise pass, on any device: on the CPU torch.mm and the interpreter; other
+# problems are planned as without a force).
+_FORCE_PATH: str | None = None
+
+
+def _mm_out_dtype_traceable() -> bool:
+    """Whether torch.mm(a, b, out_dtype=float32) of bf16 operands runs on meta tensors, as
+    torch.compile's fake tensors need (releases without a meta kernel for it failed to trace
+    it: pytorch#159023). Then traced fp32 weight gradients can go to cuBLAS too."""
+    try:
+        a = torch.empty((16, 16), dtype=torch.bfloat16, device="meta")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:  # no out_dtype overload, or no meta kernel for it
+        return False
+
+
+# Probed once, at import: inside a trace, tensors made here would be traced ones.
+_MM_OUT_DTYPE_TRACEABLE = _mm_out_dtype_traceable()
+
+# Whether torch.compile traces the TMA kernel (True) or the pointer kernel (False) into its
+# graphs. Off until verified on the GPU machine (tests/test_bmm.py's compile test runs both):
+# inductor must then allocate the device-side descriptors' scratch itself.
+COMPILE_TMA = False
+
+# CUDA caps the 2nd grid dim (the batch here) at 65535; larger batches launch in chunks.
+_MAX_GRID_BATCH = 65535
+
+
+# ------------------------------------------------------------------------------------------
+# Host side: plans (cached per shape), launches
+# ------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= n, clamped to [lo, hi]."""
+    return max(lo, min(hi, next_power_of_2(n)))
+
+
+@functools.cache
+def _ptr_config(
+    M: int, N: int, K: int, batch: int, dtype: torch.dtype, interpret: bool
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the pointer kernel.
+
+    A fixed heuristic rather than triton.autotune: no benchmarking on first call, and the
+    same tiles (hence the same summation order) on every run.
+    """
+    if interpret:
+        # Each program costs ~1 ms in the interpreter whatever its tile size, so use tiles
+        # as large as the problem up to 32 (tl.dot needs >= 16 on GPUs; keep the same floor).
+        return _pow2(M, 16, 32), _pow2(N, 16, 32), _pow2(K, 16, 32), 8, 4, 1
+    if dtype == torch.float32:
+        # ieee fp32 goes through FMA units, not tensor cores: 64x64 tiles with a 32-deep K
+        # step keep the per-thread accumulator (32 fp32) and shared memory small.
+        return _pow2(M, 16, 64), _pow2(N, 16, 64), _pow2(K, 16, 32), 8, 4, 3
+    # fp16/bf16 on tensor cores: 128x128x64 tiles, 8 warps, 3 stages (96 KiB of shared
+    # memory, fits any GPU since Ampere) for large problems; for small ones narrow N, then M,
+    # to 64 so that there are enough programs for the SMs (an H100 has 132).
+    block_m, block_n = _pow2(M, 16, 128), _pow2(N, 16, 128)
+    if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
+        block_n = min(block_n, 64)
+    if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
+        block_m = min(block_m, 64)
+    big = block_m * block_n >= 128 * 128
+    return block_m, block_n, _pow2(K, 16, 64), 8, 8 if big else 4, 3 if big else 4
+
+
+def _split_k(M: int, N: int, K: int, num_sms: int) -> int:
+    """K chunks for the TMA kernel when 128x128 output tiles would leave SMs idle and K is
+    long (weight gradients: K = tokens). From the split sweep of bench_matmul.py on an H200:
+    >= 32 tiles want K chunks of ~2048 within two waves; fewer tiles want chunks of ~512
+    within one wave."""
+    tiles = cdiv(M, 128) * cdiv(N, 128)
+    if tiles >= num_sms:
+        return 1
+    if tiles >= 32:
+        split, cap = K // 2048, 2 * num_sms // tiles
+    else:
+        split, cap = K // 512, num_sms // tiles
+    return max(1, min(split, cap, 16))
+
+
+def _layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """(transposed, row stride) for a TMA descriptor of 2-D `x`, or None if TMA can't read it.
+
+    Row-major (last stride 1) or a transposed view (first stride 1); the other stride and
+    the start address must be 16-byte aligned. The start is judged by the storage offset
+    (PyTorch's allocators align storages to >= 256 bytes), so fake tensors work too.
+    """
+    s0, s1 = x.stride()
+    es = x.element_size()
+    if (x.storage_offset() * es) % 16:
+        return None
+    if s1 == 1 and s0 > 0 and (s0 * es) % 16 == 0:
+        return 0, int(s0)
+    if s0 == 1 and s1 > 0 and (s1 * es) % 16 == 0:
+        return 1, int(s1)
+    return None
+
+
+@functools.cache
+def _plan(
+    device_type: str,
+    index: int,
+    dtype: torch.dtype,
+    M: int,
+    N: int,
+    K: int,
+    a_t: int,
+    b_t: int,
+    epi: str,
+    cublas_ok: bool,
+    out_size: int,
+    impl: str,
+    force: str | None,
+    tracing: bool = False,
+) -> tuple:
+    """How one 2-D problem runs: ("cublas",), ("cublas+ew",), ("tma", split_k, num_sms) or
+    ("ptr", config). The rule is the module docstring's.
+
+    a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
+    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm computes the
+    product and its residual into the output (one dtype throughout, or an fp32 output of
+    fp16/bf16 operands without a residual); relu² is then our separate pass ("cublas+ew").
+    out_size: the output's element size in bytes. tracing: torch.compile is tracing the op;
+    the TMA kernel is used there only if `COMPILE_TMA` (inductor must then provide the
+    descriptors' scratch allocator).
+    """
+    relu2 = "+relu2" in epi
+    plain = cublas_ok and not relu2  # cuBLAS computes the whole problem
+    ew = cublas_ok and epi == "+relu2"  # cuBLAS's product, then relu² in place
+    if force == "cublas+ew":
+        if ew:
+            return ("cublas+ew",)
+        force = None  # forces nothing else
+    if device_type != "cuda":
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
+    props = torch.cuda.get_device_properties(index)  # read once per problem: cached
+    major, num_sms, name = props.major, props.multi_processor_count, props.name
+    half = dtype in (torch.float16, torch.bfloat16)
+    choice = None
+    if impl == "auto" and force is None:
+        lay = ("nt"[a_t] if a_t >= 0 else "s") + ("nt"[b_t] if b_t >= 0 else "s")
+        choice = MATMUL_TABLE.get(name, {}).get(f"{M}x{N}x{K}:{lay}{epi}")
+    if force is None:
+        if plain and impl == "cublas":
+            return ("cublas",)
+        if ew and choice == "cublas+ew":
+            return ("cublas+ew",)
+        if M <= 16 and half:
+            return _plan_few_rows(K, impl, plain)
+        if plain and impl == "auto" and choice not in ("tma", "ptr"):
+            return ("cublas",)
+    tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
+    if (
+        tma
+        and tracing
+        and not COMPILE_TMA
+        and ew
+        and force is None
+        and impl != "triton"
+        and choice != "ptr"
+    ):
+        # torch.compile: where eager runs the fused TMA kernel, cuBLAS's product and our
+        # relu² pass (inductor launches cuBLAS itself) rather than the pointer kernel
+        return ("cublas+ew",)
+    if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
+    return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
+
+
+# Decode-sized products (M <= 16 rows: a token per sequence) stream the weight once, so they
+# are latency- and bandwidth-bound: many narrow programs, each walking a long K step. H200,
+# enwik8 decode shapes, kernel time (benchmarks/probe_decode_gemm.py, 2026-11-22): this config
+# 2.7-3.7 us at K = 512 (cuBLAS 3.0-3.7, the TMA kernel 6.5-8.2, torch's mm + relu + square
+# 5.7); at K = 2048 cuBLAS wins (5.4 vs 6.2 us), so plain products with a long K go there under
+# "auto".
+_FEW_ROWS_PTR = (16, 16, 256, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
+
+
+def _plan_few_rows(K: int, impl: str, cublas_ok: bool) -> tuple:
+    """The plan of a decode-sized fp16/bf16 problem (cublas_ok: cuBLAS computes it whole)."""
+    if cublas_ok and impl == "auto" and K >= 2048:
+        return ("cublas",)
+    return ("ptr", _FEW_ROWS_PTR)
+
+
+_EPI = {  # (relu², residual) -> the table's key suffix
+    (False, False): "",
+    (True, False): "+relu2",
+    (False, True): "+res",
+    (True, True): "+relu2+res",
+}
+
+
+def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Eager launches after the first: (grid, tuned config kwargs) per problem, so that the
+# autotuner's per-call work is skipped. Filled from the autotuner's pick.
+_TUNED: dict[tuple, tuple] = {}
+
+
+def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Tensor) -> tuple:
+    """(SEED, threshold, drop_scale) kernel arguments of an epilogue dropout (p, seed)."""
+    if drop is None:
+        return placeholder, 0, 1.0
+    p, seed = drop
+    return seed, dropout_threshold(p), 1.0 / (1.0 - p)
+
+
+def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop) -> None:
+    """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N)."""
+    M, K = a.shape
+    N = b.shape[1]
+    # A context variable in Triton: set it in whichever thread launches (autograd's too).
+    triton.set_allocator(_tma_alloc)
+    ws = c
+    if split > 1:
+        ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
+    rs = r.stride() if r is not None else (0, 0)
+    args = (
+        a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
+        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split, *_dropout_args(drop, c),
+    )  # fmt: skip
+    flags = {
+        "A_T": bool(a_lay[0]),
+        "B_T": bool(b_lay[0]),
+        "RELU_SQUARED": relu_squared,
+        "HAS_RESIDUAL": r is not None,
+        "STORE_AUX": aux is not None,
+        "DROPOUT": drop is not None,
+        "SPLIT": split > 1,
+        "NUM_SMS": num_sms,
+    }
+
+    def grid(meta):
+        bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
+        return (min(num_sms, ((M + bm - 1) // bm) * ((N + bn - 1) // bn) * split),)
+
+    if is_traced(a):  # torch.compile: inductor tunes and launches
+        wrap_triton(_mm_tma_tuned)[grid](*args, **flags)
+    else:
+        key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
+        key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
+        key += (drop is not None,)
+        tuned = _TUNED.get(key)
+        if tuned is not None:
+            launcher(_mm_tma_kernel)[tuned[0]](*args, **flags, **tuned[1])
+        else:
+            _mm_tma_tuned[grid](*args, **flags)
+            best = getattr(_mm_tma_tuned, "best_config", None)
+            if best is not None:
+                _TUNED[key] = (grid(best.kwargs), best.all_kwargs())
+    if split > 1:
+        mn = M * N
+        launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
+
+
+def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
+    """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N)."""
+    batch, M, K = a.shape
+    N = b.shape[2]
+    block_m, block_n, block_k, group_m, num_warps, num_stages = cfg
+    # Interpreter only: it has no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
+    upcast = interpret and a.dtype == torch.bfloat16
+    # ieee: exact fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16 operands
+    # ignore the setting and always use tensor cores.
+    precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
+    rs = r.stride()[-2:] if r is not None else (0, 0)
+    grid_mn = cdiv(M, block_m) * cdiv(N, block_n)
+    for start in range(0, batch, _MAX_GRID_BATCH):
+        # Slice only when the batch needs several launches: views cost host time.
+        end = min(batch, start + _MAX_GRID_BATCH)
+        a_, b_, c_ = a, b, c
+        if end - start < batch:
+            a_, b_, c_ = a[start:end], b[start:end], c[start:end]
+        launcher(_mm_ptr_kernel)[(grid_mn, end - start)](
+            a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
+            M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], N,
+            *_dropout_args(drop, c_),
+            RELU_SQUARED=relu_squared, HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None,
+            DROPOUT=drop is not None, DOT_PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
+            num_stages=num_stages,
+        )  # fmt: skip
+
+
+def _mm2d_into(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    relu_squared: bool = False,
+    residual: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
+    drop: tuple[float, torch.Tensor] | None = None,
+) -> None:
+    """c = dropout(act(a @ b)) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c
+    (M, N) fresh.
+
+    aux (M, N, contiguous, a's dtype): with relu_squared, also receives relu(a @ b).
+    drop: (p, seed) of a dropout after the activation (relu_squared only), or None.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    if c.numel() == 0:
+        return
+    if K == 0:  # an empty sum: act(0) = 0 for both activations
+        if residual is None:
+            c.zero_()
+        else:
+            c.copy_(residual)
+        if aux is not None:
+            aux.zero_()
+        return  # act(0) = 0: nothing for a dropout to scale
+    device = a.device
+    M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
+    epi = _EPI[relu_squared, residual is not None]
+    if device.type == "cuda":
+        a_lay, b_lay = _layout(a), _layout(b)
+        traced = is_traced(a)
+        # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
+        # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
+        # tracing only where mm's out_dtype has a meta kernel)
+        widen = c.dtype == torch.float32 and residual is None
+        widen = widen and (not traced or _MM_OUT_DTYPE_TRACEABLE)
+        cublas_ok = c.dtype == a.dtype or widen
+        if residual is not None:
+            cublas_ok = cublas_ok and residual.dtype == a.dtype
+        plan = _plan(
+            "cuda", device.index, a.dtype, M, N, K,
+            a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
+            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH, traced,
+        )  # fmt: skip
+        if plan[0] == "tma":
+            _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
+            return
+    else:  # the interpreter; torch.mm where a test forces "cublas+ew"
+        cublas_ok = c.dtype == a.dtype and residual is None
+        plan = _plan(
+            device.type, 0, a.dtype, M, N, K, -1, -1, epi, cublas_ok, c.element_size(),
+            matmul_impl, _FORCE_PATH,
+        )  # fmt: skip
+    if plan[0] == "cublas" and residual is not None:
+        torch.addmm(residual, a, b, out=c)  # the residual as cuBLAS's own C input (beta = 1)
+    elif plan[0] in ("cublas", "cublas+ew"):
+        if c.dtype != a.dtype:
+            torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
+        else:
+            torch.mm(a, b, out=c)
+        if plan[0] == "cublas+ew":
+            _relu2_in_place(c, aux, drop)
+    else:
+        interpret = device.type != "cuda"
+        _launch_ptr(
+            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop
+        )
+
+
+def _relu2_in_place(
+    c: torch.Tensor, aux: torch.Tensor | None, drop: tuple[float, torch.Tensor] | None
+) -> None:
+    """c (M, N, contiguous) = dropout(relu(c)²) in place, aux = relu(c) if given: the relu²
+    epilogue after cuBLAS's product (`_relu2_ew_kernel`)."""
+    M, N = c.shape
+    # 16 x 256 tiles, 4 warps: the d(pre) pass's (`relu2_grad_op`), also one read and write
+    launcher(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+        c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
+        STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """c[i] = a[i] @ b[i] for 3-D views of any strides: torch.bmm on CUDA (unless
+    `matmul_impl` is "triton" or a path is forced), else the pointer kernel; batch 1 is 2-D."""
+    batch, M, K = (int(d) for d in a.shape)  # symbolic sizes: specialise
+    if batch == 1:
+        _mm2d_into(a[0], b[0], c[0])
+        return
+    if c.numel() == 0:
+        return
+    if K == 0:
+        c.zero_()
+        return
+    interpret = a.device.type != "cuda"
+    # a plain product: cuBLAS's batched GEMM unless our kernel is asked for
+    if not interpret and matmul_impl != "triton" and _FORCE_PATH is None and c.dtype == a.dtype:
+        torch.bmm(a, b, out=c)
+        return
+    cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
+    _launch_ptr(a, b, c, None, None, False, cfg, interpret)
