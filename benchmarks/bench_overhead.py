@@ -9,6 +9,7 @@ Run it against two checkouts to compare before/after, and with --torch for PyTor
     python3 benchmarks/bench_overhead.py --out DIR --label after
     PYTHONPATH=/path/to/old/checkout python3 benchmarks/bench_overhead.py --out DIR --label before
     python3 benchmarks/bench_overhead.py --out DIR --label torch --torch
+    python3 benchmarks/bench_overhead.py --out DIR --label liger --liger
 
 (the package is imported from PYTHONPATH first, so the second line measures the old code).
 """
@@ -45,6 +46,28 @@ def cases(ops, use_triton: bool = True) -> dict:
     }
 
 
+def liger_cases() -> dict:
+    """The same calls through Liger-Kernel's functions, for the ops it has (layernorm with a
+    bias, as Liger's takes one; softmax without a causal mask; cross-entropy; relu² after
+    torch's matmul)."""
+    from liger_kernel.transformers import functional as lf
+
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
+    w = torch.randn(512, device=dev, dtype=dt, requires_grad=True)
+    b = torch.zeros(512, device=dev, dtype=dt, requires_grad=True)
+    wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
+    s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
+    logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
+    labels = torch.randint(0, 256, (64,), device=dev)
+    return {
+        "layernorm": lambda: lf.liger_layer_norm(x, w, b, 1e-5),
+        "softmax causal": lambda: lf.liger_softmax(s),  # Liger's has no causal mask
+        "linear relu²": lambda: lf.liger_relu_squared(x @ wl.t()),
+        "cross_entropy": lambda: lf.liger_cross_entropy(logits, labels),
+    }
+
+
 def per_call_us(fn, calls: int) -> float:
     for _ in range(10):
         fn()
@@ -64,6 +87,7 @@ def main() -> None:
     ap.add_argument(
         "--torch", action="store_true", help="time the PyTorch references (use_triton=False)"
     )
+    ap.add_argument("--liger", action="store_true", help="time Liger-Kernel's ops (if installed)")
     args = ap.parse_args()
 
     import triton_transformer.attention as attention_mod
@@ -80,7 +104,8 @@ def main() -> None:
         attention = attention_mod.attention
 
     rows = []
-    for name, fwd in cases(ops, use_triton=not args.torch).items():
+    timed = liger_cases() if args.liger else cases(ops, use_triton=not args.torch)
+    for name, fwd in timed.items():
 
         def fwd_bwd(fwd=fwd):
             out = fwd()
