@@ -16,7 +16,10 @@ Semantics shared by all three:
 - a query row that sees no key at all (every key padded, or n_q > n_k under causal) outputs
   zeros, never NaN, and passes no gradient;
 - dropout zeroes attention weights after the softmax, each with probability p, and scales the
-  rest by 1 / (1 - p).
+  rest by 1 / (1 - p);
+- grouped-query / multi-query attention: k and v may have h_kv heads, h_kv dividing q's h;
+  query head i reads key/value head i // (h / h_kv) (as k, v repeated with
+  `repeat_interleave`), and their gradients sum over each group.
 
 The fused kernels
 -----------------
@@ -37,6 +40,12 @@ kernels (`torch.use_deterministic_algorithms` picks):
   programs, each adding its share of dQ to an fp32 sum with one TMA bulk reduction per tile
   (5 tile products); a last kernel scales and casts dQ. The order of the additions varies
   from run to run, so dQ does in its last bits.
+
+Grouped-query attention (GROUP = h / h_kv > 1, a constexpr: GROUP 1 compiles to the
+multi-head kernels unchanged): the forward and dQ programs read K, V of head h // GROUP; K and
+V are never expanded. A key/value head's key blocks are dealt round its GROUP query heads'
+grid rows, and each key-block program sums dK, dV over the group's query heads in registers,
+in a fixed order (deterministic in both variants; the single pass still adds dQ per query head).
 
 Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
 long KV cache, so the keys may be split among programs whose partial results
@@ -236,8 +245,10 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
+    """GROUP: query heads per key/value head (grouped-query attention): query head h reads
+    K and V of head h // GROUP; 1 (multi-head) compiles to the plain indexing."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
     if HAS_KV_LEN:
@@ -273,8 +284,12 @@ def _attn_fwd_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
+    if GROUP == 1:  # noqa: SIM108
+        h_kv = h
+    else:
+        h_kv = h // GROUP
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
     kpm_base = KPM + b * skpm_b
 
     seed = 0
@@ -550,6 +565,64 @@ def _bwd_dq_block(
     return dq
 
 
+@triton.jit
+def _bwd_dkdv_head(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, DQ_ACC, kpm_base, bh,
+    sqn, sqd, sdon, sdod, skpm_n,
+    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
+    DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of the key block at n0 over every query block of one query head (batch·head
+    bh, its q, dO, lse and Δ at the given bases), added to dk, dv; with ATOMIC_DQ also that
+    head's dQ share. A key-block program calls it once (multi-head) or once per query head
+    of its group (grouped-query attention)."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    # where this program reads q and dO from: pointers, or TMA descriptors
+    if TMA:
+        q_src = tl.make_tensor_descriptor(q_base, [N_Q, HEAD_DIM], [sqn, 1], [BLOCK_M1, BLOCK_D])
+        do_src = tl.make_tensor_descriptor(do_base, [N_Q, HEAD_DIM], [sdon, 1], [BLOCK_M1, BLOCK_D])
+    else:
+        q_src, do_src = q_base, do_base
+    dq_acc = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
+    if DQ_TMA:
+        dq_acc = tl.make_tensor_descriptor(
+            dq_acc, [N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M1, BLOCK_D]
+        )
+    key_real = 1
+    if HAS_KPM:
+        key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
+    if CAUSAL:
+        # rows i >= n0 - causal_off see some key of the block; rows
+        # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
+        lo = (tl.maximum(n0 - causal_off, 0) // BLOCK_M1) * BLOCK_M1
+        full_lo = tl.maximum(n0 + BLOCK_N1 - 1 - causal_off, 0)
+        full_lo = tl.minimum(
+            tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1
+        )
+        full_lo = tl.maximum(full_lo, lo)
+        dk, dv = _bwd_dkdv_block(
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
+            sqn, sqd, sdon, sdod,
+            n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
+            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
+            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+        )  # fmt: skip
+    else:
+        full_lo = 0
+    dk, dv = _bwd_dkdv_block(
+        dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
+        sqn, sqd, sdon, sdod,
+        n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
+        drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
+        INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+    )  # fmt: skip
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attn_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
@@ -562,9 +635,16 @@ def _attn_bwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics.
+
+    GROUP > 1 (grouped-query attention, query head h reading key/value head h // GROUP): the
+    key blocks of a key/value head are dealt round the grid rows of its GROUP query heads
+    (row h takes blocks h % GROUP, h % GROUP + GROUP, ...: cdiv(n_k, BLOCK_N1 · GROUP)
+    key-block programs per row), and each sums dK, dV over the group's query heads in
+    registers, in a fixed order. dQ programs stay one per query head.
 
     ATOMIC_DQ (single pass, non-deterministic): only the key-block programs run, and each
     adds its share of dQ into DQ_ACC (fp32, (b·h, n_q, HEAD_DIM)) with atomics;
@@ -579,10 +659,14 @@ def _attn_bwd_kernel(
         return
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    if GROUP == 1:  # noqa: SIM108
+        h_kv = h
+    else:
+        h_kv = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     q_base = Q + b * sqb + h * sqh
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
+    k_base = K + b * skb + h_kv * skh
+    v_base = V + b * svb + h_kv * svh
     do_base = DO + b * sdob + h * sdoh
     lse_base = LSE + bh.to(tl.int64) * N_Q
     delta_base = DELTA + bh.to(tl.int64) * N_Q
@@ -593,9 +677,16 @@ def _attn_bwd_kernel(
     causal_off = N_K - N_Q  # query i sees keys j <= i + causal_off
     n_kblocks = tl.cdiv(N_K, BLOCK_N1)
     pid = tl.program_id(0)
+    if GROUP == 1:
+        n_kprog = n_kblocks
+        kb = pid
+    else:
+        h_in_group = bh % H % GROUP
+        n_kprog = tl.cdiv(n_kblocks, GROUP)
+        kb = pid * GROUP + h_in_group  # may pass the last block: then nothing to do
 
-    if pid < n_kblocks:
-        n0 = pid * BLOCK_N1
+    if pid < n_kprog:
+        n0 = kb * BLOCK_N1
         offs_n = n0 + tl.arange(0, BLOCK_N1)
         if INT64_ROWS:  # noqa: SIM108
             rows_n = offs_n.to(tl.int64)
@@ -609,60 +700,43 @@ def _attn_bwd_kernel(
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
-        # where this program reads q and dO from: pointers, or TMA descriptors
-        if TMA:
-            q_src = tl.make_tensor_descriptor(
-                q_base, [N_Q, HEAD_DIM], [sqn, 1], [BLOCK_M1, BLOCK_D]
-            )
-            do_src = tl.make_tensor_descriptor(
-                do_base, [N_Q, HEAD_DIM], [sdon, 1], [BLOCK_M1, BLOCK_D]
-            )
-        else:
-            q_src, do_src = q_base, do_base
-        dq_acc = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
-        if DQ_TMA:
-            dq_acc = tl.make_tensor_descriptor(
-                dq_acc, [N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M1, BLOCK_D]
-            )
-        key_real = 1
-        if HAS_KPM:
-            key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
-        if CAUSAL:
-            # rows i >= n0 - causal_off see some key of the block; rows
-            # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
-            lo = (tl.maximum(n0 - causal_off, 0) // BLOCK_M1) * BLOCK_M1
-            full_lo = tl.maximum(n0 + BLOCK_N1 - 1 - causal_off, 0)
-            full_lo = tl.minimum(
-                tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1
-            )
-            full_lo = tl.maximum(full_lo, lo)
-            dk, dv = _bwd_dkdv_block(
-                dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
-                sqn, sqd, sdon, sdod,
-                n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-                drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
+        if GROUP == 1:
+            dk, dv = _bwd_dkdv_head(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, DQ_ACC, kpm_base, bh,
+                sqn, sqd, sdon, sdod, skpm_n,
+                n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
+                BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64, UPCAST,
                 INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
             )  # fmt: skip
         else:
-            full_lo = 0
-        dk, dv = _bwd_dkdv_block(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
-            sqn, sqd, sdon, sdod,
-            n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
-            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
-        )  # fmt: skip
+            # sum over the group's query heads, h_kv·GROUP + g, in a fixed order (none for a
+            # spare program past the last key block)
+            bh0 = bh - h_in_group  # batch·head index of the group's first query head
+            for g in range(0, tl.where(kb < n_kblocks, GROUP, 0)):
+                bh_g = bh0 + g
+                h_g = (bh_g % H).to(tl.int64)
+                seed_g = 0
+                if DROPOUT:
+                    seed_g = tl.load(SEED) + (bh_g.to(tl.int64) << 32)
+                dk, dv = _bwd_dkdv_head(
+                    dk, dv, k, v, Q + b * sqb + h_g * sqh, DO + b * sdob + h_g * sdoh,
+                    LSE + bh_g.to(tl.int64) * N_Q, DELTA + bh_g.to(tl.int64) * N_Q, DQ_ACC,
+                    kpm_base, bh_g, sqn, sqd, sdon, sdod, skpm_n,
+                    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed_g, threshold,
+                    drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT,
+                    DROP_INT64, UPCAST, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+                )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
             real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
             dk = tl.where(real[:, None] != 0, dk, 0.0)
             dv = tl.where(real[:, None] != 0, dv, 0.0)
-        b_dk = DK + b * sdkb + h * sdkh + rows_n[:, None] * sdkn + offs_d[None, :] * sdkd
+        b_dk = DK + b * sdkb + h_kv * sdkh + rows_n[:, None] * sdkn + offs_d[None, :] * sdkd
         tl.store(b_dk, dk.to(DK.dtype.element_ty), mask=kv_mask)
-        b_dv = DV + b * sdvb + h * sdvh + rows_n[:, None] * sdvn + offs_d[None, :] * sdvd
+        b_dv = DV + b * sdvb + h_kv * sdvh + rows_n[:, None] * sdvn + offs_d[None, :] * sdvd
         tl.store(b_dv, dv.to(DV.dtype.element_ty), mask=kv_mask)
     else:
-        pid_m = pid - n_kblocks
+        pid_m = pid - n_kprog
         if CAUSAL:
             pid_m = tl.cdiv(N_Q, BLOCK_M2) - 1 - pid_m  # longest rows first
         m0 = pid_m * BLOCK_M2
@@ -905,6 +979,13 @@ def _tma_loads(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per key/value head: 1 for multi-head attention, h / h_kv for grouped-query
+    attention (k, v with h_kv heads), h for multi-query."""
+    h, h_kv = q.shape[1], k.shape[1]
+    return int(h // h_kv) if h_kv and h != h_kv else 1
+
+
 def _max_row_offset(*tensors: torch.Tensor) -> int:
     # the largest in-head offset a kernel computes: row index * row stride (+ head dim)
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
@@ -953,6 +1034,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
+        GROUP=_group(q, k),
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     _launch_fitting(_attn_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
@@ -1042,12 +1124,15 @@ def _bwd(
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
         DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
+        GROUP=_group(q, k),
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
     elif config is None:
         config = _bwd_config(int(d), q.dtype, causal, dropping, atomic)
-    n_prog = -(-n_k // config["BLOCK_N1"])
+    # a key/value head's key blocks are shared among its query heads' grid rows
+    key_blocks = -(-n_k // config["BLOCK_N1"])
+    n_prog = -(-key_blocks // consts["GROUP"])
     if not atomic:
         n_prog += -(-n_q // config["BLOCK_M2"])
     if consts["DQ_TMA"] or consts["TMA"]:
@@ -1231,11 +1316,14 @@ def _check_inputs(q, k, v, key_padding_mask, use_triton: bool) -> None:
         raise TypeError(f"q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v need one device, got {q.device}, {k.device}, {v.device}")
-    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+    h, h_kv = q.shape[1], k.shape[1]
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and h_kv == v.shape[1]):
         raise ValueError(
-            f"q, k, v need the same (b, h), got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}"
+            f"q, k, v need the same (b, h) (k, v may share fewer heads), got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if (h_kv == 0 and h != 0) or (h_kv and h % h_kv):
+        raise ValueError(f"k and v's {h_kv} heads must divide q's {h} heads (grouped-query)")
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise ValueError(
             f"q, k, v need one head dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
@@ -1268,8 +1356,18 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Grouped-query attention on the PyTorch paths: k, v repeated to q's heads (head h
+    reads h // group); their gradients sum back over each group. The kernels never do this."""
+    group = _group(q, k)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
 def _reference(q, k, v, causal, key_padding_mask, dropout_p, scale) -> torch.Tensor:
     """The PyTorch semantics: SDPA where it agrees with ours, explicit math elsewhere."""
+    k, v = _expand_kv(q, k, v)
     n_q, n_k = q.shape[2], k.shape[2]
     if key_padding_mask is None and (not causal or n_q == n_k) and n_q and n_k:
         # SDPA's causal mask is top-left aligned, equal to ours only when n_q == n_k; then
@@ -1308,8 +1406,9 @@ def attention(
     """softmax(q kᵀ · scale, masked) v, as `F.scaled_dot_product_attention`.
 
     Args:
-        q: (b, h, n_q, d) queries; k, v: (b, h, n_k, d). Any strides. Triton: fp32/fp16/bf16
-            on CUDA, d a multiple of 16 from 16 to 128.
+        q: (b, h, n_q, d) queries; k, v: (b, h_kv, n_k, d), h_kv dividing h (grouped-query
+            attention when h_kv < h: query head i reads key/value head i // (h / h_kv)). Any
+            strides. Triton: fp32/fp16/bf16 on CUDA, d a multiple of 16 from 16 to 128.
         causal: query i sees keys j <= i + (n_k - n_q) (bottom-right aligned: a KV-cache step
             with n_q < n_k is right).
         key_padding_mask: optional (b, n_k) bool, True = real token.
@@ -1397,7 +1496,8 @@ def attention_cached(
 
     Args:
         q: (b, h, n_q, d) queries of the n_q newest tokens.
-        k_cache, v_cache: (b, h, capacity, d); positions [0, cache_len) are real, the last
+        k_cache, v_cache: (b, h_kv, capacity, d), h_kv dividing h (grouped-query attention,
+            as in `attention`); positions [0, cache_len) are real, the last
             n_q of them the new tokens' own keys and values. Later positions are never read.
         cache_len: 0-dim integer tensor on q's device, n_q <= cache_len <= capacity (not
             checked: it is a device value).
@@ -1425,6 +1525,7 @@ def attention_cached(
         if use_triton:
             out = call_op(flash_attention_cached_op, q, k_cache, v_cache, cache_len, scale)
             return out.transpose(1, 2)
+        k_cache, v_cache = _expand_kv(q, k_cache, v_cache)
         n_q, capacity = q.shape[2], k_cache.shape[2]
         rows = torch.arange(n_q, device=q.device)[:, None]
         cols = torch.arange(capacity, device=q.device)[None, :]
@@ -1460,6 +1561,7 @@ def attention_naive(
             check_triton_tensor(t, name)
     dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
+    k, v = _expand_kv(q, k, v)  # grouped-query: the composition attends per query head
     # k's transposed view goes to bmm as is: its kernel reads strides, so nothing is copied.
     scores = bmm(q * scale, k.transpose(-1, -2), use_triton=use_triton)
     if key_padding_mask is not None:

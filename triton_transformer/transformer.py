@@ -9,8 +9,9 @@ parameter): `pos_emb="rope"` (rotary q/k embeddings, `rope.py`, instead of the l
 `norm="rmsnorm"` (RMSNorm everywhere, fused with the residual adds as LayerNorm is, and a plain
 final RMSNorm), `ff_act="swiglu" | "gelu"` (silu(gate) * up with a 2·hidden input projection,
 `swiglu.py`; or exact GELU, PyTorch's F.gelu on both branches: no Triton kernel) and
-`qk_norm=True` (RMSNorm over head_dim of q and k before the rotation). Together:
-the Llama-style block.
+`qk_norm=True` (RMSNorm over head_dim of q and k before the rotation) and `kv_heads`
+(grouped-query / multi-query attention: fewer key/value heads, each shared by a group of query
+heads, in the kernels and the KV caches). Together: the Llama-style block.
 
 `use_triton` only picks which implementation of each op runs (Triton kernel or the PyTorch
 reference); the parameters, and so the state dict, are the same either way.
@@ -62,7 +63,7 @@ class KVCache:
 
     Create it empty (`KVCache()`) and pass it to every `Transformer.forward` call of one
     generation. The first call allocates, per layer, key and value buffers of shape
-    (batch, heads, max_seq_len, dim_head) in the activations' dtype and device; each call
+    (batch, kv_heads, max_seq_len, dim_head) in the activations' dtype and device; each call
     writes its tokens at positions [length, length + n) and advances `length`. Positions at
     or past `length` hold stale data and are never read.
 
@@ -209,6 +210,13 @@ class Attention(nn.Module):
     norm: "layernorm" or "rmsnorm" (the pre-norm, `self.norm`). qk_norm: RMSNorm over head_dim
     of q and k (`q_norm`, `k_norm`, weights (dim_head,)) before the rotation. rope: rotate q
     and k by their positions (`rope.rope`, base `rope_base`) before attending.
+
+    kv_heads (None: heads): grouped-query attention, kv_heads key/value heads (dividing
+    heads; 1 is multi-query) shared by heads // kv_heads query heads each. `to_qkv` then
+    projects to (heads + 2·kv_heads)·dim_head features, laid out q heads, k heads, v heads
+    (with kv_heads = heads the classic (3, heads, dim_head) layout, parameter for parameter),
+    the KV cache holds kv_heads heads, and the kernels read each key/value head for its whole
+    group (`attention`: its Triton path never expands K and V).
     """
 
     def __init__(
@@ -226,10 +234,12 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         rope: bool = False,
         rope_base: float = DEFAULT_BASE,
+        kv_heads: int | None = None,
     ) -> None:
         super().__init__()
         self.attn_impl = attn_impl
         self.heads = heads
+        self.kv_heads = default(kv_heads, heads)
         self.max_seq_len = max_seq_len
         self.causal = causal
         self.dropout = dropout
@@ -237,7 +247,7 @@ class Attention(nn.Module):
         self.rope_base = rope_base
         inner_dim = heads * dim_head
         self.norm = _make_norm(norm, dim, use_triton)
-        self.to_qkv = nn.Linear(dim, inner_dim * 3, bias=False)
+        self.to_qkv = nn.Linear(dim, (heads + 2 * self.kv_heads) * dim_head, bias=False)
         self.to_out = nn.Linear(inner_dim, dim, bias=False)
         if qk_norm:
             self.q_norm = RMSNorm(dim_head, use_triton=use_triton)
@@ -271,12 +281,16 @@ class Attention(nn.Module):
         )
         if self.attn_impl == "flash":
             kwargs["seed"] = seed
-        plain = not self.rope and self.q_norm is None
+        plain = not self.rope and self.q_norm is None and self.kv_heads == self.heads
         if self.attn_impl == "flash" and not exists(kv_cache) and plain:
             # q, k, v read in place from qkv; out is (b, n, h*d) without a copy
             out = attention_packed(qkv, self.heads, **kwargs)
         else:
-            q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
+            if self.kv_heads == self.heads:
+                q, k, v = rearrange(qkv, "b n (qkv h d) -> qkv b h n d", qkv=3, h=self.heads)
+            else:  # grouped-query: (heads, kv_heads, kv_heads) heads of q, k, v; views
+                qkv = rearrange(qkv, "b n (h d) -> b h n d", h=self.heads + 2 * self.kv_heads)
+                q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
             if self.q_norm is not None:
                 q = self.q_norm(q, use_triton=use_triton)
                 k = self.k_norm(k, use_triton=use_triton)
@@ -372,8 +386,10 @@ class Transformer(nn.Module):
     `pos_emb` "learned" (the `pos_emb` table) or "rope" (no table; q and k rotated with base
     `rope_base`, the decode paths passing their cache positions on the device); `norm`
     "layernorm" (bias-free, final norm stable) or "rmsnorm" (every norm, the final one too);
-    `ff_act` "relu2", "swiglu" or "gelu"; `qk_norm` RMSNorm of q and k over head_dim.
-    `options` holds them, to record in a checkpoint.
+    `ff_act` "relu2", "swiglu" or "gelu"; `qk_norm` RMSNorm of q and k over head_dim;
+    `kv_heads` (None: heads) key/value heads of grouped-query attention, dividing heads (1:
+    multi-query), which the KV caches hold. `options` holds them, to record in a checkpoint
+    (kv_heads only when it differs from heads).
     """
 
     def __init__(
@@ -398,6 +414,7 @@ class Transformer(nn.Module):
         ff_act: str = "relu2",
         qk_norm: bool = False,
         rope_base: float = DEFAULT_BASE,
+        kv_heads: int | None = None,
     ) -> None:
         super().__init__()
         for name, val, allowed in (
@@ -426,11 +443,17 @@ class Transformer(nn.Module):
         for name, p in dict(attn_dropout=attn_dropout, ff_dropout=ff_dropout).items():
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+        kv_heads = default(kv_heads, heads)
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ValueError(f"kv_heads must be a positive int or None, got {kv_heads!r}")
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
 
         self.num_tokens = num_tokens
         self.max_seq_len = max_seq_len
         self.depth = depth
         self.heads = heads
+        self.kv_heads = kv_heads
         self.dim_head = dim_head
         self.causal = causal
         self.use_triton = use_triton
@@ -440,6 +463,8 @@ class Transformer(nn.Module):
         self.options = dict(
             pos_emb=pos_emb, norm=norm, ff_act=ff_act, qk_norm=qk_norm, rope_base=float(rope_base)
         )
+        if kv_heads != heads:  # recorded only when grouped: a default model's options as before
+            self.options["kv_heads"] = kv_heads
 
         self.token_emb = nn.Embedding(num_tokens, dim)
         # None with rope: no positional table, no `pos_emb.weight` in the state dict
@@ -460,6 +485,7 @@ class Transformer(nn.Module):
                         qk_norm=qk_norm,
                         rope=pos_emb == "rope",
                         rope_base=float(rope_base),
+                        kv_heads=kv_heads,
                     ),
                     FeedForward(
                         dim,
@@ -620,7 +646,8 @@ class Transformer(nn.Module):
                 or (filled and n_layers != self.depth)
                 or (
                     n_layers
-                    and kv_cache.keys[0].shape[1:] != (self.heads, self.max_seq_len, self.dim_head)
+                    and kv_cache.keys[0].shape[1:]
+                    != (self.kv_heads, self.max_seq_len, self.dim_head)
                 )
             ):
                 raise ValueError("kv_cache was filled by a model of a different shape")
