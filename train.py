@@ -258,10 +258,13 @@ def _run_training(config, args: argparse.Namespace, job, started: float) -> int:
     summary = [f"done: step {result.step}"]
     if result.world_size > 1:
         summary.append(f"{result.world_size} processes")
-    final = result.full_val_loss if result.full_val_loss is not None else result.final_val_loss
+    whole = result.full_val_loss is not None
+    final = result.full_val_loss if whole else result.final_val_loss
     if final is not None:
-        which = "whole-split val loss" if result.full_val_loss is not None else "val loss"
-        summary.append(f"{which} {final:.4f} ({final / math.log(2):.4f} bits/byte)")
+        which = "whole-split val loss" if whole else "val loss"
+        bpb = result.full_val_bpb if whole else result.final_val_bpb
+        bpb = final / math.log(2) if bpb is None else bpb
+        summary.append(f"{which} {final:.4f} ({bpb:.4f} bits/byte)")
     if result.tokens_per_s:
         summary.append(
             f"{result.tokens_per_s:,.0f} tokens/s" + (" (all ranks)" if job.enabled else "")
@@ -285,21 +288,29 @@ def _duration(seconds: float) -> str:
 
 
 def _load_for_inference(run: str, device_flag: str, use_triton: bool, insist: bool):
-    """(model in eval mode, its Config, device, autocast factory) from a run or checkpoint."""
-    from triton_transformer.training.checkpoint import load_checkpoint, load_model
+    """(model in eval mode, its Config, its tokenizer, device, autocast factory) from a run
+    or checkpoint."""
+    from triton_transformer.training.checkpoint import (
+        find_checkpoint,
+        load_checkpoint,
+        load_model,
+    )
     from triton_transformer.training.config import config_from_dict
     from triton_transformer.training.setup import (
         autocast_context,
         resolve_device,
         resolve_precision,
     )
+    from triton_transformer.training.tokenizer import run_tokenizer
 
     device = resolve_device(device_flag)
-    saved = config_from_dict(load_checkpoint(run, mmap=True)["config"])
+    ckpt = load_checkpoint(run, mmap=True)
+    saved = config_from_dict(ckpt["config"])
+    tokenizer = run_tokenizer(ckpt, find_checkpoint(run).parent)
     triton = _triton_policy(use_triton or saved.model.use_triton, device.type == "cpu", insist)
     model, config = load_model(run, device=device, use_triton=triton)
     dtype = resolve_precision("auto", device)
-    return model, config, device, lambda: autocast_context(device, dtype)
+    return model, config, tokenizer, device, lambda: autocast_context(device, dtype)
 
 
 def sample_main(argv: list[str]) -> int:
@@ -312,7 +323,9 @@ def sample_main(argv: list[str]) -> int:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", type=Path, default=None, help="continue this file")
-    parser.add_argument("--length", type=int, default=256, help="bytes to generate (256)")
+    parser.add_argument(
+        "--length", type=int, default=256, help="tokens (bytes for a byte model) to generate (256)"
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (1.0)")
     parser.add_argument(
         "--filter-thres", type=float, default=0.9, help="top-k: keep the top 1 - F (0.9)"
@@ -336,11 +349,12 @@ def sample_main(argv: list[str]) -> int:
     if not prompt:
         return _error("the prompt is empty: give at least one byte")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    model, _, device, autocast = _load_for_inference(
+    model, _, tokenizer, device, autocast = _load_for_inference(
         args.run, args.device, args.use_triton, args.triton_interpret
     )
+    unit = "bytes" if tokenizer.kind == "bytes" else "tokens"
     _note(
-        f"sampling {args.length} bytes from {args.run} ({device}, seed {seed}, "
+        f"sampling {args.length} {unit} from {args.run} ({device}, seed {seed}, "
         f"temperature {args.temperature}, filter_thres {args.filter_thres})"
     )
     text = generate_text(
@@ -352,6 +366,7 @@ def sample_main(argv: list[str]) -> int:
         seed=seed,
         device=device,
         autocast=autocast,
+        tokenizer=tokenizer,
     )
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -361,8 +376,8 @@ def sample_main(argv: list[str]) -> int:
 def eval_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="train.py eval",
-        description="Loss and bits per byte of a trained run over a split of its corpus "
-        "(independent of --batch-size).",
+        description="Loss per token and bits per byte of a trained run over a split of its "
+        "corpus, tokenized by the run's tokenizer (independent of --batch-size).",
     )
     parser.add_argument("run", metavar="RUN_DIR|CHECKPOINT")
     parser.add_argument("--split", choices=["valid", "test"], default="valid")
@@ -373,7 +388,8 @@ def eval_main(argv: list[str]) -> int:
         "--max-bytes",
         type=int,
         default=0,
-        help="score at most this many bytes, spread over the split (0: all of it)",
+        help="score at most this many tokens (bytes for a byte model), spread over the split "
+        "(0: all of it)",
     )
     parser.add_argument("--data", default=None, help="corpus (default: the run's data.source)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -389,18 +405,25 @@ def eval_main(argv: list[str]) -> int:
     from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
     from triton_transformer.training.data import load_corpus
     from triton_transformer.training.evaluation import evaluate_loss
+    from triton_transformer.training.setup import token_cache_dir
+    from triton_transformer.training.tokenizer import split_tokens
 
-    model, config, device, autocast = _load_for_inference(
+    model, config, tokenizer, device, autocast = _load_for_inference(
         args.run, args.device, args.use_triton, args.triton_interpret
     )
     d = config.data
     corpus = load_corpus(
         args.data or d.source, data_dir=d.data_dir, download=d.download, fallback=d.fallback
     )
-    data = getattr(corpus, args.split)
-    if data is None:
+    if getattr(corpus, args.split) is None:
         return _error(f"corpus {corpus.name} has no {args.split} split")
-    _note(f"evaluating {args.run} on the {args.split} split of {corpus.description}")
+    byte_model = tokenizer.kind == "bytes"
+    # the run's tokenizer, its tokens cached beside the data (built once)
+    data = split_tokens(
+        corpus, args.split, tokenizer, token_cache_dir(d), progress=sys.stderr.isatty()
+    )
+    what = corpus.description if byte_model else f"{corpus.description}; {tokenizer.describe()}"
+    _note(f"evaluating {args.run} on the {args.split} split of {what}")
     out = evaluate_loss(
         AutoregressiveWrapper(model),
         data,
@@ -410,19 +433,27 @@ def eval_main(argv: list[str]) -> int:
         device=device,
         autocast=autocast,
         progress=sys.stderr.isatty(),
+        token_bytes=None if byte_model else tokenizer.token_bytes(),
     )
     if args.json:
         record = {
             "split": args.split,
-            "loss": out["val_loss"],
+            "loss": out["val_loss"],  # nats per token (per byte for a byte model)
             "bits_per_byte": out["val_bpb"],
             "tokens": out["tokens"],
+            "bytes": out["bytes"],
+            "tokenizer": tokenizer.kind,
         }
         print(json.dumps(record))
-    else:
+    elif byte_model:
         print(
             f"{args.split}: loss {out['val_loss']:.4f} nats/byte, {out['val_bpb']:.4f} "
             f"bits/byte over {out['tokens']:,} bytes"
+        )
+    else:
+        print(
+            f"{args.split}: loss {out['val_loss']:.4f} nats/token, {out['val_bpb']:.4f} "
+            f"bits/byte over {out['tokens']:,} tokens ({out['bytes']:,} bytes)"
         )
     return 0
 

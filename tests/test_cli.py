@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_jsonl
 
 from triton_transformer.training.checkpoint import load_checkpoint
 from triton_transformer.training.config import load_config
@@ -134,7 +136,8 @@ def test_eval_is_independent_of_batch_size(trained_run):
         proc = run_cli("eval", trained_run, "--batch-size", batch, "--json")
         assert proc.returncode == 0, proc.stderr
         out[batch] = json.loads(proc.stdout)  # stdout holds the JSON object only
-    assert set(out[4]) == {"split", "loss", "bits_per_byte", "tokens"}
+    assert set(out[4]) == {"split", "loss", "bits_per_byte", "tokens", "bytes", "tokenizer"}
+    assert out[4]["bytes"] == out[4]["tokens"] and out[4]["tokenizer"] == "bytes"
     assert out[4]["split"] == "valid" and out[4]["tokens"] == out[16]["tokens"] > 0
     # the same windows in other batches: equal up to float rounding
     assert out[4]["loss"] == pytest.approx(out[16]["loss"], rel=1e-6)
@@ -670,3 +673,96 @@ def test_plot_of_a_run_without_records(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "no records yet" in proc.stderr
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------- token-level runs
+
+
+def _varied_text(path: Path) -> Path:
+    """About 90 KB of varied, learnable text: enough pairs for a BPE of a few hundred tokens."""
+    animals = ["fox", "dog", "cat", "owl", "eel", "yak", "emu", "gnu", "ant", "bee", "hen"]
+    verbs = ["jumps over", "runs past", "sleeps near", "looks at", "waits for", "hides from"]
+    lines = [
+        f"{i} the {['quick', 'lazy', 'brown', 'small', 'grand'][i % 5]} {animals[i % 11]} "
+        f"{verbs[i % 6]} the {animals[(i * 7) % 11]} ({i % 13} times, été {i % 3}).\n"
+        for i in range(1500)
+    ]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def test_token_level_run_then_sample_eval_and_resume(tmp_path):
+    """configs/gpt2-small-cpu.toml through the command line: a 384-token BPE trained on the
+    corpus, a few dozen steps whose loss falls, the run's tokenizer in its directory, then
+    sample, eval (loss per token and bits per byte) and --resume on it."""
+    corpus = _varied_text(tmp_path / "animals.txt")
+    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+    args = [
+        "--config", "configs/gpt2-small-cpu.toml", "--data", corpus, "--run-dir", run_dir,
+        "--data.data_dir", data_dir, "--data.vocab_size", "384", "--max-steps", "40",
+        "--eval.eval_every", "20", "--eval.generate_every", "40", "--log.log_every", "5",
+        "--set", "log.progress=false",
+    ]  # fmt: skip
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "bpe tokenizer (384 tokens)" in proc.stdout and "bits/byte" in proc.stdout
+    assert "done: step 40" in proc.stdout
+    losses = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0, losses  # from about ln(384) = 5.95
+    assert (run_dir / "tokenizer.json").is_file()
+    assert sorted(p.name.split(".")[-1] for p in (data_dir / "tokens").iterdir()) == [
+        "json",
+        "tokens",
+        "tokens",
+    ]
+
+    proc = run_cli("sample", run_dir, "--prompt", "12 the quick", "--length", "24", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout) > 24  # 24 tokens of several bytes each, after the prompt
+    assert "24 tokens" in proc.stderr
+
+    proc = run_cli("eval", run_dir, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["tokenizer"] == "bpe" and out["bytes"] > 2 * out["tokens"] > 0
+    assert out["bits_per_byte"] == pytest.approx(
+        out["loss"] * out["tokens"] / math.log(2) / out["bytes"]
+    )
+    proc = run_cli("eval", run_dir, "--split", "test")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("test: loss ") and "nats/token" in proc.stdout
+    assert "bits/byte" in proc.stdout
+
+    proc = run_cli("--resume", run_dir, "--max-steps", "44", "--set", "log.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    assert "done: step 44" in proc.stdout and "rebuilding" not in proc.stderr
+
+
+def test_token_config_mistakes_are_one_line(tmp_path, corpus_file):
+    # bpe without a size, on a byte preset
+    proc = run_cli("--config", "configs/tiny.toml", "--data.tokenizer", "bpe", "--print-config")
+    assert_clean_error(proc, "data.vocab_size=0 must be set")
+    # a byte preset's explicit 256-token vocabulary under a larger BPE
+    proc = run_cli(
+        "--config", "configs/tiny.toml", "--data.tokenizer", "bpe", "--data.vocab_size", "300",
+        "--print-config",
+    )  # fmt: skip
+    assert_clean_error(proc, "model.num_tokens=256 is smaller than data.vocab_size=300")
+    # a tokenizer.json that does not exist
+    proc = run_cli(
+        *tiny_args(corpus_file, tmp_path / "run", 2),
+        "--data.tokenizer", tmp_path / "missing.json", "--model.num_tokens", "0",
+    )  # fmt: skip
+    assert_clean_error(proc, "missing.json", "not found")
+    assert not (tmp_path / "run").exists()
+    # without the `tokenizers` package
+    no_tok = tmp_path / "no_tokenizers"
+    no_tok.mkdir()
+    (no_tok / "tokenizers.py").write_text("raise ImportError('No module named tokenizers')\n")
+    proc = run_cli(
+        *tiny_args(corpus_file, tmp_path / "run", 2),
+        "--data.tokenizer", "bpe", "--data.vocab_size", "300", "--model.num_tokens", "0",
+        "--data.data_dir", tmp_path / "data",
+        env=cli_env(PYTHONPATH=str(no_tok)),
+    )  # fmt: skip
+    assert_clean_error(proc, "pip install tokenizers")

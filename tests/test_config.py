@@ -116,6 +116,19 @@ def test_wrong_types(tmp_path):
         ([("model.causal", False)], "eval.generate_every needs a causal model"),
         ([("log.log_every", 0)], "log.log_every=0 must be >= 1"),
         ([("train.grad_accum_steps", -1)], "train.grad_accum_steps=-1 must be >= 1"),
+        ([("model.pos_emb", "alibi")], "model.pos_emb='alibi' must be 'learned' or 'rope'"),
+        ([("model.norm", "batchnorm")], "model.norm='batchnorm' must be 'layernorm' or"),
+        ([("model.ff_act", "relu")], "model.ff_act='relu' must be 'relu2' or 'swiglu' or"),
+        ([("model.rope_base", 0)], "model.rope_base=0.0 must be a positive number"),
+        ([("model.qk_norm", "maybe")], "model.qk_norm: expected bool"),
+        ([("model.kv_heads", 3)], "model.kv_heads=3 must divide model.heads=8"),
+        ([("model.num_tokens", -1)], "model.num_tokens=-1 must be >= 0"),
+        ([("data.tokenizer", "bpe")], r"data.vocab_size=0 must be set to a size in \[256"),
+        ([("data.tokenizer", "wordpiece")], "data.tokenizer='wordpiece' must be 'bytes', 'bpe'"),
+        (
+            [("data.tokenizer", "bpe"), ("data.vocab_size", 1000), ("model.num_tokens", 512)],
+            "model.num_tokens=512 is smaller than data.vocab_size=1000; set model.num_tokens=0",
+        ),
     ],
 )
 def test_impossible_values_fail_naming_the_field(overrides, message):
@@ -263,3 +276,48 @@ def test_legacy_eval_batches_keeps_its_byte_budget():
     assert explicit.eval.max_bytes == 100
     with pytest.raises(ConfigError, match=r"eval\.max_bytes"):
         config_from_dict({"eval": {"max_bytes": -1}}).validate()
+
+
+def test_model_options_and_tokenizer_keys(tmp_path):
+    """The block options are [model] keys passed to Transformer (kv_heads only when set),
+    the tokenizer keys [data] ones; both survive the TOML round trip of a run's config."""
+    c = load_config(
+        ROOT / "configs" / "llama-small.toml", [("model.kv_heads", 2), ("model.rope_base", 5e5)]
+    )
+    m = c.model
+    assert (m.pos_emb, m.norm, m.ff_act, m.qk_norm, m.kv_heads) == (
+        "rope",
+        "rmsnorm",
+        "swiglu",
+        True,
+        2,
+    )
+    kwargs = m.transformer_kwargs()
+    assert kwargs["kv_heads"] == 2 and kwargs["rope_base"] == 5e5 and kwargs["num_tokens"] == 0
+    assert "kv_heads" not in Config().model.transformer_kwargs()  # default: one per head
+    assert (c.data.tokenizer, c.data.vocab_size) == ("bpe", 8192)
+    (tmp_path / "c.toml").write_text(config_to_toml(c))
+    assert load_config(tmp_path / "c.toml") == c
+    # a preset's vocabulary follows its tokenizer; the byte presets keep theirs
+    gpt2 = load_config(ROOT / "configs" / "gpt2-small.toml")
+    assert (gpt2.model.dim, gpt2.model.depth, gpt2.model.heads, gpt2.train.seq_len) == (
+        768,
+        12,
+        12,
+        1024,
+    )
+    assert (gpt2.model.num_tokens, gpt2.data.tokenizer, gpt2.data.vocab_size) == (0, "bpe", 50304)
+    t = gpt2.train
+    assert t.batch_size * t.grad_accum_steps * t.seq_len == 524_288  # 0.5M tokens per step
+    assert (t.lr, t.lr * t.min_lr_ratio, t.weight_decay, t.beta1, t.beta2) == pytest.approx(
+        (6e-4, 6e-5, 0.1, 0.9, 0.95)
+    )
+    assert load_config(ROOT / "configs" / "gpt2-small-cpu.toml").data.vocab_size == 512
+    # old configs and checkpoints without the new keys: the classic block, bytes
+    old = config_from_dict({"model": {"num_tokens": 256}, "data": {"source": "stdlib"}})
+    assert (old.model.pos_emb, old.model.norm, old.model.ff_act, old.data.tokenizer) == (
+        "learned",
+        "layernorm",
+        "relu2",
+        "bytes",
+    )

@@ -18,6 +18,7 @@ import types
 import urllib.request
 import warnings
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -581,3 +582,38 @@ def test_download_of_a_forged_enwik8_is_refused(server, tmp_path):
         f.truncate(36_445_475)
     with pytest.raises(ValueError, match="SHA-256"):
         D._check_sha256(fake, D.ENWIK8_ZIP_SHA256, 36_445_475)
+
+
+def test_every_source_records_its_origin_and_tokenizes_offline(tmp_path, monkeypatch):
+    """enwik8, a local file, hf:NAME and the built-in corpus: each split knows its file and
+    byte range (the token caches' key), and a BPE's token cache of each round-trips."""
+    pytest.importorskip("tokenizers")
+    from triton_transformer.training.tokenizer import tokenize_corpus, train_bpe
+
+    (tmp_path / "enwik8").write_bytes(fake_enwik8())
+    local = tmp_path / "local.txt"
+    local.write_text("a local corpus, line by line\n" * 100)
+    rows = [{"text": f"story {i}: é"} for i in range(200)]
+    fake = types.SimpleNamespace(
+        load_dataset=lambda name, config: {"train": rows, "validation": rows[:20]}
+    )
+    monkeypatch.setattr(D, "_import_datasets", lambda: fake)
+    corpora = {
+        "enwik8": load_fake_enwik8(tmp_path),
+        "local": D.load_corpus(str(local), tmp_path),
+        "hf": D.load_corpus("hf:someone/stories", tmp_path),
+    }
+    stdlib = D.load_corpus("stdlib", tmp_path)
+    path, start, end = stdlib.origins["valid"]
+    assert path.endswith(".bin") and end - start == len(stdlib.valid)
+    bpe = train_bpe(np.frombuffer(local.read_bytes() * 2, np.uint8), 280, progress=False)
+    for name, corpus in corpora.items():
+        for split in ("train", "valid", "test"):
+            data = getattr(corpus, split)
+            if data is None:
+                continue
+            path, start, end = corpus.origins[split]
+            assert os.path.isfile(path) and end - start == len(data), name
+            assert Path(path).read_bytes()[start:end] == data.tobytes(), name
+        tokens = tokenize_corpus(corpus, bpe, tmp_path / "tokens", progress=False)
+        assert bpe.decode(np.asarray(tokens.valid)) == corpus.valid.tobytes(), name

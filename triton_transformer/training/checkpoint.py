@@ -19,7 +19,6 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,9 @@ SAMPLES_NAME = "samples.jsonl"
 CHECKPOINT_VERSION = 1
 # model fields that change the parameters' shapes: a checkpoint only loads into the same ones
 SHAPE_FIELDS = ("num_tokens", "dim", "depth", "heads", "dim_head", "max_seq_len", "ff_mult")
+# the block options: a checkpoint records them (its config) and is rebuilt with them; a
+# checkpoint from before they existed has the classic block, the defaults
+OPTION_FIELDS = ("pos_emb", "norm", "ff_act", "qk_norm", "rope_base", "kv_heads")
 
 
 # The zip "end of central directory" record: 22 bytes, the last two the comment's length
@@ -196,16 +198,19 @@ def load_checkpoint(
 
 def check_model_matches(ckpt: dict, model: ModelConfig, source: str | Path) -> None:
     """Raise CheckpointError naming every model field whose value differs from the
-    checkpoint's in a way that changes parameter shapes."""
-    saved = ckpt["config"].get("model", {})
+    checkpoint's in a way that changes parameter shapes or the block (its options)."""
+    saved = {
+        **{f: getattr(ModelConfig, f) for f in OPTION_FIELDS},
+        **ckpt["config"].get("model", {}),
+    }
     diffs = [
         f"model.{name}={getattr(model, name)} (checkpoint: {saved[name]})"
-        for name in SHAPE_FIELDS
+        for name in (*SHAPE_FIELDS, *OPTION_FIELDS)
         if name in saved and saved[name] != getattr(model, name)
     ]
     if diffs:
         raise CheckpointError(
-            f"{source} holds a model of another shape: {', '.join(diffs)}. A resumed run keeps "
+            f"{source} holds another model: {', '.join(diffs)}. A resumed run keeps "
             "its model: drop those overrides, or start a new run"
         )
 
@@ -213,13 +218,21 @@ def check_model_matches(ckpt: dict, model: ModelConfig, source: str | Path) -> N
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", use_triton: bool | None = None
 ) -> tuple[Transformer, Config]:
-    """Rebuild the trained Transformer from a checkpoint (eval mode) and its Config."""
+    """Rebuild the trained Transformer from a checkpoint (eval mode) and its Config: its
+    shape and block options (pos_emb, norm, ff_act, qk_norm, rope_base) as recorded.
+    `tokenizer.run_tokenizer` gives the tokenizer it was trained with."""
     ckpt = load_checkpoint(path)
     try:
         config = config_from_dict(ckpt["config"])
     except ValueError as e:
         raise CheckpointError(f"{path}: its config is not valid: {e}") from e
-    kwargs = asdict(config.model)
+    kwargs = config.model.transformer_kwargs()
+    if not kwargs["num_tokens"]:  # "the tokenizer's": the number the run used
+        from triton_transformer.training.tokenizer import run_tokenizer
+
+        kwargs["num_tokens"] = (
+            ckpt.get("num_tokens") or run_tokenizer(ckpt, find_checkpoint(path).parent).vocab_size
+        )
     if exists(use_triton):
         kwargs["use_triton"] = use_triton
     model = Transformer(**kwargs)

@@ -55,7 +55,11 @@ __all__ = [
     "parse_override",
 ]
 
-BYTE_VOCAB = 256  # the corpora are raw bytes
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data.tokenizer = "bytes")
+POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+FF_ACTS = ("relu2", "swiglu", "gelu")
+MAX_VOCAB = 1 << 32  # token caches hold uint32 ids at most
 
 
 class ConfigError(ValueError):
@@ -64,9 +68,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Arguments of `triton_transformer.transformer.Transformer` (same names)."""
+    """Arguments of `triton_transformer.transformer.Transformer` (same names).
 
-    num_tokens: int = 256
+    num_tokens: the vocabulary; 0 follows the tokenizer's (256 for bytes). A run records
+    the number it used. The block options (pos_emb, norm, ff_act, qk_norm, rope_base) default
+    to the classic model: learned positions, LayerNorm, relu² MLP.
+    """
+
+    num_tokens: int = 0
     dim: int = 512
     depth: int = 8
     heads: int = 8
@@ -78,6 +87,21 @@ class ModelConfig:
     ff_mult: int = 4
     use_triton: bool = False
     attn_impl: str = "flash"  # "flash" (fused kernel) or "naive" (bmm -> softmax -> bmm)
+    pos_emb: str = "learned"  # "learned" (a position table) or "rope" (rotary q and k)
+    norm: str = "layernorm"  # "layernorm" (bias-free) or "rmsnorm"
+    ff_act: str = "relu2"  # the MLP: "relu2", "swiglu" or "gelu"
+    qk_norm: bool = False  # RMSNorm of q and k over the head dimension
+    rope_base: float = 10000.0  # the rotary embedding's base (pos_emb = "rope")
+    # key/value heads: 0 = heads (multi-head); 1 multi-query; a divisor of heads: grouped-query
+    kv_heads: int = 0
+
+    def transformer_kwargs(self) -> dict[str, Any]:
+        """The `Transformer` keyword arguments of this section (kv_heads 0: left out, i.e.
+        one key/value head per query head)."""
+        kwargs = dataclasses.asdict(self)
+        if not kwargs["kv_heads"]:
+            del kwargs["kv_heads"]
+        return kwargs
 
 
 @dataclass
@@ -85,6 +109,11 @@ class DataConfig:
     """Corpus for `triton_transformer.training.data.load_corpus`.
 
     source: "enwik8", "stdlib", "hf:NAME[:CONFIG]" or a path to a local file.
+    tokenizer: "bytes" (every byte a token, vocabulary 256), "bpe" (a byte-level BPE of
+        vocab_size tokens trained on the training split with Hugging Face `tokenizers`) or
+        the path of a byte-level BPE's tokenizer.json. A run keeps its tokenizer (its
+        tokenizer.json and checkpoint): sample, eval and --resume use that one.
+    vocab_size: the BPE's size, the 256 bytes included (data.tokenizer = "bpe" only).
     shard_global_batch: with several processes (torchrun), every rank draws the same global
         batch of world_size * batch_size windows and trains on its own rows, instead of
         drawing its own windows: N processes then see exactly the batches of one process
@@ -96,6 +125,8 @@ class DataConfig:
     download: bool = True
     fallback: bool = True  # fall back to the built-in stdlib corpus (with a warning)
     shard_global_batch: bool = False
+    tokenizer: str = "bytes"  # "bytes", "bpe" or the path of a tokenizer.json
+    vocab_size: int = 0  # tokens of a "bpe" tokenizer (the 256 bytes included)
 
 
 @dataclass
@@ -464,8 +495,24 @@ def _check(c: Config) -> list[str]:
 
     for name in ("dim", "depth", "heads", "dim_head", "max_seq_len", "ff_mult"):
         positive(f"model.{name}", getattr(m, name))
-    if m.num_tokens < BYTE_VOCAB:
+    d = c.data
+    if m.num_tokens < 0:
+        p.append(f"model.num_tokens={m.num_tokens} must be >= 0 (0: the tokenizer's vocabulary)")
+    elif m.num_tokens and d.tokenizer == "bytes" and m.num_tokens < BYTE_VOCAB:
         p.append(f"model.num_tokens={m.num_tokens} is smaller than the byte vocabulary (256)")
+    elif m.num_tokens and d.tokenizer == "bpe" and m.num_tokens < d.vocab_size:
+        p.append(
+            f"model.num_tokens={m.num_tokens} is smaller than data.vocab_size={d.vocab_size}; "
+            "set model.num_tokens=0 to follow the tokenizer"
+        )
+    for name, allowed in (("pos_emb", POS_EMBS), ("norm", NORMS), ("ff_act", FF_ACTS)):
+        val = getattr(m, name)
+        if val not in allowed:
+            p.append(f"model.{name}={val!r} must be {' or '.join(repr(a) for a in allowed)}")
+    if not (math.isfinite(m.rope_base) and m.rope_base > 0):
+        p.append(f"model.rope_base={m.rope_base} must be a positive number")
+    if m.kv_heads < 0 or (m.kv_heads and m.heads >= 1 and m.heads % m.kv_heads):
+        p.append(f"model.kv_heads={m.kv_heads} must divide model.heads={m.heads} (0: one per head)")
     for name in ("attn_dropout", "ff_dropout"):
         val = getattr(m, name)
         if not 0.0 <= val < 1.0:
@@ -473,8 +520,19 @@ def _check(c: Config) -> list[str]:
     if m.attn_impl not in ("flash", "naive"):
         p.append(f"model.attn_impl={m.attn_impl!r} must be 'flash' or 'naive'")
 
-    if not c.data.source.strip():
+    if not d.source.strip():
         p.append("data.source is empty")
+    if not d.tokenizer.strip():
+        p.append("data.tokenizer is empty (use 'bytes', 'bpe' or the path of a tokenizer.json)")
+    elif d.tokenizer == "bpe" and not BYTE_VOCAB <= d.vocab_size <= MAX_VOCAB:
+        p.append(
+            f"data.vocab_size={d.vocab_size} must be set to a size in [256, 2**32] with "
+            "data.tokenizer='bpe' (e.g. 50304 for GPT-2 small)"
+        )
+    elif d.tokenizer not in ("bytes", "bpe") and not d.tokenizer.endswith(".json"):
+        p.append(
+            f"data.tokenizer={d.tokenizer!r} must be 'bytes', 'bpe' or the path of a tokenizer.json"
+        )
 
     for name in ("max_steps", "batch_size", "grad_accum_steps", "seq_len"):
         positive(f"train.{name}", getattr(t, name))

@@ -90,13 +90,19 @@ class FallbackCorpusWarning(UserWarning):
 
 @dataclass
 class Corpus:
-    """A byte corpus: uint8 arrays (usually read-only memmaps) for each split."""
+    """A byte corpus: uint8 arrays (usually read-only memmaps) for each split.
+
+    origins: where each memory-mapped split comes from, split -> (file, start, end) byte
+    range: the corpus's identity for token caches (`tokenizer.py`), which a corpus held in
+    memory (no origin) replaces by a hash of its content.
+    """
 
     name: str
     train: np.ndarray = field(repr=False)
     valid: np.ndarray = field(repr=False)
     test: np.ndarray | None = field(repr=False)
     description: str
+    origins: dict[str, tuple[str, int, int]] = field(default_factory=dict, repr=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,7 +498,9 @@ def _load_hf(source: str, data_dir: Path, split: tuple[float, float, float]) -> 
     if "valid" not in arrays:  # no validation split of its own: cut train like a file
         return _make_corpus(source, arrays["train"], split, description)
     train, valid, test = arrays["train"], arrays["valid"], arrays.get("test")
-    return Corpus(source, train, valid, test, _with_sizes(description, train, valid, test))
+    origins = {s: (str(Path(a.filename).resolve()), 0, len(a)) for s, a in arrays.items()}
+    description = _with_sizes(description, train, valid, test)
+    return Corpus(source, train, valid, test, description, origins)
 
 
 # --------------------------------------------------------------------------------------------
@@ -675,7 +683,14 @@ def _make_corpus(
     train, valid, test = data[:a], data[a:b], (data[b:] if split[2] else None)
     if len(train) == 0 or len(valid) == 0 or (test is not None and len(test) == 0):
         raise ValueError(f"{description}: {n:,} bytes are too few to split by {split}")
-    return Corpus(name, train, valid, test, _with_sizes(description, train, valid, test))
+    origins = {}
+    if isinstance(data, np.memmap) and data.filename:
+        path = str(Path(data.filename).resolve())
+        origins = {"train": (path, 0, a), "valid": (path, a, b)}
+        if test is not None:
+            origins["test"] = (path, b, n)
+    description = _with_sizes(description, train, valid, test)
+    return Corpus(name, train, valid, test, description, origins)
 
 
 def _with_sizes(description: str, *splits: np.ndarray | None) -> str:

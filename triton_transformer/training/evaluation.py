@@ -1,4 +1,7 @@
-"""Evaluation (loss and bits per byte over a split) and text sampling of a model.
+"""Evaluation (loss per token and bits per byte over a split) and text sampling of a model.
+
+Bits per byte = the total loss in nats / ln 2 / the UTF-8 bytes of the scored labels, so it
+is comparable across tokenizers; with the byte tokenizer it is the loss / ln 2.
 
 Both run under a forked RNG state, so calling them during training never perturbs the
 training streams: a resumed run reproduces an uninterrupted one exactly.
@@ -17,8 +20,9 @@ from tqdm.auto import tqdm
 
 from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.training.config import EvalConfig
-from triton_transformer.training.data import decode_tokens, eval_window_starts, windows_at
+from triton_transformer.training.data import eval_window_starts, windows_at
 from triton_transformer.training.distributed import DistInfo, all_reduce_sum
+from triton_transformer.training.tokenizer import ByteTokenizer, Tokenizer, bits_per_byte
 
 __all__ = ["Evaluator", "evaluate_loss", "fork_rng", "generate_text", "sample_from_split"]
 
@@ -44,23 +48,28 @@ def evaluate_loss(
     autocast: AutocastFactory,
     dist: DistInfo = SINGLE_PROCESS,
     progress: bool = False,
+    token_bytes: np.ndarray | None = None,
 ) -> dict:
-    """Mean loss (nats/byte), bits per byte and label count over the windows of `data`
-    chosen by `eval_window_starts(len(data), seq_len, max_bytes)` (max_bytes 0: all).
+    """Mean loss (nats/token), bits per byte and label count over the windows of `data`
+    chosen by `eval_window_starts(len(data), seq_len, max_bytes)` (max_bytes 0: all; for
+    token corpora max_bytes counts labels, i.e. tokens).
+
+    token_bytes: the byte length of every token id (`Tokenizer.token_bytes()`); None: each
+    token is one byte. Bits per byte is the summed loss / ln 2 / the labels' bytes.
 
     The set of windows depends on neither `batch_size` nor the number of ranks: rank r scores
     windows r, r + N, r + 2N, ... in batches of `batch_size`, and the summed losses and label
     counts are all-reduced, so the result is the same up to float rounding. Pass the unwrapped
-    model: DDP would add collectives. Returns {"val_loss", "val_bpb", "tokens"}.
+    model: DDP would add collectives. Returns {"val_loss", "val_bpb", "tokens", "bytes"}.
     """
     starts = eval_window_starts(len(data), seq_len, max_bytes)[dist.rank :: dist.world_size]
     was_training = model.training
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss * n, n
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * n, n, bytes
     bar = tqdm(
         total=len(starts) * seq_len,
         desc="eval",
-        unit="B",
+        unit="B" if token_bytes is None else "tok",
         unit_scale=True,
         leave=False,
         disable=not progress,
@@ -69,18 +78,21 @@ def evaluate_loss(
         with fork_rng(device), bar:
             for i in range(0, len(starts), batch_size):
                 batch = windows_at(data, starts[i : i + batch_size], seq_len)
+                n = batch.shape[0] * seq_len
+                n_bytes = n if token_bytes is None else int(token_bytes[batch[:, 1:]].sum())
                 batch = batch.to(device, non_blocking=True)
                 with autocast():
                     loss = model(batch)
-                n = batch.shape[0] * seq_len
                 sums[0] += loss.double() * n
                 sums[1] += n
+                sums[2] += n_bytes
                 bar.update(n)
     finally:
         model.train(was_training)
-    total, count = all_reduce_sum(sums).tolist()
+    total, count, n_bytes = all_reduce_sum(sums).tolist()
     val_loss = total / max(count, 1.0)
-    return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2), "tokens": int(count)}
+    bpb = val_loss / math.log(2) if token_bytes is None else bits_per_byte(total, int(n_bytes))
+    return {"val_loss": val_loss, "val_bpb": bpb, "tokens": int(count), "bytes": int(n_bytes)}
 
 
 @torch.no_grad()
@@ -95,9 +107,12 @@ def sample_from_split(
     filter_thres: float,
     device: torch.device,
     autocast: AutocastFactory,
+    tokenizer: Tokenizer | None = None,
 ) -> dict:
-    """Generate `length` bytes after a prime of `prime_len` bytes of `data` chosen by `seed`
-    (the same seed gives the same prime and the same text). Returns {"prime", "sample"}."""
+    """Generate `length` tokens after a prime of `prime_len` tokens of `data` chosen by
+    `seed` (the same seed gives the same prime and the same text), decoded by `tokenizer`
+    (default: bytes). Returns {"prime", "sample"}."""
+    tokenizer = tokenizer or ByteTokenizer()
     pick = torch.Generator().manual_seed(seed)
     start = int(torch.randint(0, len(data) - prime_len, (1,), generator=pick))
     prime = torch.from_numpy(np.array(data[start : start + prime_len]))
@@ -105,7 +120,10 @@ def sample_from_split(
     gen = torch.Generator(device=device).manual_seed(seed)
     with fork_rng(device), autocast():
         out = wrapper.generate(prime[None], length, temperature, filter_thres, generator=gen)
-    return {"prime": decode_tokens(prime.cpu()), "sample": decode_tokens(out[0].cpu())}
+    return {
+        "prime": tokenizer.text(prime.cpu()),
+        "sample": tokenizer.text(out[0].cpu()),
+    }
 
 
 class Evaluator:
@@ -115,6 +133,7 @@ class Evaluator:
     seq_len, batch_size: the run's windows (the validation set does not depend on the batch).
     seed: the run's seed; a sample's prime is chosen by (seed, step).
     progress: may show a progress bar (main rank, log.progress) for whole-split passes.
+    tokenizer: what `valid` holds the ids of (default: bytes), for bits per byte and samples.
     """
 
     def __init__(
@@ -130,13 +149,16 @@ class Evaluator:
         autocast: AutocastFactory,
         dist: DistInfo = SINGLE_PROCESS,
         progress: bool = False,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.token_bytes = None if self.tokenizer.kind == "bytes" else self.tokenizer.token_bytes()
         self.wrapper, self.valid, self.e = wrapper, valid, e
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.device, self.autocast, self.dist, self.progress = device, autocast, dist, progress
 
     def loss(self, max_bytes: int | None = None) -> dict:
-        """Mean loss (nats/byte) and bits per byte over the validation windows: at most
+        """Mean loss (nats/token) and bits per byte over the validation windows: at most
         `max_bytes` (default eval.max_bytes; 0: the whole split) spread over the split, the
         same set at any batch size and number of ranks (sharded and all-reduced)."""
         return evaluate_loss(
@@ -149,6 +171,7 @@ class Evaluator:
             autocast=self.autocast,
             dist=self.dist,
             progress=self.progress and max_bytes == 0,
+            token_bytes=self.token_bytes,
         )
 
     def whole_split(self, periodic: dict) -> dict:
@@ -157,7 +180,7 @@ class Evaluator:
         return periodic if self.e.max_bytes == 0 else self.loss(max_bytes=0)
 
     def sample(self, step: int) -> dict:
-        """Generate eval.generate_len bytes after a validation prime chosen by (seed, step)."""
+        """Generate eval.generate_len tokens after a validation prime chosen by (seed, step)."""
         e = self.e
         out = sample_from_split(
             self.wrapper,
@@ -169,6 +192,7 @@ class Evaluator:
             filter_thres=e.filter_thres,
             device=self.device,
             autocast=self.autocast,
+            tokenizer=self.tokenizer,
         )
         return {"step": step, **out}
 
@@ -184,14 +208,20 @@ def generate_text(
     seed: int,
     device: torch.device,
     autocast: AutocastFactory,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
-    """`length` bytes sampled after `prompt` (with the KV cache), decoded as UTF-8 (bad bytes
-    and control characters as U+FFFD). The same seed gives the same text on one machine."""
+    """`length` tokens sampled after `prompt` (with the KV cache), decoded by `tokenizer`
+    (default: bytes) as UTF-8 (bad bytes and control characters as U+FFFD). The same seed
+    gives the same text on one machine."""
+    tokenizer = tokenizer or ByteTokenizer()
     wrapper = model if isinstance(model, AutoregressiveWrapper) else AutoregressiveWrapper(model)
-    tokens = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    ids = tokenizer.encode(prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt is empty: give at least one byte")
+    tokens = torch.from_numpy(ids).to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with fork_rng(device), autocast():
         out = wrapper.generate(
             tokens[None], length, temperature, filter_thres, use_kv_cache=True, generator=gen
         )
-    return decode_tokens(out[0].cpu())
+    return tokenizer.text(out[0].cpu())

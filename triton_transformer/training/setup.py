@@ -1,12 +1,12 @@
 """What a run needs before its first step: the device, the precision, the Triton check, the
-corpus and the model (wrapped for compile and DDP). Each is a plain function of the config
-sections it reads (and, under torchrun, of the rank)."""
+corpus, its tokenizer and tokens, and the model (wrapped for compile and DDP). Each is a
+plain function of the config sections it reads (and, under torchrun, of the rank)."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,7 +21,18 @@ from triton_transformer.training.config import (
     TrainConfig,
 )
 from triton_transformer.training.data import Corpus, FallbackCorpusWarning, load_corpus
-from triton_transformer.training.distributed import DistInfo, env_info, main_process_first
+from triton_transformer.training.distributed import (
+    DistInfo,
+    broadcast_object,
+    env_info,
+    main_process_first,
+)
+from triton_transformer.training.tokenizer import (
+    BPETokenizer,
+    Tokenizer,
+    resolve_tokenizer,
+    tokenize_corpus,
+)
 from triton_transformer.transformer import Transformer
 from triton_transformer.utils import exists, interpreter_enabled
 
@@ -31,8 +42,10 @@ __all__ = [
     "check_corpus",
     "check_triton",
     "load_run_corpus",
+    "prepare_tokens",
     "resolve_cuda_graph",
     "resolve_device",
+    "resolve_num_tokens",
     "resolve_precision",
 ]
 
@@ -115,6 +128,53 @@ def load_run_corpus(d: DataConfig, dist: DistInfo) -> Corpus:
         )
 
 
+def token_cache_dir(d: DataConfig) -> Path:
+    """Where tokenizers trained on a corpus and its token caches are kept: beside the data."""
+    return Path(d.data_dir) / "tokens"
+
+
+def prepare_tokens(
+    d: DataConfig, corpus: Corpus, dist: DistInfo, *, saved: str | None = None
+) -> tuple[Tokenizer, Corpus]:
+    """The run's tokenizer and its corpus as token ids (train and valid splits).
+
+    saved: the tokenizer.json text a resumed run's checkpoint holds (used instead of
+    data.tokenizer). A "bpe" is trained by rank 0 first (the others then read its copy beside
+    the data), and every rank uses rank 0's; each machine's rank 0 writes the token caches
+    before the others read them. The byte tokenizer returns `corpus` unchanged.
+    """
+    progress = dist.local_rank == 0
+    if saved is None and d.tokenizer == "bytes":
+        return resolve_tokenizer("bytes", 0, corpus, token_cache_dir(d)), corpus
+    with main_process_first(local=False):
+        if saved is not None:
+            tokenizer: Tokenizer = BPETokenizer.from_str(saved, "the checkpoint's tokenizer")
+        else:
+            tokenizer = resolve_tokenizer(
+                d.tokenizer, d.vocab_size, corpus, token_cache_dir(d), progress=progress
+            )
+    if dist.enabled:  # a BPE trained on another machine may differ: rank 0's is the one
+        text = broadcast_object(tokenizer.to_json())
+        if text != tokenizer.to_json():
+            tokenizer = BPETokenizer.from_str(text, "rank 0's tokenizer")
+    with main_process_first():
+        tokens = tokenize_corpus(corpus, tokenizer, token_cache_dir(d), progress=progress)
+    return tokenizer, tokens
+
+
+def resolve_num_tokens(m: ModelConfig, tokenizer: Tokenizer) -> int:
+    """model.num_tokens, or the tokenizer's vocabulary when it is 0; ConfigError when it is
+    smaller than the tokenizer's."""
+    if m.num_tokens == 0:
+        return tokenizer.vocab_size
+    if m.num_tokens < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.num_tokens={m.num_tokens} is smaller than the {tokenizer.describe()}; "
+            "set model.num_tokens=0 to follow the tokenizer (or a larger size)"
+        )
+    return m.num_tokens
+
+
 def check_corpus(corpus: Corpus, t: TrainConfig, e: EvalConfig) -> None:
     """Every split the run reads holds at least one window."""
     need = {"train": t.seq_len + 2}
@@ -126,7 +186,7 @@ def check_corpus(corpus: Corpus, t: TrainConfig, e: EvalConfig) -> None:
         have = len(getattr(corpus, split))
         if have < n:
             raise ConfigError(
-                f"the {split} split of corpus '{corpus.name}' has {have} bytes, too few "
+                f"the {split} split of corpus '{corpus.name}' has {have} tokens, too few "
                 f"for train.seq_len={t.seq_len} / eval.prime_len={e.prime_len}"
             )
 
@@ -156,8 +216,8 @@ def build_model(
     """(the Transformer, its AutoregressiveWrapper, the module a training step calls: the
     wrapper, in DDP with several ranks). Draws the initial weights from torch's generator,
     so every rank builds the same ones (DDP also broadcasts rank 0's at wrap time)."""
-    model = Transformer(**asdict(m)).to(device)
-    model.check_token_ids = False  # bytes are always < num_tokens; avoid a GPU sync
+    model = Transformer(**m.transformer_kwargs()).to(device)
+    model.check_token_ids = False  # ids are < the tokenizer's vocab <= num_tokens: no sync
     wrapper = AutoregressiveWrapper(model)
     if compile:
         # compile the inner module in place, then wrap it in DDP: the order PyTorch documents

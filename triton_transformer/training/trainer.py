@@ -35,6 +35,7 @@ Rank 0 alone prints, logs, samples and writes checkpoints.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -84,8 +85,10 @@ from triton_transformer.training.setup import (
     check_corpus,
     check_triton,
     load_run_corpus,
+    prepare_tokens,
     resolve_cuda_graph,
     resolve_device,
+    resolve_num_tokens,
     resolve_precision,
 )
 from triton_transformer.training.step import (
@@ -95,6 +98,7 @@ from triton_transformer.training.step import (
     StepOutcome,
     make_optimizer,
 )
+from triton_transformer.training.tokenizer import TOKENIZER_NAME, write_text_atomic
 from triton_transformer.utils import exists
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
@@ -119,12 +123,18 @@ class TrainResult:
     peak_mem_mb: float | None = None  # GPU only
     world_size: int = 1  # processes that trained (tokens_per_s counts all of them)
     full_val_loss: float | None = None  # over the whole validation split, after the last step
+    full_val_bpb: float | None = None  # its bits per byte
+    val_bpbs: dict[int, float] = field(default_factory=dict)  # step -> bits per byte
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted
     mfu: float | None = None  # model FLOPs utilisation on a GPU of known peak, else None
 
     @property
     def final_val_loss(self) -> float | None:
         return self.val_losses[max(self.val_losses)] if self.val_losses else None
+
+    @property
+    def final_val_bpb(self) -> float | None:
+        return self.val_bpbs[max(self.val_bpbs)] if self.val_bpbs else None
 
 
 class Trainer:
@@ -178,6 +188,8 @@ class Trainer:
         ckpt_path = find_checkpoint(resume) if exists(resume) else None
         ckpt = load_checkpoint(ckpt_path) if exists(ckpt_path) else None
         if exists(ckpt):
+            if m.num_tokens == 0:  # "the tokenizer's": the one the run was trained with
+                m.num_tokens = ckpt["config"].get("model", {}).get("num_tokens", 0)
             check_model_matches(ckpt, m, ckpt_path)
             # an override the checkpoint's state would silently undo (train.lr, ...) is refused
             check_resume_changes(config_from_dict(ckpt["config"]), config, ckpt_path)
@@ -186,10 +198,22 @@ class Trainer:
 
         seed_everything(t.seed)
         self.corpus = corpus if exists(corpus) else load_run_corpus(config.data, self.dist)
+        # the tokenizer (a resumed run's own), then the corpus as its ids (cached beside the
+        # data), then the model's vocabulary: the tokenizer's unless the config sets one (a
+        # config keeps its 0, "the tokenizer's"; checkpoints record the number too)
+        saved_tokenizer = ckpt.get("tokenizer") if exists(ckpt) else None
+        self.tokenizer, self.corpus = prepare_tokens(
+            config.data, self.corpus, self.dist, saved=saved_tokenizer
+        )
+        self.num_tokens = resolve_num_tokens(m, self.tokenizer)
         check_corpus(self.corpus, t, config.eval)
         cuda_graph, self.cuda_graph_note = resolve_cuda_graph(t, self.device, self.dist.enabled)
         self.model, self.wrapper, self.train_model = build_model(
-            m, compile=t.compile, device=self.device, dist=self.dist, cuda_graph=cuda_graph
+            dataclasses.replace(m, num_tokens=self.num_tokens),
+            compile=t.compile,
+            device=self.device,
+            dist=self.dist,
+            cuda_graph=cuda_graph,
         )
         optimizer = make_optimizer(self.model, t, self.device, capturable=cuda_graph)
         if self.dist.rank > 0:
@@ -239,6 +263,7 @@ class Trainer:
             autocast=self._autocast,
             dist=self.dist,
             progress=self.dist.is_main and lg.progress,
+            tokenizer=self.tokenizer,
         )
         self.schedule = Schedule.of(t, config.eval, lg)
         tokens_per_step = t.batch_size * t.grad_accum_steps * self.dist.world_size * t.seq_len
@@ -267,6 +292,9 @@ class Trainer:
                 self._lock.clear_previous_run()  # --overwrite: only now that setup succeeded
             truncate_logs(self.run_dir, self.step)
             self._wandb_id = self.log.start_wandb(config, self._wandb_id)
+            tokenizer_json = self.tokenizer.to_json()
+            if exists(tokenizer_json):  # what sample, eval and --resume read (bytes: none)
+                write_text_atomic(self.run_dir / TOKENIZER_NAME, tokenizer_json)
             # last: a resume that fails to set up leaves the config it ran with in place
             (self.run_dir / "config.toml").write_text(_config_to_toml(config))
 
@@ -363,13 +391,17 @@ class Trainer:
         """The periodic validation of `step` (and after the last one the whole split)."""
         val = self.evaluate()
         result.val_losses[step] = val["val_loss"]
+        result.val_bpbs[step] = val["val_bpb"]
         self._print(f"step {step}: val loss {val['val_loss']:.4f}, {val['val_bpb']:.4f} bits/byte")
         if self.schedule.evaluates_whole_split(step):
             full = self.evaluator.whole_split(val)
             val.update(full_val_loss=full["val_loss"], full_val_bpb=full["val_bpb"])
-            result.full_val_loss = full["val_loss"]
+            result.full_val_loss, result.full_val_bpb = full["val_loss"], full["val_bpb"]
+            size = f"{full['tokens']:,} bytes"
+            if self.tokenizer.kind != "bytes":
+                size = f"{full['tokens']:,} tokens, {full['bytes']:,} bytes"
             self._print(
-                f"step {step}: whole validation split ({full['tokens']:,} bytes): "
+                f"step {step}: whole validation split ({size}): "
                 f"loss {full['val_loss']:.4f}, {full['val_bpb']:.4f} bits/byte"
             )
         return val
@@ -391,7 +423,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything a checkpoint holds but the RNG streams (`Checkpointer.save` adds
         those of every rank)."""
-        return {
+        state = {
             "version": CHECKPOINT_VERSION,
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -402,7 +434,12 @@ class Trainer:
             "config": self.config.to_dict(),
             "wandb_id": self._wandb_id,
             "log_window": self.window.state_dict(),
+            "num_tokens": self.num_tokens,  # the model's vocabulary (config: 0 follows it)
         }
+        tokenizer_json = self.tokenizer.to_json()
+        if exists(tokenizer_json):  # the checkpoint alone rebuilds the run's tokenizer
+            state["tokenizer"] = tokenizer_json
+        return state
 
     def _load_state(self, ckpt: dict) -> None:
         unwrap_model(self.model).load_state_dict(ckpt["model"])
@@ -551,7 +588,9 @@ class Trainer:
         backend = "Triton kernels" if self.config.model.use_triton else "PyTorch ops"
         self._print(
             f"run {self.run_dir} | {n_params / 1e6:.2f}M params | {backend} | {self.device} "
-            f"{precision}{' | compiled' if t.compile else ''} | corpus {self.corpus.name} | "
+            f"{precision}{' | compiled' if t.compile else ''} | corpus {self.corpus.name}"
+            + (f" ({self.tokenizer.describe()})" if self.tokenizer.kind != "bytes" else "")
+            + " | "
             f"{self.speed.tokens_per_step} tokens/step | CUDA graph {self.cuda_graph_note}"
             + (f" | resuming at step {self.step}" if self.step else "")
         )
