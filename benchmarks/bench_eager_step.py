@@ -1,0 +1,86 @@
+"""The model step in an ordinary eager loop (no CUDA graph): PyTorch ops against Triton ops.
+
+For each preset (enwik8 and GPT-2 shapes, `bench_step.PRESETS`) and op set, the training step
+of `cuda_graph.capturable_train_step` (bf16 autocast, fused AdamW) runs eagerly with autograd's
+backward on its device worker thread (PyTorch's default) and on the calling thread
+(`torch.autograd.set_multithreading_enabled(False)`, what the trainer does); ms per step is
+the median of 5 x 10 steps. Also an inference forward (no_grad). Writes eager_step_<label>.json.
+
+Usage: python3 benchmarks/bench_eager_step.py --out DIR [--label after] [--presets small gpt2]
+To compare two checkouts, run it with PYTHONPATH pointing at each (the package is imported
+from PYTHONPATH first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_step
+
+from triton_transformer.cuda_graph import capturable_train_step
+
+
+def ms_per_step(step, steps: int = 10) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def measure(preset: str, provider: str) -> dict:
+    p = bench_step.PRESETS[preset]
+    torch.manual_seed(0)
+    model = bench_step.build(provider, "eager", p, 0.0)
+    batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
+    step = capturable_train_step(model, batch, lr=3e-4)
+    for _ in range(5):  # autotuning, allocator warm-up
+        step()
+    row = {}
+    for threaded in (True, False):
+        with torch.autograd.set_multithreading_enabled(threaded):
+            ms_per_step(step, 3)
+            ms = statistics.median(ms_per_step(step) for _ in range(5))
+        row["ms_worker_thread" if threaded else "ms_calling_thread"] = ms
+
+    def infer():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(batch)
+
+    infer()
+    row["inference_ms"] = ms_per_step(infer)
+    tokens = p["batch"] * p["seq"]
+    for key in ("worker_thread", "calling_thread"):
+        row[f"tokens/s_{key}"] = tokens / row[f"ms_{key}"] * 1e3
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--presets", nargs="+", default=["small", "gpt2"])
+    args = ap.parse_args()
+    results = {}
+    for preset in args.presets:
+        for provider in ("torch", "triton"):
+            results[f"{preset}/{provider}"] = row = measure(preset, provider)
+            print(args.label, preset, provider, {k: round(v, 2) for k, v in row.items()})
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"eager_step_{args.label}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
