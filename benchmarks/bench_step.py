@@ -127,11 +127,30 @@ def has_fused_loss() -> bool:
     return "fused_loss" in inspect.signature(Transformer.__init__).parameters
 
 
+# Transformer options of each block (`--block`): today's classic block, or the Llama-style one
+# (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 4 query heads per k/v head).
+BLOCKS = {
+    "classic": {},
+    "llama": dict(pos_emb="rope", norm="rmsnorm", ff_act="swiglu", kv_heads_divisor=4),
+}
+
+
 def build(
-    provider: str, mode: str, p: dict, dropout: float, fused_loss: bool | None = None
+    provider: str,
+    mode: str,
+    p: dict,
+    dropout: float,
+    fused_loss: bool | None = None,
+    block: str = "classic",
 ) -> nn.Module:
     """The model of a case, on the GPU in training mode, compiled for the compile modes.
-    fused_loss: passed to `Transformer` when not None (see `has_fused_loss`)."""
+    fused_loss: passed to `Transformer` when not None (see `has_fused_loss`). block: a key of
+    `BLOCKS` (the SDPA GPT has the classic block only)."""
+    if provider == "sdpa-gpt" and block != "classic":
+        raise ValueError("the SDPA GPT has the classic block only")
+    options = dict(BLOCKS[block])
+    if "kv_heads_divisor" in options:
+        options["kv_heads"] = p["heads"] // options.pop("kv_heads_divisor")
     if provider == "sdpa-gpt":
         model = SdpaGPT(p["dim"], p["depth"], p["heads"], p["seq"], p["vocab"], dropout)
     else:
@@ -141,7 +160,7 @@ def build(
                 num_tokens=p["vocab"], dim=p["dim"], depth=p["depth"], heads=p["heads"],
                 dim_head=p["dim_head"], max_seq_len=p["seq"], causal=True,
                 attn_dropout=dropout, ff_dropout=dropout, use_triton=provider == "triton",
-                check_token_ids=False, **extra,
+                check_token_ids=False, **extra, **options,
             )
         )  # fmt: skip
     model = model.cuda().train()
@@ -152,13 +171,19 @@ def build(
 
 
 def measure(
-    provider: str, mode: str, p: dict, dropout: float, steps: int, fused_loss: bool | None = None
+    provider: str,
+    mode: str,
+    p: dict,
+    dropout: float,
+    steps: int,
+    fused_loss: bool | None = None,
+    block: str = "classic",
 ) -> dict:
     """One case: tokens/s, wall and GPU time per step, peak memory, MFU, and its kernels."""
     torch.manual_seed(0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(provider, mode, p, dropout, fused_loss)
+    model = build(provider, mode, p, dropout, fused_loss, block)
     batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
     step = capturable_train_step(model, batch, lr=3e-4)
     if mode in ("graph", "compile-graph"):
@@ -333,6 +358,8 @@ def main() -> None:
                     help="the Triton model's fused_loss (default: the model's own)")  # fmt: skip
     ap.add_argument("--loss-chunk-rows", type=int, default=None,
                     help="rows per chunk of the fused loss (default: the module's)")  # fmt: skip
+    ap.add_argument("--block", choices=list(BLOCKS), default="classic",
+                    help="the Transformer's block (llama: rope, RMSNorm, SwiGLU, GQA)")  # fmt: skip
     args = ap.parse_args()
     if args.loss_chunk_rows:
         from triton_transformer import linear_cross_entropy
@@ -344,12 +371,13 @@ def main() -> None:
     cases = [tuple(c.split(":")) for c in args.cases] if args.cases else CASES
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    name = args.preset if args.block == "classic" else f"{args.preset}_{args.block}"
     rows = []
     for dropout in args.dropout:
         for provider, mode in cases:
             for fused in fused_settings(args.fused_loss, provider):
                 try:
-                    row = measure(provider, mode, p, dropout, args.steps, fused)
+                    row = measure(provider, mode, p, dropout, args.steps, fused, args.block)
                 except Exception as e:  # one failing configuration must not hide the others
                     row = {
                         "provider": provider,
@@ -365,7 +393,7 @@ def main() -> None:
         if "kernels" in r:
             r["breakdown ms"] = breakdown(r["kernels"])
     ceil = common.ceilings()
-    (out / f"step_{args.preset}.json").write_text(
+    (out / f"step_{name}.json").write_text(
         json.dumps(
             {"env": common.env_info(), "preset": p, "ceilings": ceil, "rows": rows}, indent=1
         )
@@ -374,7 +402,7 @@ def main() -> None:
             "gpu busy", "peak MiB", "MFU", "loss"]  # fmt: skip
     env = common.env_info()
     lines = [
-        f"# Training step, preset {args.preset}: {p}",
+        f"# Training step, preset {args.preset}, {args.block} block: {p}",
         "",
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
         f"bf16 autocast, fused AdamW; measured bf16 peak {ceil['bf16_tflops']:.0f} TFLOP/s; "
@@ -391,11 +419,11 @@ def main() -> None:
         cells = [common._fmt(r.get(k, r.get("error", ""))) for k in keys]
         lines.append("| " + " | ".join([*cells, f"{ratio:.2f}"]) + " |")
     md = "\n".join(lines) + "\n"
-    (out / f"step_{args.preset}.md").write_text(md)
+    (out / f"step_{name}.md").write_text(md)
     print(md)
-    (out / f"step_{args.preset}_kernels.md").write_text(common.kernel_tables(rows, args.top))
+    (out / f"step_{name}_kernels.md").write_text(common.kernel_tables(rows, args.top))
     tables = breakdown_tables(rows)
-    (out / f"step_{args.preset}_breakdown.md").write_text(tables)
+    (out / f"step_{name}_breakdown.md").write_text(tables)
     print(tables)
 
 
