@@ -2,8 +2,9 @@
 
 The first signal only sets a flag: a single process stops after the current micro-batch;
 under DDP the ranks agree through the per-step all-reduce (`step.LossCheck`) and all stop
-after the same step. A second signal stops at once (KeyboardInterrupt from the handler).
-Which checkpoint can then be saved is the trainer's decision (`Trainer._save_interrupted`).
+after the same step. A second signal stops at once (KeyboardInterrupt from the handler, at
+whatever line the host is on). Which checkpoint can then be saved is the trainer's decision
+(`Trainer._save_interrupted`), by the phase of the step it interrupted (step.py's docstring).
 """
 
 from __future__ import annotations

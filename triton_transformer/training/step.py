@@ -20,9 +20,27 @@ Either way the read is `LossCheck.read`: with several ranks one small all-reduce
 the losses and carries whether any rank was asked to stop, so every rank logs the same loss,
 takes the same non-finite decision and stops after the same step.
 
-`OptimizerStep.phase` says where an interrupt found the step: "forward" (gradients are being
-accumulated: discard the step and rewind to `rng_at_start`), "update" (parameters are
-changing: the state is not consistent) or "idle".
+The step/phase protocol. A first Ctrl-C only sets a flag, read between micro-batches and
+between steps; a second one raises KeyboardInterrupt wherever the host is (`interrupts.py`).
+The trainer then saves a checkpoint only if the state is one step's: `OptimizerStep.phase`
+says which (`Trainer._save_interrupted`):
+
+    "idle"     between steps: parameters, optimizer, scheduler, RNG streams and data position
+               are those of the caller's step counter. Saved as they are.
+    "forward"  the step has drawn from the RNG streams (data position, dropout) and may hold
+               gradients, but nothing else changed: `discard` its gradients and its unread
+               loss, save the previous step with the streams rewound to `rng_at_start`.
+    "update"   from the first change to the parameters, optimizer or scheduler until the
+               caller has counted the step (`run`'s `count`): neither step's state, so
+               nothing is saved and the last checkpoint is kept.
+
+`run` sets every phase itself: "forward" only once `rng_at_start` is captured, "update" before
+the first change, "idle" only after `count` returned. Eager: "forward" covers the
+micro-batches, clipping and the loss read; "update" the AdamW step, zeroing the gradients and
+the scheduler step. Graphed: "forward" covers staging the micro-batches (the host's draws
+from the data stream; the static buffer is overwritten by every step); "update" the graph
+call (an eager warm-up step, the capture or a replay, which also advances the CUDA RNG) and
+the scheduler step.
 """
 
 from __future__ import annotations
@@ -138,6 +156,11 @@ class LossCheck:
         # a copy: a graph replay overwrites its outputs (a tiny device-side kernel)
         self._pending.append((step, torch.stack([loss, grad_norm])))
 
+    def drop(self, step: int) -> None:
+        """Forget the loss of `step`, a discarded step (read already or not)."""
+        self._pending = [(s, v) for s, v in self._pending if s != step]
+        self.last_read.pop(step, None)
+
     def read(self) -> dict[int, tuple[float, float]]:
         """step -> (loss, grad norm) of every pending step. With several ranks every rank
         must call this at the same steps (it all-reduces)."""
@@ -206,8 +229,9 @@ class OptimizerStep:
         self.rng = rng
         self.autocast = autocast
         self.device = device
-        self.phase = "idle"
-        self.rng_at_start: dict | None = None  # before the current eager step's draws
+        self.phase = "idle"  # see the module docstring
+        self.running: int | None = None  # the number of the step `run` was last asked for
+        self.rng_at_start: dict | None = None  # the RNG streams before that step's draws
         self._graphed: GraphedStep | None = None
         self._inputs: StaticInputs | None = None
 
@@ -232,14 +256,25 @@ class OptimizerStep:
             torch.cuda.synchronize(self.device)
             self._graphed = None
 
-    def run(self, step: int, *, sync: bool = True) -> StepOutcome:
+    def run(
+        self,
+        step: int,
+        *,
+        sync: bool = True,
+        count: Callable[[StepOutcome], None] | None = None,
+    ) -> StepOutcome:
         """Optimizer step number `step`. `sync`: read its loss now (CUDA graphs; eager steps
-        always do). Raises NonFiniteLossError (eager: before the update) and StepInterrupted
-        (a stop between micro-batches; the caller then `discard`s the step)."""
+        always do). `count(outcome)`: called once the step is applied, before the phase goes
+        back to "idle": the caller advances its step counter there (an interrupt during it
+        then saves nothing, never a step counted half). Raises NonFiniteLossError (eager:
+        before the update) and StepInterrupted (a stop between micro-batches; the caller
+        then `discard`s the step)."""
         lr = self._current_lr()
         start = time.perf_counter()
+        self.running = step
+        self.rng_at_start = self.rng.capture()
+        self.phase = "forward"  # until the update, an interrupt rewinds to rng_at_start
         if self._graphed is None:
-            self.rng_at_start = self.rng.capture()
             loss, grad_norm = self._forward_backward()
             self.checks.add(step, loss, grad_norm)
             try:
@@ -247,8 +282,11 @@ class OptimizerStep:
             except NonFiniteLossError:
                 self.discard()
                 raise
+            self.phase = "update"
             self._update()
         else:
+            self._stage()
+            self.phase = "update"
             loss, grad_norm = self._replay()
             self.checks.add(step, loss, grad_norm)
             values = self.checks.read() if sync else {}
@@ -256,11 +294,17 @@ class OptimizerStep:
         if step in values:
             outcome.loss, outcome.grad_norm = values[step]
         outcome.time_s = time.perf_counter() - start
+        if count is not None:
+            count(outcome)
+        self.phase = "idle"
         return outcome
 
     def discard(self) -> None:
-        """Drop the gradients of a step that will not be applied."""
+        """Drop a step that will not be applied: its gradients and its loss if not read yet
+        (an interrupt between `LossCheck.add` and `read`: a later read must not count it)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.running is not None:
+            self.checks.drop(self.running)
         self.phase = "idle"
 
     def _current_lr(self) -> float:
@@ -283,7 +327,6 @@ class OptimizerStep:
     def _forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate and clip the gradients of the step's micro-batches: (mean loss, global
         gradient norm before clipping), 0-dim float32 device tensors, no host sync."""
-        self.phase = "forward"
         n = self.t.grad_accum_steps
         total = torch.zeros((), device=self.device)
         with reuse_weight_casts():  # the weights are fixed until the optimizer step
@@ -315,21 +358,22 @@ class OptimizerStep:
 
     def _update(self) -> None:
         """Apply the accumulated gradients: optimizer step, zero grads, scheduler step."""
-        self.phase = "update"
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.phase = "idle"
 
-    def _replay(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole step as one graph call: (loss, grad_norm) device tensors that the next
-        replay overwrites."""
+    def _stage(self) -> None:
+        """Draw the step's micro-batches on the host (the same data stream as eager steps)
+        and copy them into the static input buffer the graph reads."""
         n = self.t.grad_accum_steps
-        # the host draws this step's micro-batches (the same data stream as eager steps)
         batches = torch.stack([self.next_batch() for _ in range(n)])
         if self._inputs is None:
             self._inputs = StaticInputs(tuple(batches.shape), batches.dtype, self.device)
         self._inputs.load(batches)
+
+    def _replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole step as one graph call on the staged micro-batches: (loss, grad_norm)
+        device tensors that the next replay overwrites."""
         loss, grad_norm = self._graphed()
         self.scheduler.step()  # fills the lr tensor the next replay reads
         return loss, grad_norm

@@ -331,8 +331,6 @@ class Trainer:
                 step, info = out.step, out.info()
                 result.losses.update(out.losses)
                 step_times.append(out.time_s)
-                # with CUDA graphs the losses arrive at sync steps, in time for the record
-                self.window.add(sum(out.losses.values()), out.time_s)
                 tokens_per_s = self.window.tokens_per_s(self.speed.tokens_per_step)
                 self._show_progress(pbar, out, tokens_per_s)
                 if len(step_times) == 1:
@@ -374,18 +372,25 @@ class Trainer:
         return result
 
     def train_step(self, sync: bool | None = None) -> StepOutcome:
-        """The loop's next optimizer step. `sync`: read its loss on the host now (default: at
-        the steps `Schedule.reads_loss` names, or when asked to stop); only CUDA-graph steps
-        can leave it on the device, eager steps always read it."""
+        """The loop's next optimizer step, applied and counted (`_count_step`). `sync`: read
+        its loss on the host now (default: at the steps `Schedule.reads_loss` names, or when
+        asked to stop); only CUDA-graph steps can leave it on the device, eager steps always
+        read it."""
         n = self.step + 1
         if sync is None:
             sync = self.schedule.reads_loss(n) or self.interrupts.stop_now
-        out = self.step_runner.run(n, sync=sync)
+        return self.step_runner.run(n, sync=sync, count=self._count_step)
+
+    def _count_step(self, out: StepOutcome) -> None:
+        """Count the step `out` just applied. `OptimizerStep.run` calls this while its phase
+        is still "update", so an interrupt in here saves nothing, never a half-counted step
+        (the step/phase protocol: step.py's docstring)."""
         self._stepped = True
-        self.step = n
+        self.step = out.step
         self.tokens_seen += self.speed.tokens_per_step
         self.train_time_s += out.time_s
-        return out
+        # with CUDA graphs the losses arrive at sync steps, in time for the record
+        self.window.add(sum(out.losses.values()), out.time_s)
 
     def _validate(self, step: int, result: TrainResult) -> dict:
         """The periodic validation of `step` (and after the last one the whole split)."""
@@ -478,15 +483,17 @@ class Trainer:
                 f"{self.dist.world_size} ranks: not saving; {kept}"
             )
             return None
+        # the step/phase protocol of step.py's docstring
         if self.step_runner.phase == "update":
             self._print(
-                f"interrupted during the parameter update of step {self.step + 1}: "
+                f"interrupted while step {self.step_runner.running} was being applied: "
                 f"not saving; {kept}"
             )
             return None
         rng = None
         if self.step_runner.phase == "forward":
-            # half-way through a step: drop its gradients and rewind its RNG draws
+            # half-way through a step that changed nothing yet: drop its gradients and loss,
+            # and save the previous step with its RNG draws (data position too) rewound
             self.step_runner.discard()
             rng = self.step_runner.rng_at_start
         path = self.save_checkpoint(rng)
