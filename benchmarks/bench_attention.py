@@ -9,7 +9,7 @@ and the naive bmm -> softmax -> bmm composition; generation tokens/s; training t
 - Peak memory of forward+backward over the inputs (constant in seq when linear, because
   b·seq is fixed).
 - `--sweep`: times every candidate tile configuration at seq 4096 (compiled in parallel first)
-  — the table behind `attention._fwd_config` / `_bwd_config`.
+  — the table behind `attention._attention_fwd_config` / `_attention_bwd_config`.
 - Generation tokens/s (`AutoregressiveWrapper.generate`, batch 1 and 16) of the enwik8 model
   with attn_impl flash vs naive vs PyTorch, decode step graphed or eager, and the kernel time
   of one decode step's attention against SDPA (`--model-only`: just these). Training tokens/s of
@@ -220,14 +220,16 @@ SWEEP_LENGTHS = (1024, 4096)
 def _run_config(kind, cfg, n, d, causal, b, h):
     q, k, v = make_inputs(b, h, n, d, grad=False)
     scale = d**-0.5
-    out, lse = A._fwd(
+    out, lse = A.launch_attention_fwd(
         q, k, v, None, None, causal, scale, 0.0, True, config=cfg if kind == "fwd" else None
     )
     if kind == "fwd":
-        return lambda: A._fwd(q, k, v, None, None, causal, scale, 0.0, True, config=cfg)
+        return lambda: A.launch_attention_fwd(
+            q, k, v, None, None, causal, scale, 0.0, True, config=cfg
+        )
     dout = torch.randn_like(out)
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    return lambda: A._bwd(
+    return lambda: A.launch_attention_bwd(
         dout, q, k, v, out, lse, None, None, causal, scale, 0.0, *grads, config=cfg,
         deterministic=kind == "bwd",
     )  # fmt: skip
@@ -254,7 +256,7 @@ def use_sweep_winners(results):
             key = (r["kind"], r["d"], r["causal"])
             if key not in best or r["tflops"] > best[key]["tflops"]:
                 best[key] = r
-    fwd_default, bwd_default = A._fwd_config, A._bwd_config
+    fwd_default, bwd_default = A._attention_fwd_config, A._attention_bwd_config
 
     def fwd_config(decode, d, dtype, causal, dropout):
         r = best.get(("fwd", d, causal))
@@ -268,7 +270,7 @@ def use_sweep_winners(results):
             return r["cfg"]
         return bwd_default(d, dtype, causal, dropout, atomic)
 
-    A._fwd_config, A._bwd_config = fwd_config, bwd_config
+    A._attention_fwd_config, A._attention_bwd_config = fwd_config, bwd_config
     print("using:", {k: v["cfg"] for k, v in best.items()}, flush=True)
 
 

@@ -22,7 +22,8 @@ before each call: host overhead excluded, which do_bench's events do not guarant
 `frac` is GB/s over the device-to-device copy bandwidth measured in the same run; `wall_us` is
 host wall-clock per call in a tight loop.
 
---tune sweeps the launch configurations of `layernorm._FWD_TABLE` / `_BWD_TABLE` at
+--tune sweeps the launch configurations of `layernorm._LAYERNORM_FWD_CONFIGS` /
+`_LAYERNORM_BWD_CONFIGS` at
 N = 16384, 12288, 8192, 4096, 2048, 1024, 768, 512, 384, 256, 128 (2**26 / N rows, bf16, plain
 and stable, forward and backward; the stages and the caps on the candidates are described
 above `run_tune`) against torch.compile of the reference, and prints the best configuration
@@ -56,10 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from triton_transformer.layernorm import (
     MAX_BLOCK_N,
     BwdConfig,
-    _layernorm_torch,
-    launch_bwd,
-    launch_bwd_rowsums,
-    launch_fwd,
+    _layernorm_reference,
+    launch_layernorm_bwd,
+    launch_layernorm_bwd_rowsums,
+    launch_layernorm_fwd,
     layernorm,
     width_class,
 )
@@ -214,7 +215,7 @@ def _torch_fn(op: str):
     if op == "layernorm":
         return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, EPS)
     if op == "layernorm_stable":
-        return lambda x, w, b: _layernorm_torch(x, w, b, EPS, True)
+        return lambda x, w, b: _layernorm_reference(x, w, b, EPS, True)
 
     def res(h, br, w, b):
         h_new = h + br
@@ -481,20 +482,22 @@ class SweepProblem:
         self.stats = {s: torch.empty((3 if s else 2, M), device=DEVICE) for s in (False, True)}
         self.rowsums = torch.empty((3, M), device=DEVICE)
         for stable in (False, True):
-            launch_fwd(self.x, self.w, self.b, self.y, self.stats[stable], EPS, stable)
+            launch_layernorm_fwd(self.x, self.w, self.b, self.y, self.stats[stable], EPS, stable)
 
     def fwd(self, cfg, stable: bool) -> Callable[[], None]:
         stats = torch.empty_like(self.stats[stable])  # the backward's stats stay intact
-        return lambda: launch_fwd(self.x, self.w, self.b, self.y, stats, EPS, stable, cfg=cfg)
+        return lambda: launch_layernorm_fwd(
+            self.x, self.w, self.b, self.y, stats, EPS, stable, cfg=cfg
+        )
 
     def bwd(self, cfg: BwdConfig, stable: bool) -> Callable[[], None]:
-        return lambda: launch_bwd(self.dy, self.x, self.w, self.stats[stable], self.dx, self.dw,
-                                  self.db, EPS, stable, cfg=cfg)  # fmt: skip
+        return lambda: launch_layernorm_bwd(self.dy, self.x, self.w, self.stats[stable], self.dx,
+                                            self.dw, self.db, EPS, stable, cfg=cfg)  # fmt: skip
 
     def sums(self, cfg: BwdConfig, stable: bool) -> Callable[[], None]:
         rowsums = self.rowsums[: 3 if stable else 2]
-        return lambda: launch_bwd_rowsums(self.x, self.w, self.dy, self.stats[stable], rowsums,
-                                          EPS, stable, cfg)  # fmt: skip
+        return lambda: launch_layernorm_bwd_rowsums(self.x, self.w, self.dy, self.stats[stable],
+                                                    rowsums, EPS, stable, cfg)  # fmt: skip
 
     def compiled(self, stable: bool) -> dict[str, Callable[[], object]]:
         """torch.compile of the reference: the training forward (grad enabled, as in a step)
@@ -517,7 +520,7 @@ def _gbps(kind: str, M: int, N: int, ms: float) -> float:
 
 def _shipped(N: int) -> tuple[tuple[int, int, int], BwdConfig]:
     ln = sys.modules["triton_transformer.layernorm"]
-    return ln._fwd_config(N, MAX_BLOCK_N)[:3], ln._bwd_entry(N, MAX_BLOCK_N)
+    return ln._layernorm_fwd_config(N, MAX_BLOCK_N)[:3], ln._layernorm_bwd_config(N, MAX_BLOCK_N)
 
 
 def _top(times: dict, k: int) -> list:
@@ -634,9 +637,9 @@ def print_tables(tables: dict, results: dict[int, dict]) -> None:
     """The full tables as they are written in layernorm.py: swept classes replaced, the others
     kept; and the chosen entries' ratio to torch.compile at every swept width."""
     ln = sys.modules["triton_transformer.layernorm"]
-    fwd = {**ln._FWD_TABLE, **tables["fwd"]}
-    bwd = {**ln._BWD_TABLE, **tables["bwd"]}
-    print("_FWD_TABLE: dict[int, tuple[int, int, int]] = {")
+    fwd = {**ln._LAYERNORM_FWD_CONFIGS, **tables["fwd"]}
+    bwd = {**ln._LAYERNORM_BWD_CONFIGS, **tables["bwd"]}
+    print("_LAYERNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {")
     for k, v in sorted(fwd.items()):
         print(f"    {k}: {tuple(v)},{'' if k in tables['fwd'] else '  # not swept'}")
     print("}\n_BWD_TABLE: dict[int, BwdConfig] = {")
@@ -660,8 +663,8 @@ def install_tables(tables: dict) -> None:
     """Run `ours` with tuned tables (as if pasted into layernorm.py): JSON keys are strings,
     forward entries lists and backward entries dicts."""
     ln = sys.modules["triton_transformer.layernorm"]
-    ln._FWD_TABLE.update({int(k): tuple(v) for k, v in tables["fwd"].items()})
-    ln._BWD_TABLE.update({int(k): BwdConfig(**v) for k, v in tables["bwd"].items()})
+    ln._LAYERNORM_FWD_CONFIGS.update({int(k): tuple(v) for k, v in tables["fwd"].items()})
+    ln._LAYERNORM_BWD_CONFIGS.update({int(k): BwdConfig(**v) for k, v in tables["bwd"].items()})
     ln._clear_config_caches()
 
 

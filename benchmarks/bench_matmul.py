@@ -496,7 +496,9 @@ def main() -> None:
                     for split in (1, 2, 4, 8, 16):
 
                         def run_split(a=a, b=b, c=c, s=split, la=la, lb=lb, n=num_sms):
-                            plan_module._launch_tma(a, b, c, None, None, False, la, lb, s, n, None)
+                            plan_module.launch_mm_tma(
+                                a, b, c, None, None, False, la, lb, s, n, None
+                            )
 
                         t = timed(run_split)
                         if t:

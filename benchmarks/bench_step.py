@@ -247,10 +247,11 @@ CATEGORIES = (
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # fused AdamW and the foreach grad-norm clip: multi_tensor_apply kernels, lpnorm_cleanup
     ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm")),
-    # ours (_attn_fwd/_bwd/_dq/_delta/_combine kernels); PyTorch's SDPA: FlashAttention
+    # ours (_attention_fwd/_bwd/_dq/_delta/_combine kernels); PyTorch's SDPA: FlashAttention
     # (flash_fwd/bwd), cuDNN (cudnn_generated_..._sdpa_..._fprop/bprop), mem-efficient (fmha)
     ("attention", ("_attn_", "flash", "fmha", "cudnn", "sdpa", "_attention")),
-    # ours (_ln_fwd/_bwd/_rowsum/_cols, _colsum); PyTorch's layer_norm kernels and inductor's
+    # ours (_layernorm_fwd/_bwd/_rowsum/_cols/_colsum; older profiles _ln_*); PyTorch's
+    # layer_norm kernels and inductor's
     # fused native_layer_norm(_backward) ones
     ("layernorm", ("_ln_", "_colsum", "layer_norm", "layernorm", "gammabeta", "rowwisemoments")),
     # ours (_cross_entropy_*); PyTorch's log_softmax + nll_loss (cunn_SoftMax*) and inductor's
@@ -270,7 +271,7 @@ _BACKWARD = ("bwd", "backward", "bprop", "grad", "cutlassb", "dot_do_o", "conver
 
 def categorize(kernel: str) -> str:
     """The kind of a profiler kernel name, one of `CATEGORIES`: ours (Triton kernels keep their
-    function names: _mm_tma_kernel, _attn_bwd_kernel, ...), PyTorch's and cuBLAS's, and
+    function names: _mm_tma_kernel, _attention_bwd_kernel, ...), PyTorch's and cuBLAS's, and
     inductor's (triton_poi_/triton_red_/triton_per_fused_<ops>, triton_tem_ for templates).
     Attention and layernorm split into forward and backward by the name."""
     k = kernel.lower()

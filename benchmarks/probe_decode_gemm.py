@@ -44,7 +44,7 @@ def probe(M: int, N: int, K: int, relu2: bool) -> dict[str, float]:
     for cfg in PTR_CONFIGS:
 
         def launch(cfg=cfg):
-            matmul_plan._launch_ptr(x[None], w.t()[None], out, None, None, relu2, cfg, False)
+            matmul_plan.launch_mm_ptr(x[None], w.t()[None], out, None, None, relu2, cfg, False)
 
         launch()
         err = ((out[0].float() - ref).norm() / ref.norm()).item()

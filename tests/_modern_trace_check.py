@@ -99,16 +99,16 @@ def compile_sm90(kernel, num_warps, **constants):
 
 
 variants = {
-    "rms fwd single": (rms._rms_fwd_kernel, 4, dict(SINGLE=True, BLOCK_M=4, BLOCK_N=1024)),
+    "rms fwd single": (rms._rmsnorm_fwd_kernel, 4, dict(SINGLE=True, BLOCK_M=4, BLOCK_N=1024)),
     "rms fwd loop residual": (
-        rms._rms_fwd_kernel, 8, dict(SINGLE=False, BLOCK_M=1, BLOCK_N=4096, RESIDUAL=True,
+        rms._rmsnorm_fwd_kernel, 8, dict(SINGLE=False, BLOCK_M=1, BLOCK_N=4096, RESIDUAL=True,
                                      DROPOUT=True, INT64_IDX=True),
     ),
     "rms bwd row prefetch": (
-        rms._rms_bwd_kernel, 4, dict(SINGLE=True, BLOCK_M=4, BLOCK_N=1024, PREFETCH=True,
+        rms._rmsnorm_bwd_kernel, 4, dict(SINGLE=True, BLOCK_M=4, BLOCK_N=1024, PREFETCH=True,
                                      HAS_DHN=True, WRITE_DBR=True, DROPOUT=True),
     ),
-    "rms bwd loop": (rms._rms_bwd_kernel, 8, dict(SINGLE=False, BLOCK_M=1, BLOCK_N=4096)),
+    "rms bwd loop": (rms._rmsnorm_bwd_kernel, 8, dict(SINGLE=False, BLOCK_M=1, BLOCK_N=4096)),
     "rope": (rope._rope_kernel, 4, dict(HAS_POS=True, INVERSE=False, BLOCK_S=8, BLOCK_D=64)),
     "rope inverse": (rope._rope_kernel, 4, dict(HAS_POS=False, INVERSE=True, BLOCK_S=16,
                                                 BLOCK_D=32)),

@@ -41,7 +41,7 @@ common = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True, HAS_KPM=False, DROPOUT=True,
 fwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, Out=bf16, LSE="*fp32", KPM=bf16, SEED="*i64",
                 KV_LEN="*i64", PART_ACC="*fp32", PART_ML="*fp32")  # fmt: skip
 compile_sm90(
-    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
+    attn._attention_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(common, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True, HAS_KV_LEN=False,
          SPLIT_K=False),
 )  # fmt: skip
@@ -54,12 +54,12 @@ bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE=
 for atomic, dq_tma, tma in ((False, False, False), (False, False, True), (True, True, True),
                             (True, False, False)):  # fmt: skip
     compile_sm90(
-        attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
+        attn._attention_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
         dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic,
              DQ_TMA=dq_tma, TMA=tma),
     )  # fmt: skip
 compile_sm90(
-    attn._attn_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},
+    attn._attention_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},
     dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64),
 )  # fmt: skip
 print("attention backward: ok")
@@ -78,12 +78,12 @@ compile_sm90(
 )  # fmt: skip
 print("relu² gradient with dropout: ok")
 compile_sm90(
-    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
+    attn._attention_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(common, DROPOUT=False, BLOCK_M=16, BLOCK_N=128, WRITE_LSE=False, FOLD_SCALE=True,
          HAS_KV_LEN=True, SPLIT_K=True),
 )  # fmt: skip
 compile_sm90(
-    attn._attn_combine_kernel, dict(PART_ACC="*fp32", PART_ML="*fp32", Out=bf16), set(),
+    attn._attention_fwd_combine_kernel, dict(PART_ACC="*fp32", PART_ML="*fp32", Out=bf16), set(),
     dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=64),
 )  # fmt: skip
 print("attention over a KV cache whose length is on the device: ok")
@@ -91,18 +91,18 @@ print("attention over a KV cache whose length is on the device: ok")
 # backward's key-block programs looping over the group (deterministic, and the single pass)
 gqa = dict(common, GROUP=4)
 compile_sm90(
-    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
+    attn._attention_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(gqa, BLOCK_M=128, BLOCK_N=64, WRITE_LSE=True, FOLD_SCALE=True, HAS_KV_LEN=False,
          SPLIT_K=False),
 )  # fmt: skip
 compile_sm90(
-    attn._attn_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
+    attn._attention_fwd_kernel, fwd_ptrs, {"qk_scale", "out_scale"},
     dict(gqa, DROPOUT=False, BLOCK_M=16, BLOCK_N=128, WRITE_LSE=False, FOLD_SCALE=True,
          HAS_KV_LEN=True, SPLIT_K=True),
 )  # fmt: skip
 for atomic, dq_tma, tma in ((False, False, False), (True, True, True)):
     compile_sm90(
-        attn._attn_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
+        attn._attention_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
         dict(gqa, HAS_KPM=True, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32,
              ATOMIC_DQ=atomic, DQ_TMA=dq_tma, TMA=tma),
     )  # fmt: skip

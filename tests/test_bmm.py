@@ -83,13 +83,13 @@ def test_bmm_reads_transposed_view_in_place(device, monkeypatch):
     # gives batched products to cuBLAS on a GPU).
     monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     seen = []
-    real = plan_module._launch_ptr
+    real = plan_module.launch_mm_ptr
 
     def spy(a, b, c, *args, **kwargs):
         seen.append((a.data_ptr(), b.data_ptr()))
         return real(a, b, c, *args, **kwargs)
 
-    monkeypatch.setattr(plan_module, "_launch_ptr", spy)
+    monkeypatch.setattr(plan_module, "launch_mm_ptr", spy)
     q = rand((2, 2, 9, 16), torch.float32, device).requires_grad_()
     k = rand((2, 2, 11, 16), torch.float32, device).requires_grad_()
     bmm(q, k.transpose(-1, -2), use_triton=True).sum().backward()
@@ -634,8 +634,8 @@ def test_traced_products_go_to_cublas(monkeypatch):
 
     _pretend_gpu(monkeypatch, 9, 132, "H200")
     monkeypatch.setattr(plan_module, "_plan", plan)
-    monkeypatch.setattr(plan_module, "_launch_tma", no_triton)
-    monkeypatch.setattr(plan_module, "_launch_ptr", no_triton)
+    monkeypatch.setattr(plan_module, "launch_mm_tma", no_triton)
+    monkeypatch.setattr(plan_module, "launch_mm_ptr", no_triton)
     monkeypatch.setattr(plan_module, "COMPILE_TMA", True)  # reach a launch without a copy
     bf16 = torch.bfloat16
     with FakeTensorMode():
@@ -786,8 +786,8 @@ def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
     monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     monkeypatch.setattr(plan_module, "_FORCE_PATH", path)
     tma_calls = []
-    real = plan_module._launch_tma
-    monkeypatch.setattr(plan_module, "_launch_tma", lambda *a: tma_calls.append(1) or real(*a))
+    real = plan_module.launch_mm_tma
+    monkeypatch.setattr(plan_module, "launch_mm_tma", lambda *a: tma_calls.append(1) or real(*a))
     check_linear_bf16(M, K, N, activation, device)
     hopper = torch.cuda.get_device_capability()[0] in (9, 10)
     assert len(tma_calls) == (3 if path == "tma" and hopper else 0)
@@ -800,8 +800,8 @@ def test_few_rows_gpu(K, N, activation, M, device, monkeypatch):
     # decode-sized products (a token per sequence) take the narrow pointer tiles, or cuBLAS
     # for plain products with a long K; forward and backward against float64
     ptr_calls = []
-    real = plan_module._launch_ptr
-    monkeypatch.setattr(plan_module, "_launch_ptr", lambda *a: ptr_calls.append(a[6]) or real(*a))
+    real = plan_module.launch_mm_ptr
+    monkeypatch.setattr(plan_module, "launch_mm_ptr", lambda *a: ptr_calls.append(a[6]) or real(*a))
     check_linear_bf16(M, K, N, activation, device)
     few_rows = ptr_calls.count(plan_module._FEW_ROWS_PTR)
     # the forward (unless cuBLAS takes it) and dX = dY @ W (M rows, K = N: cuBLAS if N >= 2048)

@@ -43,17 +43,17 @@ WIDE_PATHS = {
 def tables():
     """`tables(fwd, bwd)` makes every width take these launch configurations (a one-entry
     table is every width's nearest entry; None keeps the shipped one) until the test ends."""
-    saved = ln_mod._FWD_TABLE, ln_mod._BWD_TABLE
+    saved = ln_mod._LAYERNORM_FWD_CONFIGS, ln_mod._LAYERNORM_BWD_CONFIGS
 
     def use(fwd=None, bwd=None):
         if fwd is not None:
-            ln_mod._FWD_TABLE = {16: fwd}
+            ln_mod._LAYERNORM_FWD_CONFIGS = {16: fwd}
         if bwd is not None:
-            ln_mod._BWD_TABLE = {16: bwd}
+            ln_mod._LAYERNORM_BWD_CONFIGS = {16: bwd}
         ln_mod._clear_config_caches()
 
     yield use
-    ln_mod._FWD_TABLE, ln_mod._BWD_TABLE = saved
+    ln_mod._LAYERNORM_FWD_CONFIGS, ln_mod._LAYERNORM_BWD_CONFIGS = saved
     ln_mod._clear_config_caches()
 
 
@@ -443,12 +443,12 @@ def test_registered_custom_op(stable, bias, device):
     tests = ["test_schema", "test_autograd_registration"]
     if device == "cuda":
         tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
-    torch.library.opcheck(ln_mod.layernorm_fwd, (*args, 1e-5, stable), test_utils=tests)
-    _, stats = ln_mod.layernorm_fwd(*args, 1e-5, stable)
+    torch.library.opcheck(ln_mod.layernorm_op, (*args, 1e-5, stable), test_utils=tests)
+    _, stats = ln_mod.layernorm_op(*args, 1e-5, stable)
     # Detached: the backward op has no autograd of its own (once-differentiable).
     bwd_args = (torch.randn_like(x), x.detach(), w.detach(), b.detach() if bias else None, stats,
                 1e-5, stable)  # fmt: skip
-    torch.library.opcheck(ln_mod.layernorm_bwd, bwd_args, test_utils=tests)
+    torch.library.opcheck(ln_mod.layernorm_backward_op, bwd_args, test_utils=tests)
 
 
 @pytest.mark.parametrize("stable", [False, True])
@@ -538,13 +538,13 @@ def test_backward_variants_agree(stable, device):
     # equal. The variants sum dweight/dbias in different fixed orders: close, not equal.
     x, w, b = _inputs((50, 100), device=device)
     dy = torch.randn(x.shape, device=device)
-    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, stable)
+    _, stats = ln_mod.layernorm_op(x, w, b, 1e-5, stable)
     ref = _fwd_bwd(x, w, b, dy.double(), stable=stable, use_triton=False, dtype=torch.float64)
     outs = {}
     for name, cfg in BWD_VARIANTS.items():
         # NaN-poisoned: every element must be written.
         dx, dw, db = (torch.full_like(t, float("nan")) for t in (x, w, b))
-        ln_mod.launch_bwd(dy, x, w, stats, dx, dw, db, 1e-5, stable, cfg=cfg)
+        ln_mod.launch_layernorm_bwd(dy, x, w, stats, dx, dw, db, 1e-5, stable, cfg=cfg)
         outs[name] = (dx, dw, db)
         for got, want, what in zip(outs[name], ref[1:], ("dx", "dw", "db"), strict=True):
             _assert_close(got, want, 1e-5, f"{name} {what}")
@@ -558,11 +558,11 @@ def test_backward_variants_agree(stable, device):
 
 def test_row_config_must_hold_the_row(device):
     x, w, b = _inputs((4, 100), device=device)
-    _, stats = ln_mod.layernorm_fwd(x, w, b, 1e-5, False)
+    _, stats = ln_mod.layernorm_op(x, w, b, 1e-5, False)
     dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
     with pytest.raises(ValueError, match="row"):
-        ln_mod.launch_bwd(x, x, w, stats, dx, dw, db, 1e-5, False, cfg=BWD_VARIANTS["loop"]
-                          ._replace(kind="row"))  # fmt: skip
+        ln_mod.launch_layernorm_bwd(x, x, w, stats, dx, dw, db, 1e-5, False,
+                                    cfg=BWD_VARIANTS["loop"]._replace(kind="row"))  # fmt: skip
 
 
 def test_config_lookup(tables):
@@ -570,18 +570,18 @@ def test_config_lookup(tables):
     # fit its block (a wider class than the entry's, or a small MAX_BLOCK_N) loops instead.
     big = 2**15
     tables(fwd=(1, 8192, 16), bwd=BwdConfig("row", 1, 8192, 16, 4))
-    assert ln_mod._fwd_config(100, big) == (1, 128, 16, True)
-    assert ln_mod._fwd_config(20000, big) == (1, 8192, 16, False)
-    assert ln_mod._fwd_config(100, 32) == (1, 32, 16, False)
-    assert ln_mod._bwd_entry(100, big) == BwdConfig("row", 1, 128, 16, 4)
-    assert ln_mod._bwd_entry(8192, big) == BwdConfig("row", 1, 8192, 16, 4)
-    assert ln_mod._bwd_entry(8193, big) == BwdConfig("loop", 1, 8192, 16, 4)
-    assert ln_mod._bwd_entry(100, 32) == BwdConfig("loop", 1, 32, 16, 4)
+    assert ln_mod._layernorm_fwd_config(100, big) == (1, 128, 16, True)
+    assert ln_mod._layernorm_fwd_config(20000, big) == (1, 8192, 16, False)
+    assert ln_mod._layernorm_fwd_config(100, 32) == (1, 32, 16, False)
+    assert ln_mod._layernorm_bwd_config(100, big) == BwdConfig("row", 1, 128, 16, 4)
+    assert ln_mod._layernorm_bwd_config(8192, big) == BwdConfig("row", 1, 8192, 16, 4)
+    assert ln_mod._layernorm_bwd_config(8193, big) == BwdConfig("loop", 1, 8192, 16, 4)
+    assert ln_mod._layernorm_bwd_config(100, 32) == BwdConfig("loop", 1, 32, 16, 4)
     split = BwdConfig("split", 8, 256, 4, 4, sum_block_m=1, sum_block_n=4096, sum_warps=8)
     tables(bwd=split)
-    assert ln_mod._bwd_entry(100, big) == split._replace(block_n=128, sum_block_n=128)
-    assert ln_mod._bwd_entry(30000, big) == split
-    assert ln_mod._bwd_entry(30000, 64) == split._replace(block_n=64, sum_block_n=64)
+    assert ln_mod._layernorm_bwd_config(100, big) == split._replace(block_n=128, sum_block_n=128)
+    assert ln_mod._layernorm_bwd_config(30000, big) == split
+    assert ln_mod._layernorm_bwd_config(30000, 64) == split._replace(block_n=64, sum_block_n=64)
 
 
 @pytest.mark.parametrize("M", [1, 7, 50, 4096, 100_003])
@@ -685,7 +685,7 @@ def test_compile_traces_split_backward_cpu():
 
         triton.runtime.driver.set_active(Target())
         ln = importlib.import_module("triton_transformer.layernorm")
-        ln._BWD_TABLE = {{16: ln.{SPLIT!r}}}
+        ln._LAYERNORM_BWD_CONFIGS = {{16: ln.{SPLIT!r}}}
         sys.argv = [{str(script)!r}, "layernorm"]
         runpy.run_path({str(script)!r}, run_name="__main__")
     """)
@@ -723,19 +723,19 @@ def test_kernels_compile_for_sm90_cpu():
         for stable in (False, True):
             for bm, bn, warps, single in ((1, 16384, 16, True), (4, 1024, 4, True),
                                           (1, 4096, 8, False)):
-                compile_sm90(ln._ln_fwd_kernel, warps, STABLE=stable, SINGLE=single,
+                compile_sm90(ln._layernorm_fwd_kernel, warps, STABLE=stable, SINGLE=single,
                              RESIDUAL=True, BLOCK_M=bm, BLOCK_N=bn, **io)
             for bm, bn, warps, single, prefetch in ((1, 8192, 16, True, False),
                                                     (4, 1024, 4, True, True),
                                                     (1, 4096, 8, False, False)):
-                compile_sm90(ln._ln_bwd_kernel, warps, STABLE=stable, SINGLE=single,
+                compile_sm90(ln._layernorm_bwd_kernel, warps, STABLE=stable, SINGLE=single,
                              HAS_DHN=True, WRITE_DBR=True, BLOCK_M=bm, BLOCK_N=bn,
                              PREFETCH=prefetch, **io)
             for prefetch in (False, True):
-                compile_sm90(ln._ln_bwd_cols_kernel, 4, STABLE=stable, HAS_DHN=True,
+                compile_sm90(ln._layernorm_bwd_cols_kernel, 4, STABLE=stable, HAS_DHN=True,
                              WRITE_DBR=True, BLOCK_M=8, BLOCK_N=256, PREFETCH=prefetch, **io)
-            compile_sm90(ln._ln_bwd_rowsum_kernel, 8, STABLE=stable, BLOCK_M=1, BLOCK_N=4096)
-        compile_sm90(ln._colsum_kernel, 8, HAS_BIAS=True, BLOCK_G=256, BLOCK_C=32)
+            compile_sm90(ln._layernorm_bwd_rowsum_kernel, 8, STABLE=stable, BLOCK_M=1, BLOCK_N=4096)
+        compile_sm90(ln._layernorm_bwd_colsum_kernel, 8, HAS_BIAS=True, BLOCK_G=256, BLOCK_C=32)
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -17,8 +17,8 @@ from test_layernorm import _assert_close  # row-wise relative error, NaN/inf fai
 from triton_transformer.layernorm import layernorm
 from triton_transformer.residual_layernorm import (
     residual_layernorm,
-    residual_layernorm_bwd,
-    residual_layernorm_fwd,
+    residual_layernorm_backward_op,
+    residual_layernorm_op,
 )
 from triton_transformer.utils import draw_seed
 
@@ -49,7 +49,7 @@ def _run(h, br, w, b, dy, dhn, p=0.0, stable=False, eps=1e-5, seed=None):
             *leaves[:3], bias, dropout_p=p, eps=eps, stable=stable, use_triton=True
         )
     else:
-        h_new, y, _ = residual_layernorm_fwd(*leaves[:3], bias, eps, stable, p, seed)
+        h_new, y, _ = residual_layernorm_op(*leaves[:3], bias, eps, stable, p, seed)
     keep = (h_new.detach() != h.to(h_new.dtype)) if p > 0 else torch.ones_like(h, dtype=bool)
     grads = torch.autograd.grad((h_new, y), leaves, (dhn.to(h_new.dtype), dy.to(y.dtype)))
     return (h_new, y, *grads), keep
@@ -159,9 +159,9 @@ def test_mask_reproducible_and_fresh(device):
     assert not torch.equal(a != h, c != h)
     # The mask is a function of the seed tensor only.
     s = draw_seed(device)
-    m1 = residual_layernorm_fwd(h, br, w, b, 1e-5, False, 0.5, s)[0] != h
-    m2 = residual_layernorm_fwd(h, br, w, b, 1e-5, False, 0.5, s.clone())[0] != h
-    m3 = residual_layernorm_fwd(h, br, w, b, 1e-5, False, 0.5, s + 1)[0] != h
+    m1 = residual_layernorm_op(h, br, w, b, 1e-5, False, 0.5, s)[0] != h
+    m2 = residual_layernorm_op(h, br, w, b, 1e-5, False, 0.5, s.clone())[0] != h
+    m3 = residual_layernorm_op(h, br, w, b, 1e-5, False, 0.5, s + 1)[0] != h
     assert torch.equal(m1, m2) and not torch.equal(m1, m3)
 
 
@@ -219,12 +219,12 @@ def test_registered_custom_op(p, device):
     if device == "cuda":
         tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
     args = (h.requires_grad_(), br.requires_grad_(), w.requires_grad_(), b.requires_grad_())
-    torch.library.opcheck(residual_layernorm_fwd, (*args, 1e-5, True, p, seed), test_utils=tests)
-    h_new, _, stats = residual_layernorm_fwd(*args, 1e-5, True, p, seed)
+    torch.library.opcheck(residual_layernorm_op, (*args, 1e-5, True, p, seed), test_utils=tests)
+    h_new, _, stats = residual_layernorm_op(*args, 1e-5, True, p, seed)
     # Detached: the backward op has no autograd of its own (once-differentiable).
     bwd_args = (torch.randn_like(h), torch.randn_like(h), h_new.detach(), w.detach(), b.detach(),
                 stats, 1e-5, True, p, seed, h.dtype, br.dtype)  # fmt: skip
-    torch.library.opcheck(residual_layernorm_bwd, bwd_args, test_utils=tests)
+    torch.library.opcheck(residual_layernorm_backward_op, bwd_args, test_utils=tests)
 
 
 @pytest.mark.parametrize("output", [0, 1], ids=["h_new", "y"])

@@ -16,11 +16,11 @@ from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads
 from triton_transformer.rmsnorm import (
     RMSNorm,
     residual_rmsnorm,
-    residual_rmsnorm_bwd,
-    residual_rmsnorm_fwd,
+    residual_rmsnorm_backward_op,
+    residual_rmsnorm_op,
     rmsnorm,
-    rmsnorm_bwd,
-    rmsnorm_fwd,
+    rmsnorm_backward_op,
+    rmsnorm_op,
 )
 from triton_transformer.utils import draw_seed
 
@@ -159,17 +159,17 @@ def test_registered_custom_ops(device):
     if device == "cuda":
         tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
     x.requires_grad_(), w.requires_grad_()
-    torch.library.opcheck(rmsnorm_fwd, (x, w, 1e-5), test_utils=tests)
-    _, rstd = rmsnorm_fwd(x, w, 1e-5)
+    torch.library.opcheck(rmsnorm_op, (x, w, 1e-5), test_utils=tests)
+    _, rstd = rmsnorm_op(x, w, 1e-5)
     torch.library.opcheck(
-        rmsnorm_bwd, (torch.randn_like(x), x.detach(), w.detach(), rstd), test_utils=tests
+        rmsnorm_backward_op, (torch.randn_like(x), x.detach(), w.detach(), rstd), test_utils=tests
     )
     br, seed = torch.randn_like(x).requires_grad_(), draw_seed(device)
-    torch.library.opcheck(residual_rmsnorm_fwd, (x, br, w, 1e-5, 0.2, seed), test_utils=tests)
-    h_new, _, rstd = residual_rmsnorm_fwd(x, br, w, 1e-5, 0.2, seed)
+    torch.library.opcheck(residual_rmsnorm_op, (x, br, w, 1e-5, 0.2, seed), test_utils=tests)
+    h_new, _, rstd = residual_rmsnorm_op(x, br, w, 1e-5, 0.2, seed)
     bwd_args = (torch.randn_like(x), torch.randn_like(x), h_new.detach(), w.detach(), rstd, 0.2,
                 seed, x.dtype, br.dtype)  # fmt: skip
-    torch.library.opcheck(residual_rmsnorm_bwd, bwd_args, test_utils=tests)
+    torch.library.opcheck(residual_rmsnorm_backward_op, bwd_args, test_utils=tests)
 
 
 @pytest.mark.parametrize("which", ["rmsnorm", "residual_rmsnorm"])

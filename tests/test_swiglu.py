@@ -7,7 +7,7 @@ import torch
 from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads, run_trace_check
 
 import triton_transformer.swiglu as sw_mod
-from triton_transformer.swiglu import swiglu, swiglu_bwd, swiglu_fwd
+from triton_transformer.swiglu import swiglu, swiglu_backward_op, swiglu_op
 
 
 def _pair(shape, dtype=torch.float32, device="cpu"):
@@ -62,11 +62,9 @@ def test_registered_custom_ops(device):
     tests = ["test_schema", "test_autograd_registration"]
     if device == "cuda":
         tests += ["test_faketensor", "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(swiglu_op, (gate.requires_grad_(), up.requires_grad_()), test_utils=tests)
     torch.library.opcheck(
-        swiglu_fwd, (gate.requires_grad_(), up.requires_grad_()), test_utils=tests
-    )
-    torch.library.opcheck(
-        swiglu_bwd, (torch.randn_like(gate), gate.detach(), up.detach()), test_utils=tests
+        swiglu_backward_op, (torch.randn_like(gate), gate.detach(), up.detach()), test_utils=tests
     )
 
 

@@ -49,8 +49,8 @@ in a fixed order (deterministic in both variants; the single pass still adds dQ 
 
 Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
 long KV cache, so the keys may be split among programs whose partial results
-`_attn_combine_kernel` merges (FlashDecoding). `attention_cached` runs the same forward with
-the key count read from a device tensor, for a CUDA-graphed decode step.
+`_attention_fwd_combine_kernel` merges (FlashDecoding). `attention_cached` runs the same forward
+with the key count read from a device tensor, for a CUDA-graphed decode step.
 
 Dropout draws keep/drop per (row, key) from Philox keyed by a seed tensor on the device
 (`utils.draw_seed`) and the batch·head index: one Philox call per row and 8 keys, eight 16-bit
@@ -236,7 +236,7 @@ def _fwd_block(
 # Lengths are not specialised (divisibility by 16 buys nothing behind masks), so a new sequence
 # length, e.g. each step of a growing KV cache, never recompiles.
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
-def _attn_fwd_kernel(
+def _attention_fwd_kernel(
     Q, K, V, Out, LSE, KPM, SEED, KV_LEN, PART_ACC, PART_ML,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son,
     skpm_b, skpm_n,
@@ -335,7 +335,8 @@ def _attn_fwd_kernel(
     )  # fmt: skip
 
     if SPLIT_K:
-        # the split's unnormalised accumulator and its (m, l): `_attn_combine_kernel` merges
+        # the split's unnormalised accumulator and its (m, l):
+        # `_attention_fwd_combine_kernel` merges
         part = (bh.to(tl.int64) * N_SPLITS + split) * N_Q + offs_m
         in_q = offs_m < N_Q
         tl.store(PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=in_q[:, None])
@@ -362,7 +363,7 @@ def _attn_fwd_kernel(
 # summed over s in a fixed order (deterministic). A split that saw no key has m_s = -inf,
 # l_s = 0 and drops out; a row no split saw outputs zeros.
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_SPLITS"])
-def _attn_combine_kernel(
+def _attention_fwd_combine_kernel(
     PART_ACC, PART_ML, Out, sob, soh, son, BH, H, N_Q, N_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
@@ -403,7 +404,7 @@ def _attn_combine_kernel(
 
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q"])
-def _attn_bwd_delta_kernel(
+def _attention_bwd_delta_kernel(
     Out, DO, DELTA, DQ_ACC, sob, soh, son, sdob, sdoh, sdon, sdod, BH, H, N_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     ZERO_DQ: tl.constexpr,
@@ -430,7 +431,7 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q"])
-def _attn_bwd_dq_kernel(
+def _attention_bwd_dq_kernel(
     DQ_ACC, DQ, sdqb, sdqh, sdqn, sdqd, BH, H, N_Q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
@@ -624,7 +625,7 @@ def _bwd_dkdv_head(
 
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
-def _attn_bwd_kernel(
+def _attention_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
@@ -648,7 +649,7 @@ def _attn_bwd_kernel(
 
     ATOMIC_DQ (single pass, non-deterministic): only the key-block programs run, and each
     adds its share of dQ into DQ_ACC (fp32, (b·h, n_q, HEAD_DIM)) with atomics;
-    `_attn_bwd_dq_kernel` then scales and casts it into DQ. P is computed once per
+    `_attention_bwd_dq_kernel` then scales and casts it into DQ. P is computed once per
     (query, key) tile instead of twice: 5 tile products instead of 7."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
@@ -797,7 +798,9 @@ def _attn_bwd_kernel(
 
 
 @functools.cache
-def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool, dropout: bool) -> dict:
+def _attention_fwd_config(
+    decode: bool, d: int, dtype: torch.dtype, causal: bool, dropout: bool
+) -> dict:
     """Forward tiles for one problem class: a fixed table, not runtime autotuning (no
     benchmarking on a first call, and the same tiles, hence the same summation order, on
     every run). bf16/fp16 entries are the winners of `benchmarks/bench_attention.py --sweep`
@@ -823,12 +826,12 @@ def _fwd_config(decode: bool, d: int, dtype: torch.dtype, causal: bool, dropout:
 
 
 @functools.cache
-def _bwd_config(
+def _attention_bwd_config(
     d: int, dtype: torch.dtype, causal: bool, dropout: bool = False, atomic: bool = False
 ) -> dict:
     """Backward tiles: key blocks of BLOCK_N1 stepping over BLOCK_M1 queries (dK, dV), query
     blocks of BLOCK_M2 stepping over BLOCK_N2 keys (dQ; unused by the single-pass `atomic`
-    kernel). Sweep winners as in `_fwd_config` (TFLOP/s counting the backward as 2.5
+    kernel). Sweep winners as in `_attention_fwd_config` (TFLOP/s counting the backward as 2.5
     forwards)."""
     if atomic:
         return _ATOMIC_BWD[d <= 64, dtype == torch.float32]
@@ -991,7 +994,9 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
-def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv_len=None):
+def launch_attention_fwd(
+    q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv_len=None
+):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
     lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only).
     kv_len: a 0-dim integer device tensor; only keys [0, kv_len) of k, v are real."""
@@ -1009,7 +1014,7 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         config = (
             _INTERP_FWD
             if meta["interpret"]
-            else _fwd_config(decode, int(d), q.dtype, causal, dropping)
+            else _attention_fwd_config(decode, int(d), q.dtype, causal, dropping)
         )
     m_blocks = -(-n_q // config["BLOCK_M"])
     n_splits, split_len = 1, n_k
@@ -1037,11 +1042,11 @@ def _fwd(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv
         GROUP=_group(q, k),
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
-    _launch_fitting(_attn_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
+    _launch_fitting(_attention_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
     if n_splits > 1:
         # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
         block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
-        launcher(_attn_combine_kernel)[(n_q, gy, gz)](
+        launcher(_attention_fwd_combine_kernel)[(n_q, gy, gz)](
             part_acc, part_ml, out, out.stride(0), out.stride(2), out.stride(1),
             b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_S=block_s,
         )  # fmt: skip
@@ -1071,7 +1076,7 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
     return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
 
 
-def _bwd(
+def launch_attention_bwd(
     dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
     deterministic=None,
 ):  # fmt: skip
@@ -1104,7 +1109,7 @@ def _bwd(
     # the single pass's fp32 dQ sum; the delta kernel zeroes it
     dq_acc = torch.empty((b * h, n_q, d) if atomic else (0,), device=q.device, dtype=torch.float32)
     bm = 64 if not meta["interpret"] else 32
-    launcher(_attn_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
+    launcher(_attention_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
         out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm, ZERO_DQ=atomic,
@@ -1129,7 +1134,7 @@ def _bwd(
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
     elif config is None:
-        config = _bwd_config(int(d), q.dtype, causal, dropping, atomic)
+        config = _attention_bwd_config(int(d), q.dtype, causal, dropping, atomic)
     # a key/value head's key blocks are shared among its query heads' grid rows
     key_blocks = -(-n_k // config["BLOCK_N1"])
     n_prog = -(-key_blocks // consts["GROUP"])
@@ -1137,9 +1142,9 @@ def _bwd(
         n_prog += -(-n_q // config["BLOCK_M2"])
     if consts["DQ_TMA"] or consts["TMA"]:
         triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
-    _launch_fitting(_attn_bwd_kernel, (n_prog, gy, gz), args, consts, config)
+    _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
-        launcher(_attn_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
+        launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
             dq_acc, dq, *dq.stride(), b * h, h, n_q, scale,
             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
         )  # fmt: skip
@@ -1165,7 +1170,7 @@ def flash_attention_op(
     """Fused attention of (b, h, n, d) q, k, v (any strides). Returns the output as a
     contiguous (b, n_q, h, d) tensor and the per-row log-sum-exp (b·h, n_q) in log2 units
     (empty unless need_lse). seed: 0-dim int64 device tensor, used when dropout_p > 0."""
-    return _fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
+    return launch_attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
 
 
 @triton_op("triton_transformer::flash_attention_backward", mutates_args=())
@@ -1185,11 +1190,13 @@ def flash_attention_backward_op(
     """dq, dk, dv (shaped and laid out like q, k, v where those are dense) from dout, the
     (b, n_q, h, d) gradient of `flash_attention_op`'s output."""
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    _bwd(dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv)
+    launch_attention_bwd(
+        dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv
+    )
     return dq, dk, dv
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _flash_attention_setup_context(ctx, inputs, output) -> None:
     q, k, v, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
@@ -1198,7 +1205,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("attention")
-def _backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
+def _flash_attention_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     if dout is None:  # grads are not materialised: the output was not used
         return (None,) * 9
     q, k, v, out, lse, kpm, seed = ctx.saved_tensors
@@ -1211,7 +1218,9 @@ def _backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+flash_attention_op.register_autograd(
+    _flash_attention_backward, setup_context=_flash_attention_setup_context
+)
 
 
 def _split_packed(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1232,7 +1241,7 @@ def flash_attention_packed_op(
     """Self-attention over a packed (b, n, 3, h, d) qkv tensor (any strides): q, k, v are
     read in place. Same outputs as `flash_attention_op`."""
     q, k, v = _split_packed(qkv)
-    return _fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
+    return launch_attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
 
 
 @triton_op("triton_transformer::flash_attention_packed_backward", mutates_args=())
@@ -1252,11 +1261,13 @@ def flash_attention_packed_backward_op(
     dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
     q, k, v = _split_packed(qkv)
     dq, dk, dv = _split_packed(dqkv)
-    _bwd(dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv)
+    launch_attention_bwd(
+        dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv
+    )
     return dqkv
 
 
-def _packed_setup_context(ctx, inputs, output) -> None:
+def _flash_attention_packed_setup_context(ctx, inputs, output) -> None:
     qkv, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
@@ -1265,7 +1276,7 @@ def _packed_setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("attention_packed")
-def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
+def _flash_attention_packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None):
     if dout is None:  # grads are not materialised: the output was not used
         return (None,) * 7
     qkv, out, lse, kpm, seed = ctx.saved_tensors
@@ -1278,7 +1289,9 @@ def _packed_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tensor | None)
     return dqkv, None, None, None, None, None, None
 
 
-flash_attention_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+flash_attention_packed_op.register_autograd(
+    _flash_attention_packed_backward, setup_context=_flash_attention_packed_setup_context
+)
 
 
 @triton_op("triton_transformer::flash_attention_cached", mutates_args=())
@@ -1289,7 +1302,9 @@ def flash_attention_cached_op(
     """Causal attention of (b, h, n_q, d) q over the first cache_len positions of
     (b, h, capacity, d) caches (cache_len: 0-dim integer device tensor). Inference only: no
     log-sum-exp, no autograd. Returns a contiguous (b, n_q, h, d) tensor."""
-    out, _ = _fwd(q, k_cache, v_cache, None, None, True, scale, 0.0, False, kv_len=cache_len)
+    out, _ = launch_attention_fwd(
+        q, k_cache, v_cache, None, None, True, scale, 0.0, False, kv_len=cache_len
+    )
     return out
 
 
@@ -1365,7 +1380,7 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
 
-def _reference(q, k, v, causal, key_padding_mask, dropout_p, scale) -> torch.Tensor:
+def _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale) -> torch.Tensor:
     """The PyTorch semantics: SDPA where it agrees with ours, explicit math elsewhere."""
     k, v = _expand_kv(q, k, v)
     n_q, n_k = q.shape[2], k.shape[2]
@@ -1427,7 +1442,7 @@ def attention(
     dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     if not use_triton:
-        return _reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
+        return _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
     seed = seed_or_draw(seed, q.device) if dropout_p > 0.0 else None
     out, _ = call_op(
         flash_attention_op,

@@ -38,7 +38,6 @@ mean reduction would give NaN = 0/0).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -53,7 +52,6 @@ from triton_transformer._jit_helpers import (
     tile_exp,
 )
 from triton_transformer.utils import (
-    calc_num_warps,
     call_op,
     cdiv,
     check_not_capturing,
@@ -61,7 +59,7 @@ from triton_transformer.utils import (
     first_order_only,
     launcher,
     refuse_second_backward,
-    row_block_size,
+    row_launch_params,
 )
 
 # Longest row the forward holds in registers in one pass, and the backward's block; longer rows
@@ -207,7 +205,7 @@ def _cross_entropy_bwd_kernel(
 
 
 @triton.jit
-def _cross_entropy_scale_kernel(
+def _cross_entropy_bwd_scale_kernel(
     DLOSS, N_VALID, DX, stride_dx_outer, stride_dx_inner, n_rows, n_inner, n_cols,
     DIVIDE_BY_N_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -229,7 +227,7 @@ def _cross_entropy_scale_kernel(
 
 
 @triton.jit
-def _cross_entropy_reduce_kernel(
+def _cross_entropy_fwd_reduce_kernel(
     LOSS_ROWS, LABELS, N_VALID, LOSS, stride_labels_outer, stride_labels_inner,
     n_rows, n_inner, ignore_index,
     HAS_IGNORE: tl.constexpr, SUM_LOSS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
@@ -263,30 +261,16 @@ def _cross_entropy_reduce_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _launch_params(
-    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
-) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols classes."""
-    block_n = row_block_size(n_cols, max_block)
-    single_pass = n_cols <= block_n
-    block_m = max(1, row_tile // block_n) if single_pass else 1
-    tile = block_m * block_n
-    if num_warps is None:
-        num_warps = calc_num_warps(tile) if single_pass else LOOP_NUM_WARPS
-    return block_m, block_n, single_pass, num_warps
-
-
 # The vocabulary size picks the constexpr block sizes, so it is made concrete (int(): under
 # torch.compile's dynamic shapes, one compiled kernel per vocabulary size; rows stay symbolic).
-def _fwd_params(n_cols: int, write_grad: bool = False) -> tuple[int, int, bool, int]:
+def _cross_entropy_fwd_config(n_cols: int, write_grad: bool = False) -> tuple[int, int, bool, int]:
     n_cols = int(n_cols)
     max_block = INPLACE_LOOP_BLOCK if write_grad and n_cols > FWD_MAX_BLOCK else FWD_MAX_BLOCK
-    return _launch_params(n_cols, max_block, ROW_TILE, FWD_NUM_WARPS)
+    return row_launch_params(n_cols, max_block, ROW_TILE, FWD_NUM_WARPS, LOOP_NUM_WARPS)
 
 
-def _bwd_params(n_cols: int) -> tuple[int, int, bool, int]:
-    return _launch_params(int(n_cols), BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS)
+def _cross_entropy_bwd_config(n_cols: int) -> tuple[int, int, bool, int]:
+    return row_launch_params(int(n_cols), BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS, LOOP_NUM_WARPS)
 
 
 def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
@@ -294,10 +278,12 @@ def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize):
+def launch_cross_entropy_fwd(
+    logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize
+):
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
-    block_m, block_n, single_pass, num_warps = _fwd_params(n_cols, write_grad)
+    block_m, block_n, single_pass, num_warps = _cross_entropy_fwd_config(n_cols, write_grad)
     launcher(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, n_valid, loss_rows, lse,
         *_strides_2level(logits), *_strides_2level(labels),
@@ -307,9 +293,11 @@ def _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, write_gra
     )  # fmt: skip
 
 
-def _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count):
+def launch_cross_entropy_fwd_reduce(
+    loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count
+):
     n_outer, n_inner = labels.shape
-    launcher(_cross_entropy_reduce_kernel)[(1,)](
+    launcher(_cross_entropy_fwd_reduce_kernel)[(1,)](
         loss_rows, labels, n_valid, loss, *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
@@ -332,8 +320,8 @@ def cross_entropy_op(
     lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
     n_valid = torch.empty((), dtype=torch.float32, device=device)
     loss = torch.empty((), dtype=torch.float32, device=device)
-    _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, False, False)
-    _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, True)
+    launch_cross_entropy_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, False, False)
+    launch_cross_entropy_fwd_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, True)
     return loss, lse, n_valid
 
 
@@ -350,7 +338,7 @@ def cross_entropy_backward_op(
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    block_m, block_n, _, num_warps = _bwd_params(n_cols)
+    block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
     launcher(_cross_entropy_bwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, lse, n_valid, dloss, dx,
         *_strides_2level(logits), *_strides_2level(labels), n_cols,
@@ -399,9 +387,13 @@ def cross_entropy_inplace_op(
     n_valid = torch.empty((), dtype=torch.float32, device=device)
     loss = torch.empty((), dtype=torch.float32, device=device)
     if has_ignore:  # the gradient needs 1 / n_valid before any row is written
-        _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, False, True)
-    _launch_fwd(logits, labels, ignore_index, n_valid, loss_rows, loss_rows, True, normalize)
-    _launch_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, not has_ignore)
+        launch_cross_entropy_fwd_reduce(loss_rows, labels, ignore_index, n_valid, loss, False, True)
+    launch_cross_entropy_fwd(
+        logits, labels, ignore_index, n_valid, loss_rows, loss_rows, True, normalize
+    )
+    launch_cross_entropy_fwd_reduce(
+        loss_rows, labels, ignore_index, n_valid, loss, True, not has_ignore
+    )
     return loss, n_valid
 
 
@@ -413,8 +405,8 @@ def cross_entropy_inplace_backward_op(
     is exactly 1. grad: the logits buffer written by `cross_entropy_inplace_op`."""
     n_outer, n_inner, n_cols = grad.shape
     n_rows = n_outer * n_inner
-    block_m, block_n, _, num_warps = _bwd_params(n_cols)
-    launcher(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+    block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
+    launcher(_cross_entropy_bwd_scale_kernel)[(cdiv(n_rows, block_m),)](
         dloss, n_valid, grad, *_strides_2level(grad), n_rows, n_inner, n_cols,
         DIVIDE_BY_N_VALID=grad.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
@@ -467,7 +459,7 @@ def _check_labels_in_range(labels: torch.Tensor, V: int, ignore_index: int | Non
         )
 
 
-def _cross_entropy_torch(
+def _cross_entropy_reference(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None
 ) -> torch.Tensor:
     V = logits.shape[-1]
@@ -578,7 +570,7 @@ def cross_entropy(
         _check_labels_in_range(labels, logits.shape[-1], ignore_index)
     # No positions: the reference already gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
-        return _cross_entropy_torch(logits, labels, ignore_index)
+        return _cross_entropy_reference(logits, labels, ignore_index)
 
     logits3, labels2 = _as_rows_3d(logits, labels)
     if inplace_backward and logits.requires_grad and torch.is_grad_enabled():

@@ -182,11 +182,11 @@ def _embedding_bwd_reduce_kernel(
 # was latency-bound (42 µs at T = 2048 and 162 at 8192 on an H200, with 32 programs), so
 # the tokens are split into chunks of >= _MIN_SPLIT_TOKENS, enough to give every SM two
 # programs; the reduce pass sums the fp32 partials in split order.
-_FWD_TILE = {"BLOCK_T": 64, "BLOCK_D": 128, "num_warps": 4}
-_BWD_TILE = {"BLOCK_V": 64, "BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
-_REDUCE_TILE = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
-_INTERP_BWD_TILE = {"BLOCK_V": 16, "BLOCK_T": 16, "BLOCK_D": 32}
-_INTERP_REDUCE_TILE = {"BLOCK_R": 16, "BLOCK_D": 32}
+_EMBEDDING_FWD_CONFIG = {"BLOCK_T": 64, "BLOCK_D": 128, "num_warps": 4}
+_EMBEDDING_BWD_CONFIG = {"BLOCK_V": 64, "BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
+_EMBEDDING_BWD_REDUCE_CONFIG = {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4}
+_EMBEDDING_BWD_INTERP_CONFIG = {"BLOCK_V": 16, "BLOCK_T": 16, "BLOCK_D": 32}
+_EMBEDDING_BWD_REDUCE_INTERP_CONFIG = {"BLOCK_R": 16, "BLOCK_D": 32}
 _MIN_SPLIT_TOKENS = 256
 _MAX_PARTIAL_BYTES = 64 << 20
 
@@ -196,7 +196,9 @@ def _n_splits(n_tokens: int, n_vocab: int, dim: int, device: torch.device) -> in
     """Token chunks of the backward's first pass (cached per shape)."""
     if device.type != "cuda":
         return min(2, max(1, n_tokens // 16))  # the interpreter: two chunks when it can
-    tiles = cdiv(n_vocab, _BWD_TILE["BLOCK_V"]) * cdiv(dim, _BWD_TILE["BLOCK_D"])
+    tiles = cdiv(n_vocab, _EMBEDDING_BWD_CONFIG["BLOCK_V"]) * cdiv(
+        dim, _EMBEDDING_BWD_CONFIG["BLOCK_D"]
+    )
     want = cdiv(2 * sm_count(device), tiles)
     by_tokens = max(1, n_tokens // _MIN_SPLIT_TOKENS)
     by_memory = max(1, _MAX_PARTIAL_BYTES // (n_vocab * dim * 4))
@@ -225,7 +227,7 @@ def embedding_op(
     flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
     weight = as_rows(weight)
     pos = as_rows(pos_weight) if pos_weight is not None else weight
-    tile = _FWD_TILE
+    tile = _EMBEDDING_FWD_CONFIG
     grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
     launcher(_embedding_fwd_kernel)[grid](
         flat_ids, weight, pos, h, weight.stride(0), pos.stride(0), dim,
@@ -249,8 +251,8 @@ def embedding_backward_op(
     dweight = torch.empty((n_vocab, dim), device=dh.device, dtype=weight_dtype)
     dpos = torch.empty((n_pos, dim), device=dh.device, dtype=weight_dtype)
     interpret = interpreter_enabled() or dh.device.type != "cuda"
-    tile = _INTERP_BWD_TILE if interpret else _BWD_TILE
-    reduce_tile = _INTERP_REDUCE_TILE if interpret else _REDUCE_TILE
+    tile = _EMBEDDING_BWD_INTERP_CONFIG if interpret else _EMBEDDING_BWD_CONFIG
+    reduce_tile = _EMBEDDING_BWD_REDUCE_INTERP_CONFIG if interpret else _EMBEDDING_BWD_REDUCE_CONFIG
     n_tokens = b * n
     g = as_rows(dh)
     # whole token tiles per split (at least one), and no empty split: no tokens, no splits,
@@ -274,7 +276,7 @@ def embedding_backward_op(
     return dweight, dpos
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _embedding_setup_context(ctx, inputs, output) -> None:
     ids, weight, pos_weight, ctx.start = inputs
     ctx.n_vocab = weight.shape[0]
     ctx.n_pos = pos_weight.shape[0] if pos_weight is not None else 0
@@ -283,7 +285,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("embedding")
-def _backward(ctx, dh: torch.Tensor):
+def _embedding_backward(ctx, dh: torch.Tensor):
     (ids,) = ctx.saved_tensors
     dweight, dpos = call_op(
         embedding_backward_op, dh, ids, ctx.n_vocab, ctx.n_pos, ctx.start, ctx.weight_dtype
@@ -291,7 +293,7 @@ def _backward(ctx, dh: torch.Tensor):
     return None, dweight, dpos if ctx.n_pos else None, None
 
 
-embedding_op.register_autograd(_backward, setup_context=_setup_context)
+embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
 
 
 def _check_ids_in_range(ids: torch.Tensor, n_vocab: int) -> None:

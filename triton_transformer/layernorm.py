@@ -6,8 +6,8 @@ reference that defines the semantics:
     if stable: x = x / x.abs().amax(-1, keepdim=True).clamp(min=STABLE_CLAMP)
     y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias
 
-The Triton path is two `torch.library.triton_op`s, `triton_transformer::layernorm_fwd` and
-`triton_transformer::layernorm_bwd`, wired together with `register_autograd`, so torch.compile
+The Triton path is two `torch.library.triton_op`s, `triton_transformer::layernorm` and
+`triton_transformer::layernorm_backward`, wired together with `register_autograd`, so torch.compile
 traces both (no graph break) and a CUDA graph can capture them (nothing is read on the host).
 The backward is first-order only (`utils.first_order_only`): `create_graph=True` raises instead
 of silently dropping second-order terms. The output is a fresh tensor (not a view), so
@@ -34,7 +34,7 @@ Triton design (e = bytes per element; "per row" = per row of N elements):
 
   (dx = du unless stable, below): no element of dx can be written before two reductions over
   its whole row, and dweight/dbias are sums over all rows. Three variants, chosen per row
-  width by `_BWD_TABLE`:
+  width by `_LAYERNORM_BWD_CONFIGS`:
   "row": a program holds BLOCK_M whole rows in registers: reads x and dy once and writes dx
     (3·N·e per row, the floor), accumulating its dweight/dbias partials in registers across
     its rows. Registers bound it: at N = 16384, xhat, g and the two fp32 accumulators of one
@@ -96,7 +96,7 @@ MAX_BLOCK_N = 32768
 
 
 class BwdConfig(NamedTuple):
-    """A backward launch configuration (a `_BWD_TABLE` entry; see the module docstring).
+    """A backward launch configuration (a `_LAYERNORM_BWD_CONFIGS` entry; see the module docstring).
 
     kind: "row", "loop" or "split".
     block_m, block_n, num_warps: the main kernel's tile, BLOCK_M rows x BLOCK_N columns ("row":
@@ -139,7 +139,7 @@ class BwdConfig(NamedTuple):
 # per row against the looped variant's 5·N·e + 16·N). The same sweep's picks for 512-4096 are
 # not taken: at its 128 MB tensors they tie the entries above (0.84-1.00 of compile), which
 # were measured at the model's own shapes. Classes 16-64 are not swept.
-_FWD_TABLE: dict[int, tuple[int, int, int]] = {
+_LAYERNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
     16: (128, 16, 8),
     32: (64, 32, 8),
     64: (32, 64, 8),
@@ -152,7 +152,7 @@ _FWD_TABLE: dict[int, tuple[int, int, int]] = {
     8192: (1, 8192, 16),
     16384: (1, 16384, 8),
 }
-_BWD_TABLE: dict[int, BwdConfig] = {
+_LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
     32: BwdConfig("row", 64, 32, 8, 4),
     64: BwdConfig("row", 32, 64, 8, 4),
@@ -214,7 +214,7 @@ def _load_x(
 
 
 @triton.jit
-def _ln_fwd_kernel(
+def _layernorm_fwd_kernel(
     X, W, B, Y, Stats, H, BR, SEED,
     M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, clamp, p, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
@@ -408,7 +408,7 @@ def _load_stats(Stats, rows, row_mask, M, STABLE: tl.constexpr):
 # rows_per_prog and G change with the row count and the programs per SM: not specialised on
 # (their divisibility would compile a kernel per value class, for nothing).
 @triton.jit(do_not_specialize=["rows_per_prog"])
-def _ln_bwd_kernel(
+def _layernorm_bwd_kernel(
     X, W, DY, DX, Partial, Stats, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     eps, p, drop_scale,
@@ -507,7 +507,7 @@ def _ln_bwd_kernel(
 
 
 @triton.jit
-def _ln_bwd_rowsum_kernel(
+def _layernorm_bwd_rowsum_kernel(
     X, W, DY, Stats, RowSums, M, N, inv_n, stride_x, stride_dy, eps,
     STABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -528,7 +528,7 @@ def _ln_bwd_rowsum_kernel(
 
 
 @triton.jit(do_not_specialize=["rows_per_prog"])
-def _ln_bwd_cols_kernel(
+def _layernorm_bwd_cols_kernel(
     X, W, DY, DX, Partial, Stats, RowSums, DHN, DBR, SEED,
     M, N, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr, p, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, HAS_DHN: tl.constexpr,
@@ -586,7 +586,7 @@ def _ln_bwd_cols_kernel(
 
 
 @triton.jit(do_not_specialize=["G"])
-def _colsum_kernel(
+def _layernorm_bwd_colsum_kernel(
     Partial, PartialB, DW, DB, G, N,
     HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -623,23 +623,23 @@ def _nearest(table: dict, width: int):
 
 
 @functools.cache
-def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
+def _layernorm_fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, single) of the forward kernel for rows of `n_cols`: the
-    `_FWD_TABLE` entry, its block capped at the width class and at max_block (a row wider than
-    the block loops over blocks)."""
+    `_LAYERNORM_FWD_CONFIGS` entry, its block capped at the width class and at max_block (a row
+    wider than the block loops over blocks)."""
     width = width_class(n_cols)
-    block_m, block_n, num_warps = _nearest(_FWD_TABLE, width)
+    block_m, block_n, num_warps = _nearest(_LAYERNORM_FWD_CONFIGS, width)
     block_n = min(block_n, width, max_block)
     return block_m, block_n, num_warps, n_cols <= block_n
 
 
 @functools.cache
-def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
-    """The backward configuration for rows of `n_cols`: the `_BWD_TABLE` entry with its blocks
-    capped at the width class and at max_block. A "row" entry whose row no longer fits its
-    block (max_block, or a wider class than the entry's) loops over blocks instead."""
+def _layernorm_bwd_config(n_cols: int, max_block: int) -> BwdConfig:
+    """The backward configuration for rows of `n_cols`: the `_LAYERNORM_BWD_CONFIGS` entry with
+    its blocks capped at the width class and at max_block. A "row" entry whose row no longer fits
+    its block (max_block, or a wider class than the entry's) loops over blocks instead."""
     width = width_class(n_cols)
-    cfg = _nearest(_BWD_TABLE, width)
+    cfg = _nearest(_LAYERNORM_BWD_CONFIGS, width)
     block_n = min(cfg.block_n, width, max_block)
     if cfg.kind == "row" and block_n < n_cols:
         return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
@@ -650,8 +650,8 @@ def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
 
 def _clear_config_caches() -> None:
     """Forget the cached configurations (after the tables change: the benchmark, tests)."""
-    _fwd_config.cache_clear()
-    _bwd_entry.cache_clear()
+    _layernorm_fwd_config.cache_clear()
+    _layernorm_bwd_config.cache_clear()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -689,24 +689,25 @@ def _bwd_plan(n_rows, n_cols: int, cfg: BwdConfig, device: torch.device):
 # Shared by the layernorm and residual_layernorm ops (and the benchmark's tuning sweep).
 
 
-def launch_fwd(
+def launch_layernorm_fwd(
     x2, weight, bias, y2, stats, eps, stable, *, h2=None, br2=None, p=0.0, seed=None, cfg=None
 ) -> None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
-    `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides `_FWD_TABLE` (the benchmark's sweep)."""
+    `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides `_LAYERNORM_FWD_CONFIGS` (the benchmark's
+    sweep)."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
     if cfg is None:
-        block_m, block_n, num_warps, single = _fwd_config(N, MAX_BLOCK_N)
+        block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N)
     else:
         block_m, block_n, num_warps = cfg
         single = block_n >= N
     residual = h2 is not None
     dropout = residual and p > 0.0
-    launcher(_ln_fwd_kernel)[(cdiv(M, block_m),)](
+    launcher(_layernorm_fwd_kernel)[(cdiv(M, block_m),)](
         x2, weight, bias if exists(bias) else weight, y2, stats,
         h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
@@ -718,24 +719,26 @@ def launch_fwd(
     )  # fmt: skip
 
 
-def launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg: BwdConfig) -> None:
+def launch_layernorm_bwd_rowsums(
+    x2, weight, dy2, stats, rowsums, eps, stable, cfg: BwdConfig
+) -> None:
     """The "split" backward's first kernel: rowsums (2|3, M) fp32 = c1, c2 (and tie_grad)."""
     M, N = x2.shape[0], int(x2.shape[1])
-    launcher(_ln_bwd_rowsum_kernel)[(cdiv(M, cfg.sum_block_m),)](
+    launcher(_layernorm_bwd_rowsum_kernel)[(cdiv(M, cfg.sum_block_m),)](
         x2, weight, dy2, stats, rowsums, M, N, 1.0 / N, x2.stride(0), dy2.stride(0), eps,
         STABLE=stable, BLOCK_M=cfg.sum_block_m, BLOCK_N=cfg.sum_block_n,
         num_warps=cfg.sum_warps,
     )  # fmt: skip
 
 
-def launch_bwd(
+def launch_layernorm_bwd(
     dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
     dhn2=None, dbr2=None, p=0.0, seed=None, cfg: BwdConfig | None = None,
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
     when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2.
 
-    `cfg` overrides `_BWD_TABLE` (the benchmark's sweep, tests) and is used as given."""
+    `cfg` overrides `_LAYERNORM_BWD_CONFIGS` (the benchmark's sweep, tests) and is used as given."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
         return
@@ -744,7 +747,7 @@ def launch_bwd(
         if exists(dbias):
             dbias.zero_()
         return
-    cfg = cfg or _bwd_entry(N, MAX_BLOCK_N)
+    cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
@@ -762,18 +765,18 @@ def launch_bwd(
                  BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
     if cfg.kind == "split":
         rowsums = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x2.device)
-        launch_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
-        launcher(_ln_bwd_cols_kernel)[(col_tiles, groups)](
+        launch_layernorm_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
+        launcher(_layernorm_bwd_cols_kernel)[(col_tiles, groups)](
             x2, weight, dy2, dx2, partial, stats, rowsums, dhn2_, dbr2_, seed_,
             M, N, rows_per_prog, *strides, p, drop_scale, **flags,
         )  # fmt: skip
     else:
-        launcher(_ln_bwd_kernel)[(groups,)](
+        launcher(_layernorm_bwd_kernel)[(groups,)](
             x2, weight, dy2, dx2, partial, stats, dhn2_, dbr2_, seed_,
             M, N, 1.0 / N, rows_per_prog, *strides, eps, p, drop_scale,
             SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
-    launcher(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
+    launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
         partial[0], partial[-1], dweight, dbias if has_bias else dweight, groups, N,
         HAS_BIAS=has_bias, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
@@ -783,8 +786,8 @@ def launch_bwd(
 # ----------------------------------------------------------------------------- torch.library ops
 
 
-@triton_op("triton_transformer::layernorm_fwd", mutates_args=())
-def layernorm_fwd(
+@triton_op("triton_transformer::layernorm", mutates_args=())
+def layernorm_op(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -800,12 +803,12 @@ def layernorm_fwd(
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
-    launch_fwd(x2, weight.contiguous(), bias, y.view(M, N), stats, eps, stable)
+    launch_layernorm_fwd(x2, weight.contiguous(), bias, y.view(M, N), stats, eps, stable)
     return y, stats
 
 
-@triton_op("triton_transformer::layernorm_bwd", mutates_args=())
-def layernorm_bwd(
+@triton_op("triton_transformer::layernorm_backward", mutates_args=())
+def layernorm_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -822,12 +825,12 @@ def layernorm_bwd(
     dweight = torch.empty_like(weight)
     dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
                         else bias.dtype, device=x.device)  # fmt: skip
-    launch_bwd(dy2, x2, weight.contiguous(), stats, dx.view(M, N), dweight,
+    launch_layernorm_bwd(dy2, x2, weight.contiguous(), stats, dx.view(M, N), dweight,
                dbias if exists(bias) else None, eps, stable)  # fmt: skip
     return dx, dweight, dbias
 
 
-def _ln_setup_context(ctx, inputs, output) -> None:
+def _layernorm_setup_context(ctx, inputs, output) -> None:
     x, weight, bias, ctx.eps, ctx.stable, _ = inputs
     _, stats = output
     ctx.mark_non_differentiable(stats)
@@ -838,15 +841,17 @@ def _ln_setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("layernorm")
-def _ln_backward(ctx, dy, _dstats):
+def _layernorm_backward(ctx, dy, _dstats):
     if dy is None:  # grads are not materialised: y was not used
         return None, None, None, None, None, None
     x, weight, bias, stats = ctx.saved_tensors
-    dx, dweight, dbias = call_op(layernorm_bwd, dy, x, weight, bias, stats, ctx.eps, ctx.stable)
+    dx, dweight, dbias = call_op(
+        layernorm_backward_op, dy, x, weight, bias, stats, ctx.eps, ctx.stable
+    )
     return dx, dweight, dbias if ctx.has_bias else None, None, None, None
 
 
-layernorm_fwd.register_autograd(_ln_backward, setup_context=_ln_setup_context)
+layernorm_op.register_autograd(_layernorm_backward, setup_context=_layernorm_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -866,7 +871,7 @@ def _check_param(p: object, name: str, x: torch.Tensor, use_triton: bool) -> Non
             raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
 
 
-def _layernorm_torch(
+def _layernorm_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -936,8 +941,8 @@ def layernorm(
     check_layernorm_args(x, weight, bias, use_triton)
     check_out_dtype(out_dtype)
     if not use_triton:
-        return _layernorm_torch(x, weight, bias, eps, stable, out_dtype)
-    return call_op(layernorm_fwd, x, weight, bias, float(eps), bool(stable), out_dtype)[0]
+        return _layernorm_reference(x, weight, bias, eps, stable, out_dtype)
+    return call_op(layernorm_op, x, weight, bias, float(eps), bool(stable), out_dtype)[0]
 
 
 class LayerNorm(nn.Module):

@@ -42,12 +42,12 @@ from torch.library import triton_op
 from triton_transformer import matmul_plan
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
-    _bwd_params,
     _check_labels_in_range,
-    _cross_entropy_scale_kernel,
-    _launch_fwd,
-    _launch_reduce,
+    _cross_entropy_bwd_config,
+    _cross_entropy_bwd_scale_kernel,
     cross_entropy,
+    launch_cross_entropy_fwd,
+    launch_cross_entropy_fwd_reduce,
 )
 from triton_transformer.matmul_plan import _mm2d_into
 from triton_transformer.utils import (
@@ -139,7 +139,7 @@ def linear_cross_entropy_op(
     dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
     dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=torch.float32, device=device)
     # n_valid over all rows first: each chunk's gradient is divided by the global count.
-    _launch_reduce(loss_rows, labels2, ignore_index, n_valid, loss, False, True)
+    launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, False, True)
     rows = max(1, min(chunk_rows, M))
     buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
     lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
@@ -150,7 +150,7 @@ def linear_cross_entropy_op(
         x_c, z = x[start:end], buf[: end - start]
         _mm2d_into(x_c, w_t, z)  # logits of the chunk
         lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
-        _launch_fwd(
+        launch_cross_entropy_fwd(
             z[None], labels2[:, start:end], kernel_ignore, n_valid, loss_rows[start:end], lse_c,
             write_grad, normalize,
         )  # fmt: skip
@@ -161,7 +161,7 @@ def linear_cross_entropy_op(
                 _mm2d_into(z.t(), x_c, dw)
             else:
                 _accumulate(dw, z.t(), x_c)
-    _launch_reduce(loss_rows, labels2, ignore_index, n_valid, loss, True, False)
+    launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, True, False)
     return loss, dx, dw, n_valid
 
 
@@ -175,8 +175,8 @@ def linear_cross_entropy_scale_op(
         if g.numel() == 0:
             continue
         n_rows, n_cols = g.shape
-        block_m, block_n, _, num_warps = _bwd_params(n_cols)
-        launcher(_cross_entropy_scale_kernel)[(cdiv(n_rows, block_m),)](
+        block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
+        launcher(_cross_entropy_bwd_scale_kernel)[(cdiv(n_rows, block_m),)](
             dloss, n_valid, g, 0, g.stride(0), n_rows, n_rows, n_cols,
             DIVIDE_BY_N_VALID=divide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip

@@ -320,7 +320,7 @@ def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Te
     return seed, dropout_threshold(p), 1.0 / (1.0 - p)
 
 
-def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop) -> None:
+def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop) -> None:
     """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N)."""
     M, K = a.shape
     N = b.shape[1]
@@ -368,7 +368,7 @@ def _launch_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, dro
         launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
 
 
-def _launch_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
+def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
     """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N)."""
     batch, M, K = a.shape
     N = b.shape[2]
@@ -444,7 +444,9 @@ def _mm2d_into(
             epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH, traced,
         )  # fmt: skip
         if plan[0] == "tma":
-            _launch_tma(a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop)
+            launch_mm_tma(
+                a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop
+            )
             return
     else:  # the interpreter; torch.mm where a test forces "cublas+ew"
         cublas_ok = c.dtype == a.dtype and residual is None
@@ -463,7 +465,7 @@ def _mm2d_into(
             _relu2_in_place(c, aux, drop)
     else:
         interpret = device.type != "cuda"
-        _launch_ptr(
+        launch_mm_ptr(
             a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop
         )
 
@@ -500,4 +502,4 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         torch.bmm(a, b, out=c)
         return
     cfg = _ptr_config(M, int(b.shape[2]), K, batch, a.dtype, interpret)
-    _launch_ptr(a, b, c, None, None, False, cfg, interpret)
+    launch_mm_ptr(a, b, c, None, None, False, cfg, interpret)

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch.library import triton_op
 
 from triton_transformer.layernorm import (
-    _layernorm_torch,
+    _layernorm_reference,
     check_layernorm_args,
     check_out_dtype,
-    launch_bwd,
-    launch_fwd,
+    launch_layernorm_bwd,
+    launch_layernorm_fwd,
 )
 from triton_transformer.utils import (
     as_rows,
@@ -60,8 +60,8 @@ from triton_transformer.utils import (
 )
 
 
-@triton_op("triton_transformer::residual_layernorm_fwd", mutates_args=())
-def residual_layernorm_fwd(
+@triton_op("triton_transformer::residual_layernorm", mutates_args=())
+def residual_layernorm_op(
     h: torch.Tensor,
     branch: torch.Tensor,
     weight: torch.Tensor,
@@ -75,7 +75,7 @@ def residual_layernorm_fwd(
     """(h_new, y, stats) with h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64
     device tensor; unused when p == 0), y = layernorm(h_new) in out_dtype (None: h_new's);
     both new contiguous tensors shaped like h. stats (2 or 3, rows) fp32 as in
-    `layernorm_fwd`."""
+    `layernorm_op`."""
     N = h.shape[-1]
     h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
@@ -83,13 +83,13 @@ def residual_layernorm_fwd(
     h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
     y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
     stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=h.device)
-    launch_fwd(h_new.view(M, N), weight.contiguous(), bias, y.view(M, N), stats, eps, stable,
-               h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
+    launch_layernorm_fwd(h_new.view(M, N), weight.contiguous(), bias, y.view(M, N), stats, eps,
+                         stable, h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
     return h_new, y, stats
 
 
-@triton_op("triton_transformer::residual_layernorm_bwd", mutates_args=())
-def residual_layernorm_bwd(
+@triton_op("triton_transformer::residual_layernorm_backward", mutates_args=())
+def residual_layernorm_backward_op(
     dy: torch.Tensor,
     dh_new: torch.Tensor | None,
     h_new: torch.Tensor,
@@ -116,7 +116,7 @@ def residual_layernorm_bwd(
     dweight = torch.empty_like(weight)
     dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
                         else bias.dtype, device=h_new.device)  # fmt: skip
-    launch_bwd(
+    launch_layernorm_bwd(
         dy2, x2, weight.contiguous(), stats, dh.view(M, N), dweight,
         dbias if exists(bias) else None, eps, stable,
         dhn2=as_rows(dh_new) if exists(dh_new) else None,
@@ -125,7 +125,7 @@ def residual_layernorm_bwd(
     return dh, dbranch, dweight, dbias
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _residual_layernorm_setup_context(ctx, inputs, output) -> None:
     h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed, _ = inputs
     h_new, _, stats = output
     ctx.mark_non_differentiable(stats)
@@ -138,13 +138,13 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("residual_layernorm")
-def _backward(ctx, dh_new, dy, _dstats):
+def _residual_layernorm_backward(ctx, dh_new, dy, _dstats):
     if dy is None and dh_new is None:
         return (None,) * 9
     h_new, weight, bias, stats, seed = ctx.saved_tensors
     if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
         dy = torch.zeros_like(h_new)
-    dh, dbranch, dweight, dbias = call_op(residual_layernorm_bwd,
+    dh, dbranch, dweight, dbias = call_op(residual_layernorm_backward_op,
         dy, dh_new, h_new, weight, bias, stats, ctx.eps, ctx.stable, ctx.p, seed,
         ctx.h_dtype, ctx.branch_dtype,
     )  # fmt: skip
@@ -153,7 +153,9 @@ def _backward(ctx, dh_new, dy, _dstats):
     return dh, dbranch, dweight, dbias if ctx.has_bias else None, None, None, None, None, None
 
 
-residual_layernorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+residual_layernorm_op.register_autograd(
+    _residual_layernorm_backward, setup_context=_residual_layernorm_setup_context
+)
 
 
 def residual_layernorm(
@@ -193,7 +195,7 @@ def residual_layernorm(
     p = check_dropout_p(dropout_p) if training else 0.0
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
-        return h_new, _layernorm_torch(h_new, weight, bias, eps, stable, out_dtype)
+        return h_new, _layernorm_reference(h_new, weight, bias, eps, stable, out_dtype)
     check_triton_tensor(branch, "branch")
     if branch.device != h.device:
         raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
@@ -201,7 +203,7 @@ def residual_layernorm(
     # the op needs a tensor argument either way, and weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
     h_new, y, _ = call_op(
-        residual_layernorm_fwd, h, branch, weight, bias, float(eps), bool(stable), p, seed,
+        residual_layernorm_op, h, branch, weight, bias, float(eps), bool(stable), p, seed,
         out_dtype,
     )  # fmt: skip
     return h_new, y

@@ -10,15 +10,16 @@ defines the semantics (fp32 arithmetic for fp16/bf16 inputs, one rounding at the
 h_new = h + dropout(branch) and y = rmsnorm(h_new), as `residual_layernorm.py` does for
 LayerNorm: the pre-norm block boundary of a Llama-style model in one kernel each way.
 
-The Triton paths are `torch.library.triton_op`s (`triton_transformer::rmsnorm_fwd` /
-`rmsnorm_bwd`, `residual_rmsnorm_fwd` / `residual_rmsnorm_bwd`) wired with
-`register_autograd`, so torch.compile traces them (no graph break) and a CUDA graph can capture
+The Triton paths are `torch.library.triton_op`s (`triton_transformer::rmsnorm` / `rmsnorm_backward`,
+`residual_rmsnorm` / `residual_rmsnorm_backward`; Python names `<op>_op` / `<op>_backward_op`) wired
+with `register_autograd`, so torch.compile traces them (no graph break) and a CUDA graph can capture
 them (nothing is read on the host; the dropout seed is a 0-dim device tensor). The backward is
 first-order only (`utils.first_order_only`). Outputs are fresh tensors, never views.
 
 The kernels follow `layernorm.py` (whose device helpers `_load_x`, `_store_dx`, `_load_x_dy`
-and `_colsum_kernel` they import: the residual sum, the dropout mask regenerated from the seed
-and the row-index keyed Philox stream are the same functions, so the masks match LayerNorm's):
+and `_layernorm_bwd_colsum_kernel` they import: the residual sum, the dropout mask regenerated
+from the seed and the row-index keyed Philox stream are the same functions, so the masks match
+LayerNorm's):
 
 - Forward: BLOCK_M rows per program as a (BLOCK_M, BLOCK_N) tile. BLOCK_N >= N: one read of x,
   one write of y (2·N·e bytes per row, the floor). BLOCK_N < N: a pass for sum(x²) and a pass
@@ -38,8 +39,9 @@ and the row-index keyed Philox stream are the same functions, so the masks match
   stored), writes it and normalises it; the backward adds the downstream gradient of h_new and
   writes the (masked) branch gradient, which is dh itself when there is no dropout.
 
-Launch configurations: `_FWD_TABLE` / `_BWD_TABLE` below start from LayerNorm's H200/H100-tuned
-entries (the same memory pattern with one statistic less), not swept for RMSNorm yet;
+Launch configurations: `_RMSNORM_FWD_CONFIGS` / `_RMSNORM_BWD_CONFIGS` below start from
+LayerNorm's H200/H100-tuned entries (the same memory pattern with one statistic less), not swept
+for RMSNorm yet;
 `benchmarks/bench_modern_ops.py` measures them against Liger-Kernel and torch.compile.
 """
 
@@ -57,7 +59,7 @@ from torch.library import triton_op
 from triton_transformer.layernorm import (
     BwdConfig,
     _bwd_plan,
-    _colsum_kernel,
+    _layernorm_bwd_colsum_kernel,
     _load_x,
     _load_x_dy,
     _nearest,
@@ -83,7 +85,7 @@ MAX_BLOCK_N = 32768
 # (BLOCK_M, BLOCK_N, num_warps) of the forward and the backward configuration per width class
 # (N rounded up to a power of two, >= 16): LayerNorm's tuned entries (see the module docstring).
 # RMSNorm has no "split" backward: the widest class loops over 4096-column blocks.
-_FWD_TABLE: dict[int, tuple[int, int, int]] = {
+_RMSNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
     16: (128, 16, 8),
     32: (64, 32, 8),
     64: (32, 64, 8),
@@ -96,7 +98,7 @@ _FWD_TABLE: dict[int, tuple[int, int, int]] = {
     8192: (1, 8192, 16),
     16384: (1, 16384, 8),
 }
-_BWD_TABLE: dict[int, BwdConfig] = {
+_RMSNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
     32: BwdConfig("row", 64, 32, 8, 4),
     64: BwdConfig("row", 32, 64, 8, 4),
@@ -118,7 +120,7 @@ _COLSUM_WARPS = 8
 
 
 @triton.jit
-def _rms_fwd_kernel(
+def _rmsnorm_fwd_kernel(
     X, W, Y, Rstd, H, BR, SEED,
     M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, p, drop_scale,
     SINGLE: tl.constexpr, RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr,
@@ -167,7 +169,7 @@ def _rms_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["rows_per_prog"])
-def _rms_bwd_kernel(
+def _rmsnorm_bwd_kernel(
     X, W, DY, DX, Partial, Rstd, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     p, drop_scale,
@@ -255,20 +257,20 @@ def _rms_bwd_kernel(
 
 
 @functools.cache
-def _fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
+def _rmsnorm_fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, single) of the forward for rows of `n_cols`."""
     width = width_class(n_cols)
-    block_m, block_n, num_warps = _nearest(_FWD_TABLE, width)
+    block_m, block_n, num_warps = _nearest(_RMSNORM_FWD_CONFIGS, width)
     block_n = min(block_n, width, max_block)
     return block_m, block_n, num_warps, n_cols <= block_n
 
 
 @functools.cache
-def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
+def _rmsnorm_bwd_config(n_cols: int, max_block: int) -> BwdConfig:
     """The backward configuration for rows of `n_cols`: a "row" entry whose row does not fit
     its (capped) block loops over blocks instead."""
     width = width_class(n_cols)
-    cfg = _nearest(_BWD_TABLE, width)
+    cfg = _nearest(_RMSNORM_BWD_CONFIGS, width)
     block_n = min(cfg.block_n, width, max_block)
     if cfg.kind == "row" and block_n < n_cols:
         return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
@@ -277,24 +279,24 @@ def _bwd_entry(n_cols: int, max_block: int) -> BwdConfig:
 
 def _clear_config_caches() -> None:
     """Forget the cached configurations (after the tables or MAX_BLOCK_N change)."""
-    _fwd_config.cache_clear()
-    _bwd_entry.cache_clear()
+    _rmsnorm_fwd_config.cache_clear()
+    _rmsnorm_bwd_config.cache_clear()
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-def launch_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None) -> None:
+def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None) -> None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), rstd (M,) fp32.
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
-    block_m, block_n, num_warps, single = _fwd_config(N, MAX_BLOCK_N)
+    block_m, block_n, num_warps, single = _rmsnorm_fwd_config(N, MAX_BLOCK_N)
     residual = h2 is not None
     dropout = residual and p > 0.0
-    launcher(_rms_fwd_kernel)[(cdiv(M, block_m),)](
+    launcher(_rmsnorm_fwd_kernel)[(cdiv(M, block_m),)](
         x2, weight, y2, rstd, h2 if residual else x2, br2 if residual else x2,
         seed if dropout else rstd,
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
@@ -305,7 +307,7 @@ def launch_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None
     )  # fmt: skip
 
 
-def launch_bwd(
+def launch_rmsnorm_bwd(
     dy2, x2, weight, rstd, dx2, dweight, *, dhn2=None, dbr2=None, p=0.0, seed=None,
     cfg: BwdConfig | None = None,
 ) -> None:  # fmt: skip
@@ -317,7 +319,7 @@ def launch_bwd(
     if M == 0:
         dweight.zero_()
         return
-    cfg = cfg or _bwd_entry(N, MAX_BLOCK_N)
+    cfg = cfg or _rmsnorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind not in ("row", "loop"):
         raise ValueError(f"rmsnorm has 'row' and 'loop' backwards, got {cfg.kind!r}")
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
@@ -327,7 +329,7 @@ def launch_bwd(
     dropout = dbr2 is not None and p > 0.0
     dhn2_ = dhn2 if dhn2 is not None else dy2  # stand-ins for absent tensors (never read)
     dbr2_ = dbr2 if dbr2 is not None else dx2
-    launcher(_rms_bwd_kernel)[(groups,)](
+    launcher(_rmsnorm_bwd_kernel)[(groups,)](
         x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed if dropout else rstd,
         M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
         dhn2_.stride(0), dbr2_.stride(0), p, 1.0 / (1.0 - p) if dropout else 1.0,
@@ -335,7 +337,7 @@ def launch_bwd(
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
-    launcher(_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
+    launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
         partial, partial, dweight, dweight, groups, N,
         HAS_BIAS=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
@@ -345,8 +347,8 @@ def launch_bwd(
 # ----------------------------------------------------------------------------- torch.library ops
 
 
-@triton_op("triton_transformer::rmsnorm_fwd", mutates_args=())
-def rmsnorm_fwd(
+@triton_op("triton_transformer::rmsnorm", mutates_args=())
+def rmsnorm_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y a new contiguous tensor shaped like x, in out_dtype (None: x's); rstd
@@ -356,12 +358,12 @@ def rmsnorm_fwd(
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-    launch_fwd(x2, weight.contiguous(), y.view(M, N), rstd, eps)
+    launch_rmsnorm_fwd(x2, weight.contiguous(), y.view(M, N), rstd, eps)
     return y, rstd
 
 
-@triton_op("triton_transformer::rmsnorm_bwd", mutates_args=())
-def rmsnorm_bwd(
+@triton_op("triton_transformer::rmsnorm_backward", mutates_args=())
+def rmsnorm_backward_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight), in the dtypes of x and weight."""
@@ -370,11 +372,11 @@ def rmsnorm_bwd(
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dweight = torch.empty_like(weight)
-    launch_bwd(dy2, x2, weight.contiguous(), rstd, dx.view(M, N), dweight)
+    launch_rmsnorm_bwd(dy2, x2, weight.contiguous(), rstd, dx.view(M, N), dweight)
     return dx, dweight
 
 
-def _rms_setup_context(ctx, inputs, output) -> None:
+def _rmsnorm_setup_context(ctx, inputs, output) -> None:
     x, weight, _, _ = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
@@ -383,19 +385,19 @@ def _rms_setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("rmsnorm")
-def _rms_backward(ctx, dy, _drstd):
+def _rmsnorm_backward(ctx, dy, _drstd):
     if dy is None:  # grads are not materialised: y was not used
         return None, None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = call_op(rmsnorm_bwd, dy, x, weight, rstd)
+    dx, dweight = call_op(rmsnorm_backward_op, dy, x, weight, rstd)
     return dx, dweight, None, None
 
 
-rmsnorm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup_context)
 
 
-@triton_op("triton_transformer::residual_rmsnorm_fwd", mutates_args=())
-def residual_rmsnorm_fwd(
+@triton_op("triton_transformer::residual_rmsnorm", mutates_args=())
+def residual_rmsnorm_op(
     h: torch.Tensor,
     branch: torch.Tensor,
     weight: torch.Tensor,
@@ -414,13 +416,13 @@ def residual_rmsnorm_fwd(
     h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
     y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=h.device)
-    launch_fwd(h_new.view(M, N), weight.contiguous(), y.view(M, N), rstd, eps,
+    launch_rmsnorm_fwd(h_new.view(M, N), weight.contiguous(), y.view(M, N), rstd, eps,
                h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
     return h_new, y, rstd
 
 
-@triton_op("triton_transformer::residual_rmsnorm_bwd", mutates_args=())
-def residual_rmsnorm_bwd(
+@triton_op("triton_transformer::residual_rmsnorm_backward", mutates_args=())
+def residual_rmsnorm_backward_op(
     dy: torch.Tensor,
     dh_new: torch.Tensor | None,
     h_new: torch.Tensor,
@@ -442,7 +444,7 @@ def residual_rmsnorm_bwd(
     dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
                           device=h_new.device)  # fmt: skip
     dweight = torch.empty_like(weight)
-    launch_bwd(
+    launch_rmsnorm_bwd(
         dy2, x2, weight.contiguous(), rstd, dh.view(M, N), dweight,
         dhn2=as_rows(dh_new) if dh_new is not None else None,
         dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
@@ -450,7 +452,7 @@ def residual_rmsnorm_bwd(
     return dh, dbranch, dweight
 
 
-def _res_setup_context(ctx, inputs, output) -> None:
+def _residual_rmsnorm_setup_context(ctx, inputs, output) -> None:
     h, branch, weight, _, ctx.p, seed, _ = inputs
     h_new, _, rstd = output
     ctx.mark_non_differentiable(rstd)
@@ -460,14 +462,14 @@ def _res_setup_context(ctx, inputs, output) -> None:
 
 
 @first_order_only("residual_rmsnorm")
-def _res_backward(ctx, dh_new, dy, _drstd):
+def _residual_rmsnorm_backward(ctx, dh_new, dy, _drstd):
     if dy is None and dh_new is None:
         return (None,) * 7
     h_new, weight, rstd, seed = ctx.saved_tensors
     if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
         dy = torch.zeros_like(h_new)
     dh, dbranch, dweight = call_op(
-        residual_rmsnorm_bwd, dy, dh_new, h_new, weight, rstd, ctx.p, seed, ctx.h_dtype,
+        residual_rmsnorm_backward_op, dy, dh_new, h_new, weight, rstd, ctx.p, seed, ctx.h_dtype,
         ctx.branch_dtype,
     )  # fmt: skip
     if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
@@ -475,13 +477,15 @@ def _res_backward(ctx, dh_new, dy, _drstd):
     return dh, dbranch, dweight, None, None, None, None
 
 
-residual_rmsnorm_fwd.register_autograd(_res_backward, setup_context=_res_setup_context)
+residual_rmsnorm_op.register_autograd(
+    _residual_rmsnorm_backward, setup_context=_residual_rmsnorm_setup_context
+)
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def _rmsnorm_torch(
+def _rmsnorm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """The reference: fp32 arithmetic for fp16/bf16 x (fp64 stays fp64), one rounding."""
@@ -537,8 +541,8 @@ def rmsnorm(
     check_rmsnorm_args(x, weight, eps, use_triton)
     check_out_dtype(out_dtype)
     if not use_triton:
-        return _rmsnorm_torch(x, weight, eps, out_dtype)
-    return call_op(rmsnorm_fwd, x, weight, float(eps), out_dtype)[0]
+        return _rmsnorm_reference(x, weight, eps, out_dtype)
+    return call_op(rmsnorm_op, x, weight, float(eps), out_dtype)[0]
 
 
 def residual_rmsnorm(
@@ -576,13 +580,13 @@ def residual_rmsnorm(
     p = check_dropout_p(dropout_p) if training else 0.0
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
-        return h_new, _rmsnorm_torch(h_new, weight, eps, out_dtype)
+        return h_new, _rmsnorm_reference(h_new, weight, eps, out_dtype)
     check_triton_tensor(branch, "branch")
     if branch.device != h.device:
         raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
     # The seed is drawn only with dropout; otherwise weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
-    h_new, y, _ = call_op(residual_rmsnorm_fwd, h, branch, weight, float(eps), p, seed, out_dtype)
+    h_new, y, _ = call_op(residual_rmsnorm_op, h, branch, weight, float(eps), p, seed, out_dtype)
     return h_new, y
 
 

@@ -196,26 +196,26 @@ def rope_op(
     return qo, ko
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _rope_setup_context(ctx, inputs, output) -> None:
     _, _, positions, ctx.base, ctx.inverse = inputs
     ctx.save_for_backward(positions)
 
 
 @first_order_only("rope")
-def _backward(ctx, dqo, dko):
+def _rope_backward(ctx, dqo, dko):
     (positions,) = ctx.saved_tensors
     # R(theta)^T = R(-theta): the backward rotates the gradients the other way.
     dq, dk = call_op(rope_op, dqo, dko, positions, ctx.base, not ctx.inverse)
     return dq, dk, None, None, None
 
 
-rope_op.register_autograd(_backward, setup_context=_setup_context)
+rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def _rope_torch(
+def _rope_reference(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, base: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference (see the module docstring)."""
@@ -302,5 +302,5 @@ def rope(
     """
     check_rope_args(q, k, positions, base, use_triton)
     if not use_triton:
-        return _rope_torch(q, k, positions, float(base))
+        return _rope_reference(q, k, positions, float(base))
     return call_op(rope_op, q, k, positions, float(base), False)

@@ -21,8 +21,6 @@ them; the backward is first-order only (`utils.first_order_only`: create_graph=T
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -31,13 +29,12 @@ from torch.library import triton_op
 from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_exp
 from triton_transformer.utils import (
     as_rows,
-    calc_num_warps,
     call_op,
     cdiv,
     check_triton_tensor,
     first_order_only,
     launcher,
-    row_block_size,
+    row_launch_params,
 )
 
 # Longest row held in registers in one pass; longer rows loop over blocks of this size.
@@ -142,20 +139,6 @@ def _softmax_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _launch_params(
-    n_cols: int, max_block: int, row_tile: int, num_warps: int | None
-) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for rows of n_cols entries. Rows that fit one
-    block are packed BLOCK_M to a program; longer rows get a program each and loop."""
-    block_n = row_block_size(n_cols, max_block)
-    single_pass = n_cols <= block_n
-    block_m = max(1, row_tile // block_n) if single_pass else 1
-    if num_warps is None:
-        num_warps = calc_num_warps(block_m * block_n)
-    return block_m, block_n, single_pass, num_warps
-
-
 def _shape_params(shape: torch.Size, causal: bool) -> tuple:
     """(n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for x of this shape. Causal query
     q sees keys j < q + diag, diag = n_k - n_q + 1. n_q and diag stay symbolic under
@@ -164,7 +147,7 @@ def _shape_params(shape: torch.Size, causal: bool) -> tuple:
     n_cols = shape[-1]
     n_q = shape[-2] if causal else 1
     diag = n_cols - n_q + 1 if causal else 0
-    return n_q, diag, *_launch_params(int(n_cols), MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
+    return n_q, diag, *row_launch_params(int(n_cols), MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
 
 
 @triton_op("triton_transformer::softmax", mutates_args=())
@@ -220,7 +203,7 @@ softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_con
 # --------------------------------------------------------------------------------------------
 
 
-def _softmax_torch(x: torch.Tensor, causal: bool) -> torch.Tensor:
+def _softmax_reference(x: torch.Tensor, causal: bool) -> torch.Tensor:
     if x.numel() == 0:
         return x.clone()  # empty, yet still part of the autograd graph
     if causal:
@@ -262,6 +245,6 @@ def softmax(x: torch.Tensor, causal: bool = False, use_triton: bool = False) -> 
             f"causal softmax needs scores of shape (..., n_q, n_k); x has shape {tuple(x.shape)}"
         )
     if not use_triton:
-        return _softmax_torch(x, causal)
+        return _softmax_reference(x, causal)
     check_triton_tensor(x, "x")
     return call_op(softmax_op, x, bool(causal))

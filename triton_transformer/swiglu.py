@@ -13,13 +13,14 @@ and the backward, with s = sigmoid(gate),
 In a Llama-style feed-forward, `x @ W_in.T` yields (..., 2·hidden) and gate / up are its two
 halves (strided views, read in place here); `swiglu(gate, up)` then feeds the down projection.
 
-The Triton path is two `torch.library.triton_op`s, `triton_transformer::swiglu_fwd` and
-`swiglu_bwd`, wired with `register_autograd` (torch.compile traces them, CUDA graphs capture
-them), first-order only (`utils.first_order_only`). The forward reads gate and up once and
-writes y (3·e bytes per element, the floor); the backward recomputes sigmoid from the saved
-gate and up (nothing else is saved) and reads dy, gate, up once, writing d(gate) and d(up)
-(5·e per element). Both see their inputs as (rows, N) with a unit-stride last dim (`as_rows`:
-a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N); offsets are 64-bit.
+The Triton path is two `torch.library.triton_op`s, `triton_transformer::swiglu` and
+`swiglu_backward` (`swiglu_op` / `swiglu_backward_op`), wired with `register_autograd`
+(torch.compile traces them, CUDA graphs capture them), first-order only (`utils.first_order_only`).
+The forward reads gate and up once and writes y (3·e bytes per element, the floor); the backward
+recomputes sigmoid from the saved gate and up (nothing else is saved) and reads dy, gate, up once,
+writing d(gate) and d(up) (5·e per element). Both see their inputs as (rows, N) with a unit-stride
+last dim (`as_rows`: a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N); offsets
+are 64-bit.
 
 Follow-up, not done here: fusing the gating into the epilogue of the matmul that produces
 gate and up (`bmm.py`, owned separately) would skip writing and re-reading the (.., 2·hidden)
@@ -103,8 +104,8 @@ def _grid(M, N: int, block_m: int, block_n: int) -> tuple:
     return (cdiv(M, block_m), cdiv(N, block_n))
 
 
-@triton_op("triton_transformer::swiglu_fwd", mutates_args=())
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+@triton_op("triton_transformer::swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: a new contiguous tensor shaped and typed like gate."""
     N = int(gate.shape[-1])
     g2, u2 = as_rows(gate), as_rows(up)
@@ -119,8 +120,8 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton_op("triton_transformer::swiglu_bwd", mutates_args=())
-def swiglu_bwd(
+@triton_op("triton_transformer::swiglu_backward", mutates_args=())
+def swiglu_backward_op(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d(gate), d(up)): new contiguous tensors in the dtypes of gate and up."""
@@ -138,24 +139,24 @@ def swiglu_bwd(
     return dgate, dup
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _swiglu_setup_context(ctx, inputs, output) -> None:
     gate, up = inputs
     ctx.save_for_backward(gate, up)
 
 
 @first_order_only("swiglu")
-def _backward(ctx, dy):
+def _swiglu_backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    return call_op(swiglu_bwd, dy, gate, up)
+    return call_op(swiglu_backward_op, dy, gate, up)
 
 
-swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The reference: fp32 arithmetic for fp16/bf16 (fp64 stays fp64), one rounding."""
     compute = torch.promote_types(gate.dtype, torch.float32)
     return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
@@ -191,5 +192,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, use_triton: bool = False) -> to
     """
     check_swiglu_args(gate, up, use_triton)
     if not use_triton:
-        return _swiglu_torch(gate, up)
-    return call_op(swiglu_fwd, gate, up)
+        return _swiglu_reference(gate, up)
+    return call_op(swiglu_op, gate, up)

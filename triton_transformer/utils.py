@@ -319,6 +319,31 @@ def row_block_size(n_cols: int, max_block: int) -> int:
     return min(max_block, max(16, next_power_of_2(n_cols)))
 
 
+@functools.cache
+def row_launch_params(
+    n_cols: int,
+    max_block: int,
+    row_tile: int,
+    num_warps: int | None,
+    loop_num_warps: int | None = None,
+) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) of a row kernel (softmax, cross-entropy) for
+    rows of n_cols entries. Rows that fit one block are packed BLOCK_M to a program (about
+    row_tile elements); longer rows get a program each and loop over blocks.
+
+    num_warps None picks `calc_num_warps` of the tile, or, for a looping kernel,
+    loop_num_warps when that is given."""
+    block_n = row_block_size(n_cols, max_block)
+    single_pass = n_cols <= block_n
+    block_m = max(1, row_tile // block_n) if single_pass else 1
+    if num_warps is None:
+        if single_pass or loop_num_warps is None:
+            num_warps = calc_num_warps(block_m * block_n)
+        else:
+            num_warps = loop_num_warps
+    return block_m, block_n, single_pass, num_warps
+
+
 def check_triton_tensor(x: Any, name: str) -> None:
     """Raise a clear error if `x` cannot be handed to a Triton kernel.
 
