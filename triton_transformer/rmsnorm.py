@@ -57,6 +57,8 @@ from torch import nn
 from torch.library import triton_op
 
 from triton_transformer.layernorm import (
+    _LAYERNORM_BWD_CONFIGS,
+    _LAYERNORM_FWD_CONFIGS,
     BwdConfig,
     _bwd_plan,
     _layernorm_bwd_colsum_kernel,
@@ -85,31 +87,10 @@ MAX_BLOCK_N = 32768
 # (BLOCK_M, BLOCK_N, num_warps) of the forward and the backward configuration per width class
 # (N rounded up to a power of two, >= 16): LayerNorm's tuned entries (see the module docstring).
 # RMSNorm has no "split" backward: the widest class loops over 4096-column blocks.
-_RMSNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
-    16: (128, 16, 8),
-    32: (64, 32, 8),
-    64: (32, 64, 8),
-    128: (16, 128, 4),
-    256: (16, 256, 8),
-    512: (2, 512, 2),
-    1024: (4, 1024, 4),
-    2048: (4, 2048, 4),
-    4096: (2, 4096, 8),
-    8192: (1, 8192, 16),
-    16384: (1, 16384, 8),
-}
+_RMSNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = _LAYERNORM_FWD_CONFIGS
 _RMSNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
-    16: BwdConfig("row", 128, 16, 8, 4),
-    32: BwdConfig("row", 64, 32, 8, 4),
-    64: BwdConfig("row", 32, 64, 8, 4),
-    128: BwdConfig("row", 64, 128, 16, 1),
-    256: BwdConfig("row", 32, 256, 16, 2, prefetch=True),
-    512: BwdConfig("row", 1, 512, 4, 4, prefetch=True),
-    1024: BwdConfig("row", 4, 1024, 4, 2, prefetch=True),
-    2048: BwdConfig("row", 2, 2048, 8, 2, prefetch=True),
-    4096: BwdConfig("row", 1, 4096, 8, 2, prefetch=True),
-    8192: BwdConfig("row", 1, 8192, 16, 2, prefetch=True),
-    16384: BwdConfig("loop", 1, 4096, 8, 2),
+    **_LAYERNORM_BWD_CONFIGS,
+    16384: BwdConfig("loop", 1, 4096, 8, 2),  # no "split" backward here
 }
 _COLSUM_BLOCK_C = 32
 _COLSUM_BLOCK_G = 256
