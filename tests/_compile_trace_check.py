@@ -67,23 +67,34 @@ GROUPS = {
         ),
     },
 }
-cases = {name: fn for group in sys.argv[1:] for name, fn in GROUPS[group].items()}
-ok = bool(cases)
-for dynamic in (False, True):
-    for name, fn in cases.items():
-        torch._dynamo.reset()
-        h = torch.randn(128, 64, requires_grad=True)
-        try:
-            torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
-            print(f"FAIL {name} dynamic={dynamic}: the forward compiler was not reached")
-            ok = False
-        except Exception as e:  # Dynamo wraps the backend's exception
-            cause = e
-            while cause is not None and not isinstance(cause, Traced):
-                cause = cause.__cause__ or cause.__context__
-            if cause is None or not cause.args[0]:
-                print(f"FAIL {name} dynamic={dynamic}: {type(e).__name__}: {str(e)[:800]}")
+
+
+def trace_cases(cases: dict) -> bool:
+    """Trace each case (a function of one (128, 64) leaf tensor) with static and dynamic
+    shapes; print "OK name dynamic=...: ops" or "FAIL ..."; True when every case reached the
+    forward compiler holding at least one of our triton ops. Also used by
+    `_modern_trace_check.py`."""
+    ok = bool(cases)
+    for dynamic in (False, True):
+        for name, fn in cases.items():
+            torch._dynamo.reset()
+            h = torch.randn(128, 64, requires_grad=True)
+            try:
+                torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
+                print(f"FAIL {name} dynamic={dynamic}: the forward compiler was not reached")
                 ok = False
-            else:
-                print(f"OK {name} dynamic={dynamic}: {cause.args[0]}")
-sys.exit(0 if ok else 1)
+            except Exception as e:  # Dynamo wraps the backend's exception
+                cause = e
+                while cause is not None and not isinstance(cause, Traced):
+                    cause = cause.__cause__ or cause.__context__
+                if cause is None or not cause.args[0]:
+                    print(f"FAIL {name} dynamic={dynamic}: {type(e).__name__}: {str(e)[:800]}")
+                    ok = False
+                else:
+                    print(f"OK {name} dynamic={dynamic}: {cause.args[0]}")
+    return ok
+
+
+if __name__ == "__main__":
+    cases = {name: fn for group in sys.argv[1:] for name, fn in GROUPS[group].items()}
+    sys.exit(0 if trace_cases(cases) else 1)

@@ -12,7 +12,7 @@ import sys
 
 import torch
 import triton
-from torch._dynamo.backends.common import aot_autograd
+from _compile_trace_check import trace_cases  # its backend and loop (a sibling script)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -33,16 +33,6 @@ for m in mods.values():
 rms, rope, sw = mods["rmsnorm"], mods["rope"], mods["swiglu"]
 
 
-class Traced(Exception):
-    pass
-
-
-def fw_compiler(gm, example_inputs):
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    raise Traced(sorted(t for t in targets if "triton" in t))
-
-
-backend = aot_autograd(fw_compiler=fw_compiler)
 w = torch.randn(64, requires_grad=True)
 pos = torch.arange(3, 35)
 CASES = {
@@ -60,24 +50,7 @@ CASES = {
     ),
     "swiglu": lambda h: sw.swiglu(h.sin(), h.cos(), use_triton=True).sum(),
 }  # fmt: skip
-ok = True
-for dynamic in (False, True):
-    for name, fn in CASES.items():
-        torch._dynamo.reset()
-        h = torch.randn(128, 64, requires_grad=True)
-        try:
-            torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
-            print(f"FAIL {name} dynamic={dynamic}: the forward compiler was not reached")
-            ok = False
-        except Exception as e:  # Dynamo wraps the backend's exception
-            cause = e
-            while cause is not None and not isinstance(cause, Traced):
-                cause = cause.__cause__ or cause.__context__
-            if cause is None or not cause.args[0]:
-                print(f"FAIL {name} dynamic={dynamic}: {type(e).__name__}: {str(e)[:800]}")
-                ok = False
-            else:
-                print(f"OK {name} dynamic={dynamic}: {cause.args[0]}")
+ok = trace_cases(CASES)
 
 POINTERS = dict(X="*bf16", W="*fp32", Y="*bf16", H="*bf16", BR="*bf16", DY="*bf16", DX="*bf16",
                 DHN="*bf16", DBR="*bf16", Rstd="*fp32", Partial="*fp32", SEED="*i64",
