@@ -10,6 +10,13 @@ the KV-cache decode, state dicts. On CPU the kernels run in Triton's interpreter
 
 import pytest
 import torch
+from _modern_helpers import (
+    LLAMA,
+    check_greedy_cached_generation,
+    check_state_dict_round_trip,
+    decode_in_steps,
+    train_both_branches,
+)
 from test_attention import (
     TOL,
     TOL_DQK,
@@ -219,7 +226,6 @@ def test_bad_shapes(device):
 
 VOCAB, MAX_LEN = 48, 16
 SMALL = dict(num_tokens=VOCAB, dim=32, max_seq_len=MAX_LEN, depth=2, heads=4, dim_head=16)
-LLAMA = dict(pos_emb="rope", norm="rmsnorm", ff_act="swiglu", qk_norm=True)
 
 
 def make(device="cpu", seed=0, **kwargs) -> Transformer:
@@ -256,21 +262,8 @@ def test_model_parameters_and_options():
 def test_trains_with_both_branches_agreeing(kwargs, device):
     # two copies from one initialisation, two AdamW steps each: the Triton and PyTorch
     # branches give the same losses and parameters
-    models = [make(device, depth=1, **kwargs) for _ in range(2)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
-    batches = [torch.randint(0, VOCAB, (2, 9), device=device) for _ in range(2)]
-    losses = [[], []]
-    for x in batches:
-        for i, (model, opt) in enumerate(zip(models, opts, strict=True)):
-            loss = model(x[:, :-1], labels=x[:, 1:], use_triton=bool(i))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[i].append(loss.item())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
-    assert losses[0][0] != losses[0][1]  # the step changed the model
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+    losses = train_both_branches([make(device, depth=1, **kwargs) for _ in range(2)], VOCAB)
+    assert losses[0] != losses[1]  # the step changed the model
 
 
 @pytest.mark.parametrize("cache", ["KVCache", "StaticKVCache"])
@@ -281,39 +274,21 @@ def test_decode_with_cache_matches_full_forward(cache, use_triton, device):
     x = torch.randint(0, VOCAB, (2, 9), device=device)
     with torch.no_grad():
         full = model(x, use_triton=use_triton)
-        kv = KVCache() if cache == "KVCache" else StaticKVCache()
-        steps = [model(x[:, :5], kv_cache=kv, use_triton=use_triton)]
-        steps += [model(x[:, i : i + 1], kv_cache=kv, use_triton=use_triton) for i in range(5, 9)]
+    kv = KVCache() if cache == "KVCache" else StaticKVCache()
+    steps = decode_in_steps(model, x, kv, use_triton)
     assert kv.keys[0].shape == (2, 2, MAX_LEN, 16) and len(kv.values) == 2
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
     # a cache of another head count is refused
     with pytest.raises(ValueError, match="different shape"), torch.no_grad():
         make(device).eval()(x[:, :1], kv_cache=kv, use_triton=use_triton)
 
 
 def test_generate_cached_matches_uncached(device):
-    net = make(device, kv_heads=1)
-    with torch.no_grad():
-        net.to_logits.weight.mul_(20)  # far from ties
-    model = AutoregressiveWrapper(net)
-    prompt = torch.randint(0, VOCAB, (2, 12), device=device)
-    cached = model.generate(prompt, 6, temperature=0.0, use_triton=True)
-    uncached = model.generate(prompt, 6, temperature=0.0, use_kv_cache=False)
-    torch.testing.assert_close(cached, uncached)
+    check_greedy_cached_generation(make(device, kv_heads=1), VOCAB)
 
 
 def test_state_dict_round_trip(tmp_path, device):
-    trained = make(device, seed=1, kv_heads=2)
-    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
-    x = torch.randint(0, VOCAB, (2, 12), device=device)
-    trained(x, labels=x, use_triton=True).backward()
-    opt.step()
-    path = tmp_path / "model.pt"
-    torch.save(trained.state_dict(), path)
-    for use_triton, where in ((False, "cpu"), (True, device)):
-        fresh = make(where, seed=2, use_triton=use_triton, kv_heads=2)
-        fresh.load_state_dict(torch.load(path, map_location=where))
-        torch.testing.assert_close(fresh(x.to(where)).cpu(), trained(x).cpu(), rtol=1e-4, atol=1e-4)
+    trained = check_state_dict_round_trip(make, tmp_path, device, VOCAB, kv_heads=2)
     with pytest.raises(RuntimeError, match=r"to_qkv\.weight"):
         make().load_state_dict(trained.state_dict())  # 4 key/value heads: another shape
 

@@ -6,6 +6,13 @@ forward."""
 
 import pytest
 import torch
+from _modern_helpers import (
+    LLAMA,
+    check_greedy_cached_generation,
+    check_state_dict_round_trip,
+    decode_in_steps,
+    train_both_branches,
+)
 
 from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.rmsnorm import RMSNorm
@@ -13,7 +20,6 @@ from triton_transformer.transformer import KVCache, StaticKVCache, Transformer
 
 VOCAB, MAX_LEN = 48, 16
 SMALL = dict(num_tokens=VOCAB, dim=32, max_seq_len=MAX_LEN, depth=2, heads=2, dim_head=16)
-LLAMA = dict(pos_emb="rope", norm="rmsnorm", ff_act="swiglu", qk_norm=True)
 
 # Every pair of two options' values appears in at least one combination (6 rows cover the
 # 3 x 2 pairs of ff_act with each other option); LLAMA itself trains in the round-trip test.
@@ -73,20 +79,7 @@ def test_trains_with_both_branches_agreeing(combo, device):
     # two copies from one initialisation, two AdamW steps each: the Triton and PyTorch
     # branches give the same losses, and the same parameters after the steps (one layer:
     # the interpreter is slow; the decode tests below run two)
-    models = [make(device, depth=1, **combo) for _ in range(2)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
-    batches = [torch.randint(0, VOCAB, (2, 9), device=device) for _ in range(2)]
-    losses = [[], []]
-    for x in batches:
-        for i, (model, opt) in enumerate(zip(models, opts, strict=True)):
-            loss = model(x[:, :-1], labels=x[:, 1:], use_triton=bool(i))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[i].append(loss.item())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+    train_both_branches([make(device, depth=1, **combo) for _ in range(2)], VOCAB)
 
 
 @pytest.mark.parametrize("ff_act", ["swiglu", "gelu"])
@@ -102,18 +95,7 @@ def test_dropout_paths_run(ff_act, device):
 
 
 def test_state_dict_round_trip(tmp_path, device):
-    trained = make(device, seed=1, **LLAMA)
-    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
-    x = torch.randint(0, VOCAB, (2, 12), device=device)
-    trained(x, labels=x, use_triton=True).backward()
-    opt.step()
-    path = tmp_path / "model.pt"
-    torch.save(trained.state_dict(), path)
-    # PyTorch ops on the CPU; Triton where its kernels run (the interpreter, or the GPU)
-    for use_triton, where in ((False, "cpu"), (True, device)):
-        fresh = make(where, seed=2, use_triton=use_triton, **LLAMA)
-        fresh.load_state_dict(torch.load(path, map_location=where))
-        torch.testing.assert_close(fresh(x.to(where)).cpu(), trained(x).cpu(), rtol=1e-4, atol=1e-4)
+    trained = check_state_dict_round_trip(make, tmp_path, device, VOCAB, **LLAMA)
     with pytest.raises(RuntimeError, match=r"pos_emb\.weight"):
         make().load_state_dict(trained.state_dict())  # the classic model has a table
 
@@ -127,22 +109,15 @@ def test_rope_decode_with_cache_matches_full_forward(cache, use_triton, device):
     x = torch.randint(0, VOCAB, (2, 9), device=device)
     with torch.no_grad():
         full = model(x, use_triton=use_triton)
-        kv = KVCache() if cache == "KVCache" else StaticKVCache()
-        steps = [model(x[:, :5], kv_cache=kv, use_triton=use_triton)]
-        steps += [model(x[:, i : i + 1], kv_cache=kv, use_triton=use_triton) for i in range(5, 9)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    kv = KVCache() if cache == "KVCache" else StaticKVCache()
+    torch.testing.assert_close(
+        decode_in_steps(model, x, kv, use_triton), full, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_rope_generate_cache_and_window_match_reference(device):
     # greedy generation through the cache, then past max_seq_len through the sliding window
-    net = make(device, **LLAMA)
-    with torch.no_grad():
-        net.to_logits.weight.mul_(20)  # far from ties
-    model = AutoregressiveWrapper(net)
-    prompt = torch.randint(0, VOCAB, (2, 12), device=device)
-    cached = model.generate(prompt, 6, temperature=0.0, use_triton=True)
-    uncached = model.generate(prompt, 6, temperature=0.0, use_kv_cache=False)
-    torch.testing.assert_close(cached, uncached)
+    check_greedy_cached_generation(make(device, **LLAMA), VOCAB)
 
 
 def test_option_validation():
