@@ -210,7 +210,7 @@ def _local_enwik8(data_dir: Path, expected_size: int) -> Path | None:
             continue
         log.info("decompressing %s to %s", archive, raw)
         try:
-            with _open_archive(archive) as src, _atomic_write(raw) as dst:
+            with _open_archive(archive) as src, atomic_write(raw) as dst:
                 n = _copy(src, dst)
                 if n != expected_size:
                     raise ValueError(f"it decompresses to {n:,} bytes, not {expected_size:,}")
@@ -282,7 +282,7 @@ def download_enwik8(
     try:
         verify = lambda tmp: _check_enwik8_zip(tmp, expected_size)
         with (
-            _atomic_write(dest, verify=verify) as f,
+            atomic_write(dest, verify=verify) as f,
             urllib.request.urlopen(_request(url), timeout=timeout) as resp,
         ):
             length = resp.headers.get("Content-Length")
@@ -378,7 +378,7 @@ def _load_stdlib(data_dir: Path, split: tuple[float, float, float]) -> Corpus:
         files = stdlib_source_files(root)
         if not files:
             raise FileNotFoundError(f"no Python source files found under {root}")
-        with _atomic_write(cache) as dst:
+        with atomic_write(cache) as dst:
             for path in files:
                 with open(path, "rb") as src:
                     _copy(src, dst)
@@ -416,7 +416,7 @@ def hf_texts_to_file(rows: Iterable, path: str | Path, column: str = "text") -> 
         texts = (t for batch in rows.iter(batch_size=1024) for t in batch[column])
     else:
         texts = (_row_text(row, column) for row in rows)
-    with _atomic_write(Path(path)) as dst:
+    with atomic_write(Path(path)) as dst:
         n = 0
         for text in texts:
             data = text.encode("utf-8") if text.endswith("\n") else (text + "\n").encode("utf-8")
@@ -489,7 +489,7 @@ def _load_hf(source: str, data_dir: Path, split: tuple[float, float, float]) -> 
         if "train" not in sizes:
             raise ValueError(f"{source}: the dataset has no 'train' split ({list(dataset)})")
         # Written last, atomically: its presence means every split file is complete.
-        with _atomic_write(manifest) as f:
+        with atomic_write(manifest) as f:
             f.write(json.dumps({"source": source, "bytes": sizes}).encode())
 
     sizes = json.loads(manifest.read_text())["bytes"]
@@ -717,18 +717,25 @@ def _copy(src, dst, callback: Callable[[int], object] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _atomic_write(path: Path, verify: Callable[[Path], object] | None = None) -> Iterator:
-    """Yield a binary file that becomes `path` only if the block (and `verify(tmp)`) succeed.
+def atomic_write(
+    path: Path, verify: Callable[[Path], object] | None = None, mode: str = "wb"
+) -> Iterator:
+    """Yield a binary file (`mode` "wb", or "w+b" to read back) that becomes `path` only if
+    the block (and `verify(tmp)`) succeed.
 
-    The temporary file sits in the same directory, so `os.replace` is an atomic rename; on any
-    error, KeyboardInterrupt included, it is deleted and `path` is left untouched.
+    The temporary file sits in the same directory and is fsynced before `os.replace` renames
+    it, atomically; on any error, KeyboardInterrupt included, it is deleted and `path` is left
+    untouched. Every file the data pipeline writes (downloads, caches, tokenizers) goes
+    through here.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     tmp = Path(tmp)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, mode) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         if verify is not None:
             verify(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only

@@ -24,7 +24,6 @@ match its count (truncated) is rebuilt, with a `TokenCacheWarning` saying why, n
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import json
@@ -32,7 +31,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,7 +40,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from triton_transformer.training.data import Corpus, decode_tokens
+from triton_transformer.training.data import Corpus, atomic_write, decode_tokens
 
 __all__ = [
     "BYTE_VOCAB",
@@ -470,7 +468,7 @@ def _build_cache(
         "count": 0,
         "bytes": len(data),
     }
-    with _atomic_file(path) as f:
+    with atomic_write(path, mode="w+b") as f:
         f.write(_header_bytes(header))
         count = 0
         with tqdm(
@@ -486,28 +484,9 @@ def _build_cache(
         f.write(_header_bytes(header))
 
 
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[Any]:
-    """A binary file (w+b) that becomes `path` (fsync, rename) only if the block succeeds;
-    on any error, KeyboardInterrupt included, it is deleted and `path` is left untouched."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` through a temp file and a rename."""
-    with _atomic_file(Path(path)) as f:
+    with atomic_write(Path(path)) as f:
         f.write(text.encode("utf-8"))
 
 
