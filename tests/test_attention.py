@@ -533,7 +533,12 @@ def test_every_option(d, causal, dropout, padded, deterministic, device):
 
 def test_single_pass_and_deterministic_backward_agree(device):
     # the two backward kernels compute the same gradients (to fp32 rounding)
-    q, k, v = make_qkv(2, 3, 70, 70, 32, torch.float32, device)
+    check_backward_kernels_agree(*make_qkv(2, 3, 70, 70, 32, torch.float32, device))
+
+
+def check_backward_kernels_agree(q, k, v):
+    """The single-pass and the deterministic backward give q, k, v the same gradients (to
+    fp32 rounding), causal, for fp32 inputs."""
     grads = []
     for det in (False, True):
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))

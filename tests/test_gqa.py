@@ -20,6 +20,7 @@ from _modern_helpers import (
 from test_attention import (
     TOL,
     TOL_DQK,
+    check_backward_kernels_agree,
     deterministic_algorithms,
     dropout_mask,
     make_qkv,
@@ -153,16 +154,7 @@ def test_strided_views(device):
 
 
 def test_deterministic_and_default_backward_agree(device):
-    q, k, v = make_gqa(1, 4, 2, 70, 70, 32, torch.float32, device)
-    grads = []
-    for det in (False, True):
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        with deterministic_algorithms(det):
-            out = attention(qs, ks, vs, causal=True, use_triton=True)
-            out.backward(torch.ones_like(out))
-        grads.append([t.grad for t in (qs, ks, vs)])
-    for a, g in zip(*grads, strict=True):
-        assert rel_err(a, g) < 1e-5
+    check_backward_kernels_agree(*make_gqa(1, 4, 2, 70, 70, 32, torch.float32, device))
 
 
 def test_pytorch_branches(device):
