@@ -654,6 +654,48 @@ def test_gpu_compiles_without_graph_breaks(device):
     assert all(torch.isfinite(t.grad).all() for t in (qkv, q, k, v))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_tma", [True, False])
+@pytest.mark.parametrize(
+    "d, causal, kv_heads", [(64, True, 4), (128, True, 4), (64, False, 4), (64, True, 2)]
+)
+def test_gpu_compiled_gradients_match_eager(compile_tma, d, causal, kv_heads, device, monkeypatch):
+    """Traced launches with the TMA kernels (tile loads, the single pass's dQ reductions; their
+    descriptor scratch allocated by inductor) or without them give eager's gradients."""
+    import triton_transformer.attention as attention_module
+    import triton_transformer.utils as utils_module
+
+    monkeypatch.setattr(utils_module, "COMPILE_TMA", compile_tma)
+    torch._dynamo.reset()
+    passes = []
+    single_pass = attention_module._single_pass
+
+    def spy(*args):
+        passes.append(single_pass(*args))
+        return passes[-1]
+
+    monkeypatch.setattr(attention_module, "_single_pass", spy)
+    q, k, v = make_qkv(2, 4, 1000, 1000, d, torch.bfloat16, device)
+    k, v = k[:, :kv_heads].contiguous(), v[:, :kv_heads].contiguous()
+    dout = torch.randn_like(q)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=causal, use_triton=True)
+
+    want = grads(f)
+    got = grads(torch.compile(f))
+    # causal attention takes the single pass in eager launches; traced ones only with TMA
+    assert passes[0] == causal and passes[-1] == (causal and compile_tma)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 2e-2
+
+
 def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
     """torch.compile types Python float arguments fp64 (eager launches: fp32). Compiling the
     kernels for sm_90 here, with no GPU, catches what would only fail under compile on one."""

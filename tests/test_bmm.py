@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import triton_transformer.bmm as bmm_module
 import triton_transformer.matmul_kernels as kernels_module
 import triton_transformer.matmul_plan as plan_module
+import triton_transformer.utils as utils_module
 from triton_transformer.bmm import bmm, linear
 from triton_transformer.utils import draw_seeds
 
@@ -537,7 +538,6 @@ def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
     bf16 = torch.bfloat16
     few = ("ptr", plan_module._FEW_ROWS_PTR)
-    monkeypatch.setattr(plan_module, "COMPILE_TMA", False)
     _pretend_gpu(monkeypatch, 9, 132, "H200")
     table = {
         "512x512x8192:tn": "tma",
@@ -572,7 +572,7 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(64, 64, 64, epi="+relu2", impl="triton")[0] == "tma"
     assert plan(64, 64, 64, epi="+relu2", impl="cublas")[0] == "tma"  # relu² stays fused
     assert plan(64, 64, 64, epi="+relu2", tracing=True) == ("cublas+ew",)
-    # traced where eager fuses in the TMA kernel (no COMPILE_TMA): cuBLAS + the relu² pass,
+    # traced where eager fuses in the TMA kernel (TMA not traceable): cuBLAS + the relu² pass,
     # not the pointer kernel; a table entry for the pointer kernel still wins
     assert plan(8192, 2048, 512, epi="+relu2", tracing=True) == ("cublas+ew",)
     assert plan(4096, 2048, 512, epi="+relu2", tracing=True)[0] == "ptr"
@@ -588,7 +588,7 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(8192, 512, 512, epi="+res", ok=False)[0] == "tma"  # residual of another dtype
     assert plan(64, 64, 64, a_t=-1, ok=False)[0] == "ptr"  # TMA can't describe a
     assert plan(64, 60, 64, ok=False)[0] == "ptr"  # 120-byte output rows
-    assert plan(64, 64, 64, epi="+relu2", ok=False, tracing=True)[0] == "ptr"  # no COMPILE_TMA
+    assert plan(64, 64, 64, epi="+relu2", ok=False, tracing=True)[0] == "ptr"  # no traced TMA
     # Weight gradients (K = tokens, few output tiles) split K; forward shapes do not.
     assert plan(256, 512, 8192, a_t=1, b_t=0, impl="triton")[1] > 1
     assert plan(8192, 256, 512, impl="triton")[1] == 1
@@ -636,7 +636,7 @@ def test_traced_products_go_to_cublas(monkeypatch):
     monkeypatch.setattr(plan_module, "_plan", plan)
     monkeypatch.setattr(plan_module, "launch_mm_tma", no_triton)
     monkeypatch.setattr(plan_module, "launch_mm_ptr", no_triton)
-    monkeypatch.setattr(plan_module, "COMPILE_TMA", True)  # reach a launch without a copy
+    monkeypatch.setattr(utils_module, "COMPILE_TMA", True)  # reach a launch without a copy
     bf16 = torch.bfloat16
     with FakeTensorMode():
         dy = torch.empty(4096, 768, dtype=bf16, device="cuda")
@@ -925,7 +925,7 @@ def test_cuda_graph_capture_gpu(device):
 @pytest.mark.parametrize("compile_tma", [True, False])
 def test_compile_without_graph_breaks_gpu(compile_tma, device, monkeypatch):
     # Traced with the TMA kernel (inductor allocates its descriptor scratch) or the pointer one.
-    monkeypatch.setattr(plan_module, "COMPILE_TMA", compile_tma)
+    monkeypatch.setattr(utils_module, "COMPILE_TMA", compile_tma)
     monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     torch._dynamo.reset()
 

@@ -84,6 +84,7 @@ from triton_transformer.utils import (
     call_op,
     check_dropout_p,
     check_triton_tensor,
+    compile_tma,
     dropout_threshold,
     first_order_only,
     interpreter_enabled,
@@ -969,10 +970,10 @@ TMA_LOADS = True
 def _tma_loads(*tensors: torch.Tensor) -> bool:
     """TMA tile loads for these (b, h, n, d) views: unit stride along d, 16-byte aligned
     starts and row / head / batch strides (judged by the storage offset: PyTorch aligns
-    storages), 2-byte elements, a Hopper GPU, and no tracing (inductor would have to supply
-    the descriptors' scratch memory)."""
+    storages), 2-byte elements, a Hopper GPU, and, under tracing, an inductor that supplies
+    the descriptors' scratch memory (`compile_tma`)."""
     t0 = tensors[0]
-    if not (TMA_LOADS and _has_tma(t0.device)) or is_traced(t0):
+    if not (TMA_LOADS and _has_tma(t0.device)) or (is_traced(t0) and not compile_tma()):
         return False
     for t in tensors:
         if t.element_size() != 2 or t.stride(3) != 1:
@@ -1098,9 +1099,10 @@ def launch_attention_bwd(
         deterministic = torch.are_deterministic_algorithms_enabled()
     meta = _launch_meta(q, k, v)
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
-    # slower than the two-program kernel there). Under torch.compile (fake tensors) the
-    # two-program kernel runs: inductor would have to supply the descriptors' scratch memory.
-    dq_tma = _has_tma(q.device) and not is_traced(q)
+    # slower than the two-program kernel there). Under torch.compile (fake tensors) only where
+    # inductor supplies the descriptors' scratch memory (`compile_tma`), else the two-program
+    # kernel runs.
+    dq_tma = _has_tma(q.device) and (not is_traced(q) or compile_tma())
     atomic = _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0

@@ -58,7 +58,8 @@ gives the entries to add here.
 
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
-torch.compile the Triton paths run the pointer kernel unless `COMPILE_TMA` is set.
+torch.compile the TMA kernel is traced where inductor provides the descriptors' scratch
+(`utils.compile_tma`), else the pointer kernel.
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ from triton_transformer.matmul_kernels import (
 )
 from triton_transformer.utils import (
     cdiv,
+    compile_tma,
     dropout_threshold,
     is_traced,
     launcher,
     next_power_of_2,
+    tma_scratch,
 )
 
 # Which GEMM runs a problem on CUDA: "auto" (cuBLAS for whatever it computes whole, relu²
@@ -125,11 +128,6 @@ def _mm_out_dtype_traceable() -> bool:
 
 # Probed once, at import: inside a trace, tensors made here would be traced ones.
 _MM_OUT_DTYPE_TRACEABLE = _mm_out_dtype_traceable()
-
-# Whether torch.compile traces the TMA kernel (True) or the pointer kernel (False) into its
-# graphs. Off until verified on the GPU machine (tests/test_bmm.py's compile test runs both):
-# inductor must then allocate the device-side descriptors' scratch itself.
-COMPILE_TMA = False
 
 # CUDA caps the 2nd grid dim (the batch here) at 65535; larger batches launch in chunks.
 _MAX_GRID_BATCH = 65535
@@ -231,9 +229,9 @@ def _plan(
     epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm computes the
     product and its residual into the output (one dtype throughout, or an fp32 output of
     fp16/bf16 operands without a residual); relu² is then our separate pass ("cublas+ew").
-    out_size: the output's element size in bytes. tracing: torch.compile is tracing the op;
-    the TMA kernel is used there only if `COMPILE_TMA` (inductor must then provide the
-    descriptors' scratch allocator).
+    out_size: the output's element size in bytes. tracing: torch.compile is tracing the op
+    and may not trace the TMA kernel (`utils.compile_tma()` false: this torch's inductor
+    does not provide the descriptors' scratch allocator).
     """
     relu2 = "+relu2" in epi
     plain = cublas_ok and not relu2  # cuBLAS computes the whole problem
@@ -261,19 +259,11 @@ def _plan(
         if plain and impl == "auto" and choice not in ("tma", "ptr"):
             return ("cublas",)
     tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
-    if (
-        tma
-        and tracing
-        and not COMPILE_TMA
-        and ew
-        and force is None
-        and impl != "triton"
-        and choice != "ptr"
-    ):
+    if tma and tracing and ew and force is None and impl != "triton" and choice != "ptr":
         # torch.compile: where eager runs the fused TMA kernel, cuBLAS's product and our
         # relu² pass (inductor launches cuBLAS itself) rather than the pointer kernel
         return ("cublas+ew",)
-    if force == "ptr" or not tma or choice == "ptr" or (tracing and not COMPILE_TMA):
+    if force == "ptr" or not tma or choice == "ptr" or tracing:
         return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
     return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
 
@@ -302,11 +292,6 @@ _EPI = {  # (relu², residual) -> the table's key suffix
 }
 
 
-def _tma_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 # Eager launches after the first: (grid, tuned config kwargs) per problem, so that the
 # autotuner's per-call work is skipped. Filled from the autotuner's pick.
 _TUNED: dict[tuple, tuple] = {}
@@ -325,7 +310,7 @@ def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, d
     M, K = a.shape
     N = b.shape[1]
     # A context variable in Triton: set it in whichever thread launches (autograd's too).
-    triton.set_allocator(_tma_alloc)
+    triton.set_allocator(tma_scratch)
     ws = c
     if split > 1:
         ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
@@ -441,7 +426,8 @@ def _mm2d_into(
         plan = _plan(
             "cuda", device.index, a.dtype, M, N, K,
             a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
-            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH, traced,
+            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
+            traced and not compile_tma(),
         )  # fmt: skip
         if plan[0] == "tma":
             launch_mm_tma(

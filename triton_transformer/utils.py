@@ -540,3 +540,32 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for device-side TMA descriptors (`tl.make_tensor_descriptor`): pass to
     `triton.set_allocator` before launching a kernel that makes them."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# Whether torch.compile may trace the kernels that make device-side TMA descriptors (the Hopper
+# matmul, attention's TMA tile loads and dQ reductions). True / False force it; None (default)
+# asks `_inductor_sets_allocator`. Eager launches set `triton.set_allocator(tma_scratch)`
+# themselves; a traced launch is made by inductor's generated code, which must do it.
+COMPILE_TMA: bool | None = None
+
+
+@functools.cache
+def _inductor_sets_allocator() -> bool:
+    """Whether this torch's inductor sets Triton's scratch allocator before it launches a kernel
+    (`CachingAutotuner.run` calls `triton.set_allocator`), which kernels making device-side
+    tensor descriptors need. Read from its source once: torch has no flag for it."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        return "set_allocator" in inspect.getsource(CachingAutotuner.run)
+    except Exception:  # no inductor, or no source to read
+        return False
+
+
+def compile_tma() -> bool:
+    """Whether traced (torch.compile) launches may take the TMA-descriptor kernels."""
+    if COMPILE_TMA is not None:
+        return COMPILE_TMA
+    import triton
+
+    return hasattr(triton, "set_allocator") and _inductor_sets_allocator()
