@@ -4,15 +4,20 @@ Forward and both table gradients at sizes that reach every code path: vocabulari
 widths that are not multiples of the tiles, several token tiles, repeated and absent ids,
 a window of positions that starts past 0 (a KV-cache step), no positional table, and
 fp32/fp16/bf16 tables. fp32 gradients go through the three-way bf16 split on a GPU, so
-they must still agree to ~1e-5.
+they must still agree to ~1e-5. Vocabularies above ONE_HOT_MAX_VOCAB take the atomic
+scatter backward (deterministic algorithms off) or PyTorch's embedding (on).
 """
+
+import contextlib
 
 import pytest
 import torch
 
-from triton_transformer.embedding import ONE_HOT_MAX_VOCAB, embedding
+import triton_transformer.embedding as embedding_module
+from triton_transformer.embedding import ONE_HOT_MAX_VOCAB, embedding, embedding_backward_op
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+LARGE_VOCAB = ONE_HOT_MAX_VOCAB + 76  # the scatter backward's range
 
 
 def _tables(n_vocab, dim, max_len, dtype, device):
@@ -21,8 +26,13 @@ def _tables(n_vocab, dim, max_len, dtype, device):
     return w, p
 
 
-def _check(b, n, n_vocab, dim, max_len, start, dtype, device, with_pos=True, id_dtype=None):
+def _check(
+    b, n, n_vocab, dim, max_len, start, dtype, device, with_pos=True, id_dtype=None,
+    n_distinct=None,
+):  # fmt: skip
     ids = torch.randint(0, n_vocab, (b, n), device=device, dtype=id_dtype or torch.int64)
+    if n_distinct:  # repeated ids: several tokens add into each of a few rows spread over V
+        ids = torch.randperm(n_vocab, device=device)[:n_distinct][ids % n_distinct].to(ids.dtype)
     ids[0, 0] = n_vocab - 1  # the last vocab row, in the ragged last vocab tile
     w, p = _tables(n_vocab, dim, max_len, dtype, device)
     pos = p if with_pos else None
@@ -89,10 +99,11 @@ def test_repeated_ids_sum_their_gradients(device):
     torch.testing.assert_close(p.grad, g.sum(0), rtol=1e-5, atol=1e-5)
 
 
-def test_empty_batch(device):
+@pytest.mark.parametrize("n_vocab", [10, LARGE_VOCAB], ids=["one_hot", "scatter"])
+def test_empty_batch(n_vocab, device):
     # no tokens: an empty output, and zero gradients for both tables
     ids = torch.zeros((0, 3), dtype=torch.int64, device=device)
-    w, p = _tables(10, 8, 6, torch.float32, device)
+    w, p = _tables(n_vocab, 8, 6, torch.float32, device)
     h = embedding(ids, w, p, 2, use_triton=True)
     assert h.shape == (0, 3, 8)
     h.sum().backward()
@@ -111,11 +122,73 @@ def test_deterministic(device):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def test_large_vocab_takes_pytorch_path(device):
-    ids = torch.randint(0, ONE_HOT_MAX_VOCAB + 5, (1, 6), device=device)
-    w, p = _tables(ONE_HOT_MAX_VOCAB + 5, 16, 6, torch.float32, device)
-    h = embedding(ids, w, p, use_triton=True)
-    torch.testing.assert_close(h, w[ids] + p[:6])
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _spy_ops(monkeypatch) -> list:
+    """Record (op, scatter) for every op `embedding` and its backward call."""
+    calls = []
+
+    def spy(op, *args):
+        calls.append((op, args[-1]))
+        return call_op(op, *args)
+
+    call_op = embedding_module.call_op
+    monkeypatch.setattr(embedding_module, "call_op", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "b, n, dim, max_len, start, dtype, with_pos",
+    [
+        (3, 17, 40, 32, 5, torch.float32, True),  # ragged tiles, positions past 0
+        (1, 33, 48, 33, 0, torch.float32, False),  # no positional table
+        (2, 11, 40, 16, 4, torch.float16, True),
+        (2, 11, 40, 16, 4, torch.bfloat16, True),
+    ],
+)
+def test_large_vocab_scatter_matches_float64_reference(
+    b, n, dim, max_len, start, dtype, with_pos, device, monkeypatch
+):
+    # above ONE_HOT_MAX_VOCAB: the gather forward and the atomic scatter backward, 5 distinct
+    # ids (plus the last row) so that several tokens, of several tiles, add into one row
+    calls = _spy_ops(monkeypatch)
+    _check(b, n, LARGE_VOCAB, dim, max_len, start, dtype, device, with_pos, n_distinct=5)
+    assert calls == [
+        (embedding_module.embedding_op, True),
+        (embedding_module.embedding_backward_op, True),
+    ]
+
+
+def test_large_vocab_int32_ids(device):
+    # int32 ids: the scatter widens them to int64 before the row offsets
+    _check(2, 9, 2000, 40, 9, 0, torch.float32, device, id_dtype=torch.int32)
+
+
+def test_large_vocab_deterministic_takes_pytorch_path(device, monkeypatch):
+    # deterministic algorithms on: atomics would reorder the fp32 sums, so PyTorch's
+    # embedding (deterministic sort-based backward) runs instead of the Triton op
+    def refuse(*args):
+        raise AssertionError("embedding_op ran under deterministic algorithms")
+
+    monkeypatch.setattr(embedding_module, "embedding_op", refuse)
+    with _deterministic_algorithms():
+        _check(2, 13, LARGE_VOCAB, 40, 20, 3, torch.float32, device, n_distinct=4)
+
+
+def test_small_vocab_deterministic_keeps_triton_path(device, monkeypatch):
+    # the one-hot backward is deterministic: deterministic algorithms keep it
+    calls = _spy_ops(monkeypatch)
+    with _deterministic_algorithms():
+        _check(2, 13, 40, 32, 20, 3, torch.float32, device)
+    assert [scatter for _, scatter in calls] == [False, False]
 
 
 @pytest.mark.parametrize(
@@ -143,6 +216,31 @@ def test_gpu_model_shapes(b, n, dtype):
     _check(b, n, 256, 512, 1024, 0, dtype, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gpt2_scatter(grad_dtype):
+    # the GPT-2 preset's step: 16 x 1024 tokens, vocabulary 50,304, D = 768, fp32 tables;
+    # dh in fp32 (through autograd) and bf16 (the backward op itself, as a bf16 graph hands
+    # it over). The atomics reorder the fp32 sums: ~1e-5 against float64.
+    b, n, n_vocab, dim = 16, 1024, 50304, 768
+    ids = torch.randint(0, n_vocab, (b, n), device="cuda")
+    w, p = _tables(n_vocab, dim, n, torch.float32, "cuda")
+    h = embedding(ids, w, p, use_triton=True, check_ids=False)
+    torch.testing.assert_close(h.double(), w.double()[ids] + p.double(), rtol=1e-5, atol=1e-5)
+    g = (1.5 + torch.randn(b, n, dim, device="cuda")).to(grad_dtype)
+    dw64 = torch.zeros(n_vocab, dim, device="cuda", dtype=torch.float64)
+    dw64.index_add_(0, ids.reshape(-1), g.double().reshape(-1, dim))
+    dp64 = g.double().sum(0)
+    if grad_dtype == torch.float32:
+        h.backward(g)
+        dw, dp = w.grad, p.grad
+    else:
+        dw, dp = embedding_backward_op(g, ids, n_vocab, n, 0, torch.float32, True)
+    assert dw.dtype == dp.dtype == torch.float32
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.double(), dp64, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("bad_id", [-1, 10, 1 << 40])
 def test_out_of_range_ids_raise(bad_id, use_triton, device):
@@ -162,16 +260,17 @@ def test_reference_raises_without_the_check():
         embedding(ids, w, p, use_triton=False, check_ids=False)
 
 
+@pytest.mark.parametrize("n_vocab", [10, LARGE_VOCAB], ids=["one_hot", "scatter"])
 @pytest.mark.parametrize("with_pos", [False, True])
-def test_unchecked_out_of_range_ids_give_nan_rows(with_pos, device):
+def test_unchecked_out_of_range_ids_give_nan_rows(with_pos, n_vocab, device):
     # check_ids=False (the Transformer, captured steps): out-of-range ids get NaN rows, so
     # the loss turns NaN, never a silent zero row; the other rows and gradients are unchanged
-    w, p = _tables(10, 8, 6, torch.float32, device)
+    w, p = _tables(n_vocab, 8, 6, torch.float32, device)
     pos = p if with_pos else None
-    ids = torch.randint(0, 10, (2, 6), device=device)
+    ids = torch.randint(0, n_vocab, (2, 6), device=device)
     bad = torch.zeros_like(ids, dtype=torch.bool)
     bad[0, 2] = bad[1, 5] = True
-    bad_ids = torch.where(bad, torch.tensor([-3, 10], device=device)[ids % 2], ids)
+    bad_ids = torch.where(bad, torch.tensor([-3, n_vocab], device=device)[ids % 2], ids)
     h = embedding(bad_ids, w, pos, use_triton=True, check_ids=False)
     assert torch.isnan(h[bad]).all() and torch.isfinite(h[~bad]).all()
     torch.testing.assert_close(h[~bad], embedding(ids, w, pos)[~bad], rtol=0, atol=0)
