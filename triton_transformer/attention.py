@@ -432,10 +432,10 @@ def _attention_bwd_delta_kernel(
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q"])
 def _attention_bwd_dq_kernel(
-    DQ_ACC, DQ, sdqb, sdqh, sdqn, sdqd, BH, H, N_Q, sm_scale,
+    DQ_ACC, DQ, off_dq, sdqb, sdqh, sdqn, sdqd, BH, H, N_Q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """DQ (any strides, q's dtype) = sm_scale · DQ_ACC, the fp32 sum the single-pass
+    """DQ + off_dq (any strides, q's dtype) = sm_scale · DQ_ACC, the fp32 sum the single-pass
     backward's key-block programs added up."""
     bh = _bh_index()
     if bh >= BH:
@@ -446,7 +446,7 @@ def _attention_bwd_dq_kernel(
         mask=mask, other=0.0,
     )  # fmt: skip
     dq = acc * tl.cast(sm_scale, tl.float32)
-    dq_ptrs = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd
+    dq_ptrs = DQ + off_dq + b * sdqb + h * sdqh + rows[:, None] * sdqn + offs_d[None, :] * sdqd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
@@ -626,7 +626,7 @@ def _bwd_dkdv_head(
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attention_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC, off_dq, off_dk, off_dv,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     skpm_b, skpm_n,
@@ -639,7 +639,9 @@ def _attention_bwd_kernel(
     GROUP: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
-    query block. Each output element is written by exactly one program: no atomics.
+    query block. Each output element is written by exactly one program: no atomics. dQ, dK
+    and dV start at DQ + off_dq, DK + off_dk and DV + off_dv (elements): the packed op passes
+    its one d(qkv) tensor three times.
 
     GROUP > 1 (grouped-query attention, query head h reading key/value head h // GROUP): the
     key blocks of a key/value head are dealt round the grid rows of its GROUP query heads
@@ -732,9 +734,13 @@ def _attention_bwd_kernel(
             real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
             dk = tl.where(real[:, None] != 0, dk, 0.0)
             dv = tl.where(real[:, None] != 0, dv, 0.0)
-        b_dk = DK + b * sdkb + h_kv * sdkh + rows_n[:, None] * sdkn + offs_d[None, :] * sdkd
+        b_dk = (
+            DK + off_dk + b * sdkb + h_kv * sdkh + rows_n[:, None] * sdkn + offs_d[None, :] * sdkd
+        )
         tl.store(b_dk, dk.to(DK.dtype.element_ty), mask=kv_mask)
-        b_dv = DV + b * sdvb + h_kv * sdvh + rows_n[:, None] * sdvn + offs_d[None, :] * sdvd
+        b_dv = (
+            DV + off_dv + b * sdvb + h_kv * sdvh + rows_n[:, None] * sdvn + offs_d[None, :] * sdvd
+        )
         tl.store(b_dv, dv.to(DV.dtype.element_ty), mask=kv_mask)
     else:
         pid_m = pid - n_kprog
@@ -788,7 +794,7 @@ def _attention_bwd_kernel(
             UPCAST, INT64_ROWS, IEEE, TMA,
         )  # fmt: skip
         dq = dq * sm_scale
-        b_dq = DQ + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
+        b_dq = DQ + off_dq + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
         tl.store(b_dq, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
@@ -1081,10 +1087,15 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
 
 def launch_attention_bwd(
     dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
-    deterministic=None,
+    deterministic=None, grads_base=None,
 ):  # fmt: skip
     """Launch the backward: fills dq, dk, dv (any strides) for (b, h, n, d) views; `out` and
     `dout` are (b, n_q, h, d) tensors (dout of any strides).
+
+    grads_base: the tensor dq, dk and dv are views of (the packed op's d(qkv)), or None. The
+    kernels then get it three times, with each view's element offset: under torch.compile a
+    kernel that writes into views makes functionalization copy each view out and back
+    (three copies of d(qkv) per call), where a write into a whole tensor it allocated is free.
 
     deterministic: None follows `torch.are_deterministic_algorithms_enabled()`, as SDPA
     does: off, causal attention takes the single-pass kernel, which adds dQ in fp32 with TMA
@@ -1117,9 +1128,13 @@ def launch_attention_bwd(
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm, ZERO_DQ=atomic,
     )  # fmt: skip
+    grads, offsets = (dq, dk, dv), (0, 0, 0)
+    if grads_base is not None:
+        grads = (grads_base,) * 3
+        offsets = tuple(t.storage_offset() - grads_base.storage_offset() for t in (dq, dk, dv))
     args = (
-        q, k, v, dout, dq, dk, dv, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-        seed if dropping else q, dq_acc if atomic else delta,
+        q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
+        seed if dropping else q, dq_acc if atomic else delta, *offsets,
         *q.stride(), *k.stride(), *v.stride(),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
         *dq.stride(), *dk.stride(), *dv.stride(),
@@ -1148,7 +1163,7 @@ def launch_attention_bwd(
     _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
         launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
-            dq_acc, dq, *dq.stride(), b * h, h, n_q, scale,
+            dq_acc, grads[0], offsets[0], *dq.stride(), b * h, h, n_q, scale,
             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
         )  # fmt: skip
 
@@ -1265,8 +1280,9 @@ def flash_attention_packed_backward_op(
     q, k, v = _split_packed(qkv)
     dq, dk, dv = _split_packed(dqkv)
     launch_attention_bwd(
-        dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv
-    )
+        dout, q, k, v, out, lse, key_padding_mask, seed, causal, scale, dropout_p, dq, dk, dv,
+        grads_base=dqkv,
+    )  # fmt: skip
     return dqkv
 
 
