@@ -1,7 +1,9 @@
 """GPU benchmark of the modern-block ops: RMSNorm (and the fused residual + RMSNorm), RoPE and
-SwiGLU, ours against PyTorch eager, torch.compile and Liger-Kernel, in one run.
+SwiGLU, and the feed-forward's projection with the SwiGLU gating fused into its epilogue, ours
+against PyTorch eager, torch.compile and Liger-Kernel, in one run.
 
     python3 benchmarks/bench_modern_ops.py --out DIR [--quick] [--no-compile] [--ops ...]
+    python3 benchmarks/bench_modern_ops.py --out DIR --ops linear+swiglu   # fused vs cuBLAS + ew
     TRITON_INTERPRET=1 python3 benchmarks/bench_modern_ops.py --out DIR --smoke   # CPU check
 
 Providers: ours (the Triton ops: `rmsnorm`, `residual_rmsnorm`, `rope`, `swiglu`), torch (the
@@ -12,6 +14,18 @@ when Liger-Kernel is missing, and a provider that fails is recorded with its err
 Liger's RoPE reads precomputed (seq, head_dim) cos/sin tables, built outside the timed call;
 ours computes them in the kernel. residual_rmsnorm has no Liger counterpart.
 
+linear+swiglu, x (M, K) and a weight (2·H, K) of gate rows then up rows -> silu(x W_gᵀ) ·
+(x W_uᵀ) (M, H), shapes (M, K, H): ours is `bmm.linear(x, w, activation="swiglu")` with its
+forward forced to the fused kernel (`matmul_plan._FORCE_PATH = "tma"`: the TMA kernel's SWIGLU
+epilogue on Hopper, else the pointer kernel's), cublas+ew the same call forced to "cublas+ew"
+(torch.mm of the (M, 2·H) projection, then `swiglu.py`'s forward kernel); the backward, the
+same for both (swiglu's backward kernel into one (M, 2·H) gradient, then dX and dW on cuBLAS),
+runs unforced. torch is F.linear, then F.silu(gate) * up on the halves (compile: that, through
+torch.compile); liger is Liger's own MLP's composition, torch.mm of x with each half of the
+weight (contiguous gate and up: halves of one projection would be copied first), then
+`LigerSiLUMulFunction`. Which of fused and cublas+ew the planner should pick per shape (the
+`MATMUL_TABLE` entry: "cublas+ew" where it won the forward) ends `modern_ops.md`.
+
 Modes: fwd (inference: no grad recorded) and fwd+bwd (the forward with grad enabled, then
 torch.autograd.grad of all differentiable inputs). bf16 by default.
 
@@ -21,6 +35,8 @@ element; weights, per-row statistics and cos/sin tables ignored):
   residual_rmsnorm  fwd 4·M·N·e (h, branch, h_new, y)  fwd+bwd 8·M·N·e (+ h_new, dy, dh_new, dh)
   rope              fwd 2·(|q|+|k|)·e                  fwd+bwd 4·(|q|+|k|)·e
   swiglu            fwd 3·M·N·e (gate, up, y)          fwd+bwd 8·M·N·e (+ dy, gate, up, dg, du)
+linear+swiglu is compute-bound and reports TFLOP/s instead: fwd 2·M·K·2H, fwd+bwd 3x that (dX,
+dW), elementwise work not counted; `frac` is over torch.mm's bf16 rate measured in the run.
 GB/s uses the GPU kernel time (`common.time_op`: kernel durations summed by torch.profiler, L2
 flushed before every call); `event_ms` is triton.testing.do_bench's median and `wall_us` the
 host time per call in a synchronised loop. `frac` is GB/s over the device-to-device copy
@@ -41,25 +57,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from triton_transformer import matmul_plan
+from triton_transformer.bmm import linear
 from triton_transformer.rmsnorm import residual_rmsnorm, rmsnorm
 from triton_transformer.rope import rope
 from triton_transformer.swiglu import swiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OPS = ("rmsnorm", "residual_rmsnorm", "rope", "swiglu")
+OPS = ("rmsnorm", "residual_rmsnorm", "rope", "swiglu", "linear+swiglu")
 MODES = ("fwd", "fwd+bwd")
 EPS = 1e-6
-# Shapes per op: (M, N) rows x width for the norms and swiglu; (b, h_q, h_k, n, d) for rope.
+# Shapes per op: (M, N) rows x width for the norms and swiglu; (b, h_q, h_k, n, d) for rope;
+# (M, K, H) tokens x model width -> hidden (the weight 2·H x K) for linear+swiglu.
 SHAPES = {
     "rmsnorm": [(4096, 768), (4096, 2048), (8192, 4096), (4096, 8192), (2048, 16384)],
     "residual_rmsnorm": [(4096, 768), (8192, 4096)],
     "rope": [(8, 12, 12, 1024, 64), (4, 32, 8, 2048, 128), (1, 32, 32, 8192, 128)],
     "swiglu": [(8192, 2048), (8192, 5632), (4096, 11008), (8192, 14336)],
+    "linear+swiglu": [(16384, 768, 2048), (8192, 2048, 5632)],
 }
 QUICK = {op: shapes[:2] for op, shapes in SHAPES.items()}
 SMOKE = {
@@ -67,6 +88,7 @@ SMOKE = {
     "residual_rmsnorm": [(8, 40)],
     "rope": [(1, 2, 1, 5, 8)],
     "swiglu": [(8, 40)],
+    "linear+swiglu": [(8, 16, 40)],
 }
 BYTES = {  # elements-passes per element of the op's main tensor (see the docstring)
     "rmsnorm": {"fwd": 2, "fwd+bwd": 5},
@@ -74,6 +96,8 @@ BYTES = {  # elements-passes per element of the op's main tensor (see the docstr
     "rope": {"fwd": 2, "fwd+bwd": 4},
     "swiglu": {"fwd": 3, "fwd+bwd": 8},
 }
+FLOPS = {"linear+swiglu": {"fwd": 1, "fwd+bwd": 3}}  # x 2·M·K·2H (the docstring)
+PROVIDERS = ("ours", "cublas+ew", "torch", "compile", "liger")
 
 
 def _common():
@@ -102,6 +126,9 @@ def make_inputs(op: str, shape: tuple, dtype: torch.dtype) -> tuple[list, dict]:
         b, hq, hk, n, d = shape
         q, k = torch.randn(b, hq, n, d, **g), torch.randn(b, hk, n, d, **g)
         return [q, k], {}
+    if op == "linear+swiglu":
+        M, K, H = shape
+        return [torch.randn(M, K, **g), torch.randn(2 * H, K, **g) * K**-0.5], {}
     M, N = shape
     if op == "swiglu":
         return [torch.randn(M, N, **g), torch.randn(M, N, **g)], {}
@@ -115,7 +142,51 @@ def main_elems(op: str, shape: tuple) -> int:
     if op == "rope":
         b, hq, hk, n, d = shape
         return b * (hq + hk) * n * d
+    if op == "linear+swiglu":  # the output, M x H
+        return shape[0] * shape[2]
     return shape[0] * shape[1]
+
+
+def _forward_forced(path: str, fn: Callable) -> Callable:
+    """fn with the planner's `_FORCE_PATH` set to `path` for its call (the forward) only: the
+    backward, run later by autograd, is planned as without a force."""
+
+    def run(*args):
+        saved = matmul_plan._FORCE_PATH
+        matmul_plan._FORCE_PATH = path
+        try:
+            return fn(*args)
+        finally:
+            matmul_plan._FORCE_PATH = saved
+
+    return run
+
+
+def _torch_linear_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_swiglu_fn(provider: str) -> Callable | None:
+    """linear+swiglu's function per provider (see the module docstring); None if absent."""
+    if provider in ("ours", "cublas+ew"):
+        fused = lambda x, w: linear(x, w, "swiglu", use_triton=True)
+        return _forward_forced("tma" if provider == "ours" else "cublas+ew", fused)
+    if provider == "torch":
+        return _torch_linear_swiglu
+    if provider == "compile":
+        common = _common()
+        compile_fn = common.compiled if common is not None else torch.compile
+        return compile_fn(_torch_linear_swiglu)
+    if provider != "liger" or _liger_ops() is None:
+        return None
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    def liger(x, w):
+        H = w.shape[0] // 2
+        return LigerSiLUMulFunction.apply(torch.mm(x, w[:H].t()), torch.mm(x, w[H:].t()))
+
+    return liger
 
 
 def _rope_tables(n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +199,10 @@ def _rope_tables(n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def provider_fn(provider: str, op: str, shape: tuple, dtype: torch.dtype) -> Callable | None:
     """The function of a provider for one op: f(*inputs) -> tensor or tuple; None if absent."""
+    if op == "linear+swiglu":
+        return linear_swiglu_fn(provider)
+    if provider == "cublas+ew":  # linear+swiglu's only
+        return None
     use_triton = provider == "ours"
     if provider in ("ours", "torch", "compile"):
         fns = {
@@ -202,9 +277,10 @@ def time_call(run: Callable[[], object]) -> dict:
 
 def run_bench(args) -> list[dict]:
     common = _common()
-    copy_gbps = common.ceilings()["copy_gbps"] if common is not None else float("nan")
+    ceilings = common.ceilings() if common is not None else {}
+    copy_gbps = ceilings.get("copy_gbps", float("nan"))
     shapes = SMOKE if args.smoke else QUICK if args.quick else SHAPES
-    providers = ["ours", "torch"] + ([] if args.no_compile else ["compile"]) + ["liger"]
+    providers = [p for p in PROVIDERS if p != "compile" or not args.no_compile]
     rows = []
     for op in args.ops:
         for dname in args.dtypes:
@@ -226,10 +302,17 @@ def run_bench(args) -> list[dict]:
                             rows.append(row)
                             print(json.dumps(row), flush=True)
                             continue
-                        nbytes = BYTES[op][mode] * main_elems(op, shape) * elem
-                        gbps = nbytes / (t["ms"] * 1e-3) / 1e9
                         row.update(ms=t["ms"], event_ms=t["event_ms"], wall_us=t["wall_us"])
-                        row.update({"GB/s": gbps, "frac": gbps / copy_gbps})
+                        if op in FLOPS:  # compute-bound: TFLOP/s over torch.mm's rate
+                            M, K, H = shape
+                            flops = FLOPS[op][mode] * 2 * M * K * 2 * H
+                            tflops = flops / (t["ms"] * 1e-3) / 1e12
+                            peak = ceilings.get("bf16_tflops", float("nan"))
+                            row.update({"TFLOP/s": tflops, "frac": tflops / peak})
+                        else:
+                            nbytes = BYTES[op][mode] * main_elems(op, shape) * elem
+                            gbps = nbytes / (t["ms"] * 1e-3) / 1e9
+                            row.update({"GB/s": gbps, "frac": gbps / copy_gbps})
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 if DEVICE == "cuda":
@@ -249,26 +332,50 @@ def _ratio(ours: dict | None, other: dict | None) -> str:
     return f"{other['ms'] / ours['ms']:.2f}"
 
 
+def _table_entries(rows: list[dict]) -> list[str]:
+    """linear+swiglu: the `MATMUL_TABLE` entry per shape, from the forward's kernel times
+    ("cublas+ew" where cuBLAS + the gating pass beat the fused kernel; the default, fused,
+    needs none). Keys "MxHxK:nt+swiglu" (x row-major, the weight read transposed)."""
+    keyed = {(r["shape"], r["mode"], r["provider"]): r for r in rows if r["op"] == "linear+swiglu"}
+    lines = []
+    for shape in dict.fromkeys(s for s, _, _ in keyed):
+        fused, ew = keyed.get((shape, "fwd", "ours")), keyed.get((shape, "fwd", "cublas+ew"))
+        if not fused or not ew or "ms" not in fused or "ms" not in ew:
+            continue
+        M, K, H = shape.split("x")
+        pick = "cublas+ew" if ew["ms"] < fused["ms"] else "fused"
+        lines.append(
+            f'- `"{M}x{H}x{K}:nt+swiglu": "{pick}"` (fwd: fused {fused["ms"]:.4g} ms, '
+            f"cublas+ew {ew['ms']:.4g} ms)"
+        )
+    return lines
+
+
 def summary(rows: list[dict]) -> str:
     """Markdown: per op, shape, dtype and mode, each provider's kernel ms and wall µs, and
     ours' kernel-time speedup over each other provider (> 1: ours faster)."""
+    others = PROVIDERS[1:]
     lines = [
         "# Modern-block ops: ours against torch, torch.compile and Liger-Kernel",
         "",
         "kernel ms (torch.profiler, L2 flushed) / wall µs per call; x = other's kernel time "
-        "over ours'.",
+        "over ours'. cublas+ew: linear+swiglu only (cuBLAS's projection, then our gating pass).",
         "",
-        "| op | dtype | shape | mode | ours | torch | compile | liger | x torch | x compile "
-        "| x liger |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "| op | dtype | shape | mode | " + " | ".join(PROVIDERS) + " | "
+        + " | ".join(f"x {p}" for p in others) + " |",
+        "|" + "---|" * (4 + len(PROVIDERS) + len(others)),
+    ]  # fmt: skip
     keyed = {(r["op"], r["dtype"], r["shape"], r["mode"], r["provider"]): r for r in rows}
     cases = dict.fromkeys((r["op"], r["dtype"], r["shape"], r["mode"]) for r in rows)
     for case in cases:
-        get = {p: keyed.get((*case, p)) for p in ("ours", "torch", "compile", "liger")}
+        get = {p: keyed.get((*case, p)) for p in PROVIDERS}
         cells = [_cell(r) for r in get.values()]
-        ratios = [_ratio(get["ours"], get[p]) for p in ("torch", "compile", "liger")]
+        ratios = [_ratio(get["ours"], get[p]) for p in others]
         lines.append("| " + " | ".join([*case, *cells, *ratios]) + " |")
+    entries = _table_entries(rows)
+    if entries:
+        lines += ["", "## linear+swiglu: MATMUL_TABLE entries (forward kernel time)", ""]
+        lines += entries
     errors = [r for r in rows if "error" in r]
     if errors:
         lines += ["", "## Providers that failed", ""]
@@ -279,7 +386,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="RMSNorm, RoPE and SwiGLU benchmark")
+    ap = argparse.ArgumentParser(description="RMSNorm, RoPE, SwiGLU and linear+swiglu benchmark")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--quick", action="store_true", help="two shapes per op")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
@@ -297,9 +404,10 @@ def main() -> None:
     (args.out / "modern_ops.md").write_text(summary(rows))
     if common is not None:
         for op in args.ops:
-            op_rows = [r for r in rows if r["op"] == op and "GB/s" in r]
+            y = "TFLOP/s" if op in FLOPS else "GB/s"
+            op_rows = [r for r in rows if r["op"] == op and y in r]
             if op_rows:
-                common.report(args.out, op, op_rows, x="size", y="GB/s")
+                common.report(args.out, op.replace("+", "_"), op_rows, x="size", y=y)
     print(f"done in {time.time() - start:.0f}s; {args.out / 'modern_ops.md'}")
 
 

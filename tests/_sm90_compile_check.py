@@ -68,8 +68,8 @@ mm_ptrs = dict(A=bf16, B=bf16, C=bf16, R=bf16, AUX=bf16, WS="*fp32", SEED="*i64"
 compile_sm90(
     matmul_kernels._mm_tma_kernel, mm_ptrs, {"drop_scale"},
     dict(A_T=False, B_T=True, RELU_SQUARED=True, HAS_RESIDUAL=False, STORE_AUX=True,
-         DROPOUT=True, SPLIT=False, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-         GROUP_M=8, EPI_SUB=2, FLATTEN=True),
+         DROPOUT=True, SWIGLU=False, SPLIT=False, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128,
+         BLOCK_K=64, GROUP_M=8, EPI_SUB=2, FLATTEN=True),
 )  # fmt: skip
 print("TMA matmul, relu² + dropout epilogue: ok")
 compile_sm90(
@@ -107,3 +107,34 @@ for atomic, dq_tma, tma in ((False, False, False), (True, True, True)):
              ATOMIC_DQ=atomic, DQ_TMA=dq_tma, TMA=tma),
     )  # fmt: skip
 print("grouped-query attention: ok")
+
+# SwiGLU fused into the matmul's epilogue (two accumulators, gate and up tiles of one weight):
+# the TMA kernel at each of its own tuning configs (their warps and stages: the registers and
+# shared memory are what they risk), the weight read transposed and row-major; the pointer
+# kernel at the planner's GPU tiles for bf16 and fp32, and the decode-sized ones
+swiglu = dict(RELU_SQUARED=False, HAS_RESIDUAL=False, STORE_AUX=True, DROPOUT=False, SWIGLU=True)
+for i, cfg in enumerate(matmul_kernels._tma_swiglu_configs()):
+    for b_t in (True, False) if i == 0 else (True,):
+        consts = dict(swiglu, A_T=False, B_T=b_t, SPLIT=False, NUM_SMS=132, **cfg.kwargs)
+        sig = signature(matmul_kernels._mm_tma_kernel, mm_ptrs, {"drop_scale"}, consts)
+        names = list(sig)
+        src = ASTSource(
+            fn=matmul_kernels._mm_tma_kernel, signature=sig,
+            constexprs={(names.index(k),): v for k, v in consts.items()},
+        )  # fmt: skip
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+print("TMA matmul, SwiGLU epilogue: ok")
+for ptr, cfg in (
+    (bf16, (128, 64, 32)),
+    ("*fp32", (64, 64, 32)),
+    (bf16, (16, 16, 128)),
+    (bf16, (64, 64, 32)),
+):
+    compile_sm90(
+        matmul_kernels._mm_ptr_kernel, dict(mm_ptrs, A=ptr, B=ptr, C=ptr, R=ptr, AUX=ptr),
+        {"drop_scale"},
+        dict(swiglu, DOT_PRECISION="ieee" if ptr == "*fp32" else "tf32", UPCAST=False,
+             BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_K=cfg[2], GROUP_M=8),
+    )  # fmt: skip
+print("pointer matmul, SwiGLU epilogue: ok")

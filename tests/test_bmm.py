@@ -4,7 +4,11 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles, so sizes 
 (37, 45, 29) already cover ragged edges in M, N and K, and K > BLOCK_K (the K loop).
 """
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -672,24 +676,29 @@ def test_split_k_choice():
 
 
 def _run_tma_kernel(
-    a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1, drop=None
-):
+    a, b, relu_squared=False, residual=None, save_relu=False, split=1, sub=1, drop=None,
+    swiglu=False,
+):  # fmt: skip
     """The Hopper kernel with fixed small tiles (no autotuning), as the interpreter runs it.
-    drop: (p, seed) of the epilogue dropout."""
+    drop: (p, seed) of the epilogue dropout. swiglu: b is (K, 2·N) [gate | up]; aux (M, 2·N)
+    receives the pre-activations."""
     M, K = a.shape
-    N = b.shape[1]
+    N = b.shape[1] // 2 if swiglu else b.shape[1]
     la, lb = plan_module._layout(a), plan_module._layout(b)
     c = torch.full((M, N), float("nan"), dtype=a.dtype, device=a.device)
     aux = torch.full_like(c, float("nan")) if save_relu else None
+    if swiglu:
+        aux = torch.full((M, 2 * N), float("nan"), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, M, N), device=a.device) if split > 1 else c
     rs = residual.stride() if residual is not None else (0, 0)
     num_sms = 3  # fewer programs than tiles: each loops over several (persistent)
     kernels_module._mm_tma_kernel[(num_sms,)](
-        a, b, c, residual if residual is not None else c, aux if save_relu else c, ws,
-        M, N, K, la[1], lb[1], N, rs[0], rs[1], N, split, *plan_module._dropout_args(drop, c),
+        a, b, c, residual if residual is not None else c, aux if aux is not None else c, ws,
+        M, N, K, la[1], lb[1], N, rs[0], rs[1], aux.stride(0) if aux is not None else N, split,
+        *plan_module._dropout_args(drop, c),
         A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
         HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, DROPOUT=drop is not None,
-        SPLIT=split > 1,
+        SWIGLU=swiglu, SPLIT=split > 1,
         NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
     )  # fmt: skip
     if split > 1:
@@ -719,7 +728,7 @@ def test_tma_kernel_logic(a_t, b_t, relu_squared, has_res, save_relu, split, sub
     if device == "cuda":
         import triton
 
-        triton.set_allocator(plan_module._tma_alloc)
+        triton.set_allocator(utils_module.tma_scratch)
     M, N, K = 40, 48, 104
     dtype = torch.float16
     A = rand((M, K), dtype, device, mean=0.3)
@@ -1071,3 +1080,287 @@ def test_ops_reject_dropout_without_relu2_or_seed(device):
     with pytest.raises(ValueError, match="seed"):
         bmm_module.relu2_grad_op(torch.ones(4, 8, device=device), torch.ones(4, 8, device=device),
                                  False, 0.1, None)  # fmt: skip
+
+
+# --- SwiGLU fused into the projection's epilogue ------------------------------------------------
+
+
+def swiglu64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x W_gateᵀ) · (x W_upᵀ) in float64, written out (w's rows: gate, then up)."""
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def check_linear_swiglu(x, w, tol, dy=None):
+    """linear(x, w, "swiglu") forward, dx and dW against float64; returns (y, dx, dW)."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = linear(x, w, "swiglu", use_triton=True)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0] // 2)
+    dy = rand(y.shape, x.dtype, x.device, mean=0.3) if dy is None else dy
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = swiglu64(x64, w64)
+    assert rel_err(linear(x64, w64, "swiglu"), ref) < 1e-12  # the PyTorch branch's semantics
+    rx, rw = torch.autograd.grad(ref, (x64, w64), dy.double())
+    assert rel_err(y, ref) < tol
+    assert gx.dtype == x.dtype and rel_err(gx, rx) < tol
+    assert gw.dtype == w.dtype and rel_err(gw, rw) < tol
+    return y.detach(), gx, gw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["2d", "3d", "strided"])
+def test_linear_swiglu_matches_float64(layout, dtype, device):
+    # H = 40: not a multiple of the 32-wide tiles; M = 37 rows, K = 48 > BLOCK_K (the K loop).
+    # Centred so that gate spans silu's curved part, negative and positive.
+    w = rand((80, 48), dtype, device, mean=0.02, std=0.2)
+    if layout == "2d":
+        x = rand((37, 48), dtype, device, mean=0.2, std=1.0)
+    elif layout == "3d":
+        x = rand((2, 3, 7, 48), dtype, device, mean=0.2, std=1.0)
+    else:  # a transposed view: (37, 48) with strides (1, 37)
+        x = rand((48, 37), dtype, device, mean=0.2, std=1.0).t()
+    gate = x.double() @ w.double()[:40].T
+    assert (gate < -1).any() and (gate > 1).any()
+    check_linear_swiglu(x, w, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_swiglu_cublas_ew_matches_fused(dtype, device, monkeypatch):
+    # "cublas+ew" (forced; on the CPU torch.mm and swiglu.py's forward kernel in the
+    # interpreter): the projection into the pre-activations, then the gating pass. Same
+    # function as the fused epilogue: both against float64, and against each other.
+    calls = []
+    real = plan_module.launch_swiglu_fwd
+    monkeypatch.setattr(plan_module, "launch_swiglu_fwd", lambda *a: calls.append(1) or real(*a))
+    x = rand((2, 19, 48), dtype, device, mean=0.2, std=1.0)
+    w = rand((80, 48), dtype, device, mean=0.02, std=0.2)
+    dy = rand((2, 19, 40), dtype, device, mean=0.3)
+    outs = {}
+    for force in (None, "cublas+ew"):
+        monkeypatch.setattr(plan_module, "_FORCE_PATH", force)
+        outs[force] = check_linear_swiglu(x, w, TOL[dtype], dy)
+    assert len(calls) == 1  # the forced forward only
+    for fused, ew in zip(outs[None], outs["cublas+ew"], strict=True):
+        # fp32: the same sums (up to the summation order); fp16/bf16 also round gate and up
+        # before the pass, which the fused epilogue reads in fp32
+        assert rel_err(ew, fused) < (1e-6 if dtype == torch.float32 else TOL[dtype])
+
+
+def test_linear_swiglu_saves_what_the_unfused_path_saved(device):
+    # x, the weight and the (M, 2H) pre-activations: as linear + swiglu (whose gate and up are
+    # views of the projection), never the (M, H) output nor a copy of the projection
+    x = rand((2, 5, 48), torch.float32, device).requires_grad_()
+    w = rand((80, 48), torch.float32, device, std=0.2).requires_grad_()
+
+    def saved(f):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append((tuple(t.shape), t.untyped_storage().data_ptr())) or t,
+            lambda t: t,
+        ):
+            f()
+        return shapes
+
+    fused = saved(lambda: linear(x, w, "swiglu", use_triton=True))
+    assert sorted(s for s, _ in fused) == sorted([(10, 48), (80, 48), (10, 80)])
+
+    def unfused():
+        from triton_transformer.swiglu import swiglu
+
+        gate, up = linear(x, w, use_triton=True).chunk(2, dim=-1)
+        return swiglu(gate, up, use_triton=True)
+
+    storages = {ptr for _, ptr in saved(unfused)}
+    assert len(storages) == len({ptr for _, ptr in fused}) == 3
+
+
+def test_linear_swiglu_arguments(device):
+    x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="2·H rows"):
+            linear(x, w[:7], "swiglu", use_triton=use_triton)
+        with pytest.raises(ValueError, match="no residual"):
+            linear(x, w, "swiglu", use_triton=use_triton, residual=torch.randn(4, 4))
+        with pytest.raises(ValueError, match="relu_squared"):
+            linear(x, w, "swiglu", use_triton=use_triton, dropout_p=0.1)
+        y = linear(x, w, "swiglu", use_triton=use_triton, dropout_p=0.0)
+        assert rel_err(y, swiglu64(x, w)) < 1e-5
+    with pytest.raises(ValueError, match="even row count"):  # the op checks for itself
+        bmm_module.linear_swiglu_op(x, w[:7])
+    # K = 0: zeros (silu(0) · 0), and zero gradients; no rows: empty
+    x0 = torch.randn(3, 0, device=device, requires_grad=True)
+    w0 = torch.randn(8, 0, device=device, requires_grad=True)
+    y0 = linear(x0, w0, "swiglu", use_triton=True)
+    assert torch.equal(y0, torch.zeros(3, 4, device=device))
+    y0.sum().backward()
+    assert x0.grad.shape == x0.shape and w0.grad.shape == w0.shape and not w0.grad.any()
+    assert linear(x[:0], w, "swiglu", use_triton=True).shape == (0, 4)
+
+
+def test_linear_swiglu_follows_autocast_with_fp32_weight_grads(device):
+    # bf16 autocast, fp32 weight: the product reads its bf16 copy, the weight gradient comes
+    # straight from the fp32 accumulator of d(pre)ᵀ x (d(pre) from the op's own pass); the
+    # PyTorch branch under autocast gives the same function
+    dev = torch.device(device).type
+    x = rand((21, 48), torch.bfloat16, device, mean=0.2).requires_grad_()
+    w = rand((80, 48), torch.float32, device, mean=0.01, std=48**-0.5).requires_grad_()
+    with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+        y = linear(x, w, "swiglu", use_triton=True)
+        y_ref = linear(x, w, "swiglu")
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    grad = rand(y.shape, torch.bfloat16, device, mean=0.3)
+    y.backward(grad)
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    w16 = w.detach().to(torch.bfloat16)
+    pre = bmm_module.linear_swiglu_op(x.detach(), w.detach(), w16)[1]
+    dpre = bmm_module.linear_swiglu_backward_op(grad, pre).double()
+    assert rel_err(w.grad, dpre.T @ x.detach().double()) < 1e-5
+    assert rel_err(y, swiglu64(x.detach(), w16)) < 1e-2
+    assert rel_err(y_ref, swiglu64(x.detach(), w16)) < 1e-2
+
+
+def test_linear_swiglu_registered_ops(device):
+    x = rand((7, 45), torch.float32, device).requires_grad_()
+    w = rand((24, 45), torch.float32, device).requires_grad_()
+    tests = _opcheck_tests(device)
+    torch.library.opcheck(bmm_module.linear_swiglu_op, (x, w), test_utils=tests)
+    torch.library.opcheck(
+        bmm_module.linear_swiglu_op, (x.detach().bfloat16(), w, w.detach().bfloat16()),
+        test_utils=tests,
+    )  # fmt: skip
+    dy, pre = rand((7, 12), torch.float32, device), rand((7, 24), torch.float32, device)
+    torch.library.opcheck(bmm_module.linear_swiglu_backward_op, (dy, pre), test_utils=tests)
+    torch.library.opcheck(
+        bmm_module.linear_swiglu_backward_op, (dy[:1, :5].expand(7, 5), pre[:, :10]),
+        test_utils=tests,
+    )  # fmt: skip
+
+
+def test_linear_swiglu_double_backward_raises(device, assert_first_order_only):
+    x = rand((5, 16), torch.float32, device, mean=0.3).requires_grad_()
+    w = rand((8, 16), torch.float32, device, mean=0.1)
+    assert_first_order_only(lambda x: linear(x, w, "swiglu", use_triton=True), x, "linear")
+
+
+def test_plan_swiglu_paths(monkeypatch):
+    # "+swiglu" follows relu²: fused (TMA on Hopper) by default, the table's "cublas+ew" or
+    # "ptr", forced paths, traced -> cuBLAS + swiglu's pass where eager would run TMA
+    bf16 = torch.bfloat16
+    _pretend_gpu(monkeypatch, 9, 132, "H200")
+    table = {"8192x5632x2048:nt+swiglu": "cublas+ew", "4096x2048x512:nt+swiglu": "ptr"}
+    monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
+
+    def plan(M, N, K, a_t=0, b_t=1, impl="auto", force=None, tracing=False, ok=True, size=2):
+        return plan_module._plan.__wrapped__(
+            "cuda", 0, bf16, M, N, K, a_t, b_t, "+swiglu", ok, size, impl, force, tracing
+        )
+
+    ptr_cfg = plan_module._ptr_config(16384, 2048, 768, 1, bf16, False, True)
+    assert ptr_cfg[1] <= 64 and ptr_cfg[2] <= 32  # two accumulators: narrower tiles
+    assert plan(16384, 2048, 768) == ("tma", 1, 132)  # the default: fused
+    assert plan(8192, 5632, 2048) == ("cublas+ew",)  # the table can say cuBLAS + the pass
+    assert plan(4096, 2048, 512)[0] == "ptr"
+    assert plan(16384, 2048, 768, force="cublas+ew") == ("cublas+ew",)
+    assert plan(8192, 5632, 2048, force="tma")[0] == "tma"  # forced: the table is skipped
+    assert plan(16384, 2048, 768, force="ptr") == ("ptr", ptr_cfg)
+    assert plan(16384, 2048, 768, impl="triton")[0] == "tma"
+    assert plan(16384, 2048, 768, impl="cublas")[0] == "tma"  # stays fused, as relu²
+    assert plan(16384, 2048, 768, tracing=True) == ("cublas+ew",)
+    assert plan(16384, 2048, 768, tracing=True, impl="triton")[0] == "ptr"
+    assert plan(16384, 2048, 768, tracing=True, ok=False)[0] == "ptr"
+    assert plan(16384, 2044, 768)[0] == "ptr"  # 4088-byte rows: TMA can't describe them
+    assert plan(16384, 2048, 768, a_t=-1)[0] == "ptr"
+    assert plan(5, 2048, 768) == ("ptr", plan_module._FEW_ROWS_PTR_SWIGLU)
+    _pretend_gpu(monkeypatch, 8, 108, "A100")
+    assert plan(16384, 2048, 768)[0] == "ptr"
+    cpu = plan_module._plan.__wrapped__
+    assert cpu("cpu", 0, bf16, 37, 40, 48, -1, -1, "+swiglu", True, 2, "auto", None)[0] == "ptr"
+
+
+@pytest.mark.parametrize("b_t, sub", [(True, 1), (True, 2), (False, 2)])
+def test_tma_kernel_swiglu_logic(b_t, sub, device):
+    # The SWIGLU variant of the Hopper kernel in the interpreter (or on Hopper): gate and up
+    # tiles from one B descriptor, both accumulators' pre-activations stored to AUX, y =
+    # silu(gate) · up; H = 48 is not a multiple of the 32-wide tiles (the last gate tile reads
+    # up columns, which the stores clip), B read transposed (the weight) or row-major.
+    if device == "cuda" and torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("TMA needs sm_90+")
+    if device == "cuda":
+        import triton
+
+        triton.set_allocator(utils_module.tma_scratch)
+    M, H, K = 40, 48, 104
+    A = rand((M, K), torch.float16, device, mean=0.1)
+    W = rand((2 * H, K), torch.float16, device, mean=0.02, std=0.15)
+    b = W.t() if b_t else W.t().contiguous()
+    c, aux = _run_tma_kernel(A, b, sub=sub, swiglu=True)
+    pre = A.double() @ W.double().T
+    assert rel_err(aux, pre) < 1e-3
+    assert rel_err(c, swiglu64(A, W)) < 1e-2
+
+
+def test_swiglu_kernels_compile_for_sm90():
+    # `_sm90_compile_check.py` (no GPU needed): the TMA kernel's SWIGLU variant at each of its
+    # tuning configs (warps, stages), the pointer kernel's at the planner's GPU tiles
+    script = Path(__file__).with_name("_sm90_compile_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "TMA matmul, SwiGLU epilogue: ok" in lines
+    assert "pointer matmul, SwiGLU epilogue: ok" in lines
+
+
+# GPU: the Llama feed-forward shapes (GPT-2 small's d768 -> 2 x 2048; Llama-7B-ish d2048 ->
+# 2 x 5632), both paths the planner chooses between, forward and backward against float64
+SWIGLU_GPU_SHAPES = [(16384, 768, 2048), (8192, 2048, 5632)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "cublas+ew"])
+@pytest.mark.parametrize("M, K, H", SWIGLU_GPU_SHAPES)
+def test_linear_swiglu_gpu(M, K, H, path, device, monkeypatch):
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", path)
+    calls = []
+    for name in ("launch_mm_tma", "launch_swiglu_fwd"):
+        real = getattr(plan_module, name)
+        monkeypatch.setattr(
+            plan_module, name, lambda *a, n=name, f=real, **k: calls.append(n) or f(*a, **k)
+        )
+    x = rand((M, K), torch.bfloat16, device, mean=0.05, std=1.0)
+    w = rand((2 * H, K), torch.bfloat16, device, mean=0.0, std=K**-0.5)
+    check_linear_swiglu(x, w, 1e-2)
+    hopper = torch.cuda.get_device_capability()[0] in (9, 10)
+    if path == "cublas+ew":
+        assert calls.count("launch_swiglu_fwd") == 1
+    elif hopper:  # the fused forward, and the forced backward GEMMs (dX, dW)
+        assert calls.count("launch_mm_tma") == 3 and "launch_swiglu_fwd" not in calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_tma", [True, False])
+def test_linear_swiglu_compiles_gpu(compile_tma, device, monkeypatch):
+    # Traced: the TMA kernel where inductor provides its scratch, else cuBLAS + swiglu's pass
+    # (as relu²); no graph breaks, and the same numbers as eager
+    monkeypatch.setattr(utils_module, "COMPILE_TMA", compile_tma)
+    torch._dynamo.reset()
+    x = rand((2, 1024, 768), torch.bfloat16, device, mean=0.05).requires_grad_()
+    w = rand((4096, 768), torch.float32, device, std=768**-0.5).requires_grad_()
+
+    def f(x, w):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return linear(x, w, "swiglu", use_triton=True).float().square().sum()
+
+    explanation = torch._dynamo.explain(f)(x, w)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        loss = fn(x, w)
+        grads.append((loss.detach(), *torch.autograd.grad(loss, (x, w))))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert rel_err(got, want) < 1e-2
+    assert grads[1][2].dtype == torch.float32

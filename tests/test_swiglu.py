@@ -1,13 +1,25 @@
 """SwiGLU's gating silu(gate) * up: the fused Triton kernels against a float64 run of the
 PyTorch branch; plus the compile-trace and sm_90 checks of every modern op (RMSNorm, RoPE,
-SwiGLU) in one subprocess (`_modern_trace_check.py`)."""
+SwiGLU) in one subprocess (`_modern_trace_check.py`); and the feed-forward's gating fused into
+its input projection (`linear(..., activation="swiglu")`, tested itself in test_bmm.py)."""
 
 import pytest
 import torch
-from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads, run_trace_check
+from _modern_helpers import (
+    LLAMA,
+    LOW_PRECISION,
+    TOL,
+    assert_close,
+    grads,
+    run_trace_check,
+    train_both_branches,
+)
 
+import triton_transformer.bmm as bmm_module
 import triton_transformer.swiglu as sw_mod
+from triton_transformer.bmm import linear
 from triton_transformer.swiglu import swiglu, swiglu_backward_op, swiglu_op
+from triton_transformer.transformer import FeedForward, Transformer
 
 
 def _pair(shape, dtype=torch.float32, device="cpu"):
@@ -103,6 +115,52 @@ def test_compile_traces_and_sm90_kernels_cpu():
     proc = run_trace_check()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and len(lines) == 18, proc.stdout + proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- feed-forward
+
+
+def _spy_linear_swiglu(monkeypatch) -> list:
+    """Record the calls of the fused projection op (`bmm.linear_swiglu_op`)."""
+    calls = []
+    real = bmm_module.linear_swiglu_op
+    monkeypatch.setattr(bmm_module, "linear_swiglu_op", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feedforward_fuses_the_gating_into_its_projection(dtype, device, monkeypatch):
+    # The PyTorch branch is the same numbers as before the fusion (linear, halves, swiglu's
+    # reference), bit for bit; the Triton branch runs the fused op and agrees with it, forward
+    # and gradients. The parameters are unchanged: proj_in (2·hidden, dim).
+    torch.manual_seed(0)
+    ff = FeedForward(32, mult=2, dropout=0.0, use_triton=True, act="swiglu").to(device, dtype)
+    assert set(ff.state_dict()) == {"norm.weight", "proj_in.weight", "proj_out.weight"}
+    assert ff.proj_in.weight.shape == (128, 32)
+    y = torch.randn(2, 9, 32, device=device).to(dtype)
+    gate, up = linear(y, ff.proj_in.weight).chunk(2, dim=-1)
+    before = linear(swiglu(gate, up), ff.proj_out.weight)
+    assert torch.equal(ff.from_normed(y, use_triton=False), before)
+    calls = _spy_linear_swiglu(monkeypatch)
+    out, gs = grads(lambda y: ff.from_normed(y, use_triton=True), (y,), (torch.ones_like(y),))
+    ref, rgs = grads(lambda y: ff.from_normed(y, use_triton=False), (y,), (torch.ones_like(y),))
+    assert calls == [1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(out[0], ref[0].double(), tol, "y")
+    assert_close(gs[0], rgs[0].double(), tol, "dy")
+
+
+def test_llama_model_trains_alike_through_the_fused_projection(device, monkeypatch):
+    # the Llama block (rope, rmsnorm, swiglu, qk-norm): two AdamW steps through the PyTorch
+    # branch and through Triton agree (losses and parameters), the gating in the projection
+    calls = _spy_linear_swiglu(monkeypatch)
+    cfg = dict(num_tokens=48, dim=32, max_seq_len=16, depth=1, heads=2, dim_head=16)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(Transformer(causal=True, **cfg, **LLAMA).to(device))
+    train_both_branches(models, 48)
+    assert len(calls) == 2  # one layer, two Triton steps
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -1,4 +1,5 @@
-"""Batched matmul and bias-free linear layer (optional relu² and residual epilogues) in Triton.
+"""Batched matmul and bias-free linear layer (optional relu², SwiGLU and residual epilogues) in
+Triton.
 
 This module holds the public functions (`bmm`, `linear`), their ops and autograd, and the
 weight-cast cache (`reuse_weight_casts`). How a product runs (cuBLAS or which Triton kernel,
@@ -15,6 +16,13 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   runs in the epilogue, its mask drawn from a device seed (`_jit_helpers.dropout_keep_tile`).
 - `triton_transformer::relu2_grad(dy, s, from_square, p, seed)`: d(pre) = dy · keep / (1 - p)
   · 2·relu(pre), the mask regenerated from the forward's seed.
+- `triton_transformer::linear_swiglu(x, weight, weight_lp)`: (silu(x @ W_gate.T) * (x @
+  W_up.T), x @ weight.T) for a weight of 2·H rows [gate; up]: the gating fused into the
+  matmul's epilogue (two accumulators per tile, `matmul_kernels.py`), which also writes the
+  (M, 2·H) pre-activations; and `triton_transformer::linear_swiglu_backward(dy, pre)`: their
+  gradient [d(gate) | d(up)], `swiglu.py`'s backward kernel writing both halves of one
+  tensor, which dX and dW then read as one GEMM each. Saved: x, the weight (as the product
+  read it) and the pre-activations, as the unfused projection + `swiglu` saved.
 The backward of each is `utils.first_order_only` (create_graph=True raises) and calls these ops.
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
@@ -43,6 +51,7 @@ from torch.library import triton_op
 from triton_transformer import matmul_plan
 from triton_transformer.matmul_kernels import _relu2_grad_kernel
 from triton_transformer.matmul_plan import _bmm_into, _dropout_args, _mm2d_into
+from triton_transformer.swiglu import _swiglu_reference, launch_swiglu_bwd
 from triton_transformer.utils import (
     call_op,
     cdiv,
@@ -54,7 +63,7 @@ from triton_transformer.utils import (
     seed_or_draw,
 )
 
-ACTIVATIONS = (None, "relu_squared")
+ACTIVATIONS = (None, "relu_squared", "swiglu")
 
 
 class _BmmModule(types.ModuleType):
@@ -176,6 +185,37 @@ def linear_relu2_op(
     return y, r
 
 
+@triton_op("triton_transformer::linear_swiglu", mutates_args=())
+def linear_swiglu_op(
+    x: torch.Tensor, weight: torch.Tensor, weight_lp: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(x @ W_gate.T) * (x @ W_up.T), x @ weight.T) for 2-D x (M, K) and weight (2·H, K),
+    its rows W_gate then W_up: the gating (M, H), and the (M, 2·H) pre-activations [gate | up]
+    that the backward reads, written by the same epilogue (or by cuBLAS before the gating
+    pass, "cublas+ew"). weight_lp as in `linear_op`."""
+    w = weight if weight_lp is None else weight_lp
+    if w.shape[0] % 2:
+        raise ValueError(f"a swiglu weight needs an even row count (2·H), got {w.shape[0]}")
+    M, H = x.shape[0], w.shape[0] // 2
+    y = torch.empty((M, H), device=x.device, dtype=x.dtype)
+    pre = torch.empty((M, 2 * H), device=x.device, dtype=x.dtype)
+    _mm2d_into(x, w.t(), y, aux=pre, swiglu=True)
+    return y, pre
+
+
+@triton_op("triton_transformer::linear_swiglu_backward", mutates_args=())
+def linear_swiglu_backward_op(dy: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """d(pre) = [d(gate) | d(up)] (M, 2·H), contiguous in pre's dtype, from dy (M, H, any
+    strides) and the forward's pre-activations pre (M, 2·H): `swiglu.py`'s backward kernel
+    writing the two halves of one tensor. The rest of the backward is two GEMMs (`bmm_op`)."""
+    M, H = pre.shape[0], pre.shape[1] // 2
+    dpre = torch.empty((M, 2 * H), device=pre.device, dtype=pre.dtype)
+    dy2 = dy if dy.stride(-1) == 1 else dy.contiguous()  # e.g. sum()'s stride-0 gradient
+    # dpre passed whole, with its halves' offsets: no view written (no copies under compile)
+    launch_swiglu_bwd(dy2, pre[:, :H], pre[:, H:], dpre[:, :H], dpre[:, H:], dpre)
+    return dpre
+
+
 @triton_op("triton_transformer::relu2_grad", mutates_args=())
 def relu2_grad_op(
     dy: torch.Tensor,
@@ -204,6 +244,7 @@ def relu2_grad_op(
 
 def _linear_setup_context(ctx, inputs, output) -> None:
     x, weight, residual, relu_squared, ctx.p, seed, weight_lp = inputs
+    ctx.swiglu = False
     ctx.relu_squared = relu_squared
     ctx.from_square = True
     ctx.residual_dtype = None if residual is None else residual.dtype
@@ -218,6 +259,7 @@ def _linear_setup_context(ctx, inputs, output) -> None:
 
 def _linear_relu2_setup_context(ctx, inputs, output) -> None:
     x, weight, residual, ctx.p, seed, weight_lp = inputs
+    ctx.swiglu = False
     ctx.relu_squared = True
     ctx.from_square = False
     ctx.residual_dtype = None if residual is None else residual.dtype
@@ -231,6 +273,19 @@ def _linear_relu2_setup_context(ctx, inputs, output) -> None:
     )
 
 
+def _linear_swiglu_setup_context(ctx, inputs, output) -> None:
+    x, weight, weight_lp = inputs
+    ctx.swiglu, ctx.relu_squared, ctx.p = True, False, 0.0
+    ctx.residual_dtype = None
+    ctx.weight_dtype = weight.dtype
+    ctx.can_grad = True
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # the pre-activations get no gradient (see relu2's)
+    # what the unfused linear + swiglu saved: x, the weight as the product used it, and the
+    # (M, 2·H) pre-activations (there: the projection, whose halves swiglu kept)
+    ctx.save_for_backward(x, weight if weight_lp is None else weight_lp, output[1], None)
+
+
 def _linear_grads(ctx, dy: torch.Tensor):
     if not ctx.can_grad:
         raise RuntimeError(
@@ -238,9 +293,12 @@ def _linear_grads(ctx, dy: torch.Tensor):
             "linear_relu2_op (as linear() does) when gradients are needed"
         )
     x, w, s, seed = ctx.saved_tensors  # w: the weight as the product used it
-    # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; without relu²
-    # d(pre) = dy, cast only when a wider residual promoted the output.
-    if ctx.relu_squared:
+    # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; with swiglu the
+    # gating's backward (M, 2·H); without an activation d(pre) = dy, cast only when a wider
+    # residual promoted the output.
+    if ctx.swiglu:
+        dpre = call_op(linear_swiglu_backward_op, dy, s)
+    elif ctx.relu_squared:
         dpre = call_op(relu2_grad_op, dy, s, ctx.from_square, ctx.p, seed)
     else:
         dpre = dy.to(x.dtype)
@@ -249,7 +307,7 @@ def _linear_grads(ctx, dy: torch.Tensor):
         dx = call_op(bmm_op, dpre, w)
     if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
         dw = call_op(bmm_op, dpre.t(), x, ctx.weight_dtype)
-    if ctx.needs_input_grad[2]:
+    if ctx.residual_dtype is not None and ctx.needs_input_grad[2]:
         dres = dy.to(ctx.residual_dtype)
     return dx, dw, dres
 
@@ -266,8 +324,18 @@ def _linear_relu2_backward(ctx, dy: torch.Tensor | None, dr: torch.Tensor | None
     return *_linear_grads(ctx, dy), None, None, None
 
 
+@first_order_only("linear")
+def _linear_swiglu_backward(ctx, dy: torch.Tensor | None, dpre: torch.Tensor | None):
+    if dy is None:  # grads are not materialised: the output was not used
+        return None, None, None
+    return *_linear_grads(ctx, dy)[:2], None
+
+
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 linear_relu2_op.register_autograd(_linear_relu2_backward, setup_context=_linear_relu2_setup_context)
+linear_swiglu_op.register_autograd(
+    _linear_swiglu_backward, setup_context=_linear_swiglu_setup_context
+)
 
 
 def _as_batched(x: torch.Tensor) -> torch.Tensor:
@@ -387,10 +455,18 @@ def linear(
     seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dropout(act(x @ weight.T)) [+ residual], like F.linear without bias: x (..., K),
-    weight (N, K); returns (..., N).
+    weight (N, K); returns (..., N), or (..., N / 2) with "swiglu".
 
     activation: None or "relu_squared" (relu(y)², fused into the matmul's epilogue, or a
-        pass of its own after cuBLAS's product where `MATMUL_TABLE` says "cublas+ew").
+        pass of its own after cuBLAS's product where `MATMUL_TABLE` says "cublas+ew"), or
+        "swiglu": weight (2·H, K) holds the gate rows then the up rows (a Llama feed-forward's
+        fused input projection) and the result (..., H) is silu(x @ W_gate.T) * (x @ W_up.T),
+        as `swiglu.swiglu` of the two halves (fp32 arithmetic for fp16/bf16, one rounding).
+        Triton: the gating runs in the matmul's epilogue (two accumulators per output tile),
+        which also writes the (..., 2·H) pre-activations the backward reads (what the unfused
+        projection + swiglu kept), or it is `swiglu.py`'s pass after cuBLAS's product where
+        `MATMUL_TABLE` says "cublas+ew". No dropout nor residual with it (apply `dropout`
+        after, as `FeedForward` does).
     dropout_p: dropout on the activation's output, in [0, 1) (relu_squared only; pass 0
         outside training). Triton: drawn in the same epilogue from `seed` (a 0-dim int64
         device tensor; None draws one, `utils.draw_seed`), and the backward's d(pre) pass
@@ -415,6 +491,18 @@ def linear(
             f"x's last dim must equal weight's second dim ({weight.shape[1]}): "
             f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
+    swiglu = activation == "swiglu"
+    if swiglu:
+        if weight.shape[0] % 2:
+            raise ValueError(
+                "activation='swiglu' needs a weight of 2·H rows (gate, then up), got "
+                f"{weight.shape[0]}"
+            )
+        if residual is not None:
+            raise ValueError("activation='swiglu' takes no residual: add it after")
+        if not use_triton:  # the reference: the projection, then swiglu's own reference
+            gate, up = F.linear(x, weight).chunk(2, dim=-1)
+            return _swiglu_reference(gate, up)
     out_shape = (*x.shape[:-1], weight.shape[0])
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
@@ -453,6 +541,9 @@ def linear(
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
     weight_lp = _weight_in(weight, x.dtype)
+    if swiglu:
+        y2 = call_op(linear_swiglu_op, x2, weight, weight_lp)[0]
+        return y2 if two_d else y2.view(*x.shape[:-1], weight.shape[0] // 2)
     if save_relu:
         y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed, weight_lp)[0]
     else:

@@ -1,4 +1,5 @@
-"""The Triton kernels of the matmuls and their relu² passes (launched by `matmul_plan.py`).
+"""The Triton kernels of the matmuls, their relu² passes and their SwiGLU epilogue (launched by
+`matmul_plan.py`).
 
 - `_mm_ptr_kernel`: the pointer-based (strided, batched) matmul, one program per output tile:
   other GPUs, fp32, batched products, decode-sized problems, layouts TMA cannot describe,
@@ -11,8 +12,16 @@
   with act(y) = relu(y)² or none; it can also write relu(y) (what relu²'s backward needs where
   the output does not determine it: `bmm.py`'s "relu² backward"). The dropout mask is
   `_jit_helpers.dropout_keep_tile`'s, keyed by (seed, row, column) of the (M, N) output.
+- SWIGLU, a constexpr of both matmuls (instead of the epilogues above): B holds the gate
+  columns then the up columns (a Llama feed-forward's [gate; up] weight, transposed); each
+  output tile accumulates both halves in two fp32 accumulators (two B tiles per K step, for
+  the TMA kernel two loads of the one descriptor), stores them to AUX (M, 2·N) for the
+  backward and writes silu(gate) * up (`swiglu.silu_mul`, the elementwise kernel's own
+  arithmetic). The TMA kernel's SWIGLU variant is autotuned apart, `_mm_tma_swiglu_tuned`
+  over `_tma_swiglu_configs()` (narrower tiles, fewer stages: two accumulators' registers).
 - `_relu2_ew_kernel`: that relu² epilogue as a pass of its own, in place after cuBLAS's
-  product ("cublas+ew"), with the same mask.
+  product ("cublas+ew"), with the same mask. (SwiGLU's "cublas+ew" pass is `swiglu.py`'s
+  forward kernel.)
 - `_relu2_grad_kernel`: relu²'s backward, d(pre) = dy · keep / (1 - p) · 2·relu(pre), the
   mask regenerated from the forward's seed.
 
@@ -26,6 +35,7 @@ import triton
 import triton.language as tl
 
 from triton_transformer._jit_helpers import dropout_keep_tile
+from triton_transformer.swiglu import silu_mul
 
 
 @triton.jit
@@ -102,6 +112,22 @@ def _epilogue(
 
 
 @triton.jit
+def _swiglu_epilogue(g, u, AUX, offs_m, offs_n, M, N, stride_xm, ROUND_AUX: tl.constexpr):
+    """silu(g) * u of the fp32 gate and up tiles (rows offs_m, columns offs_n of the (M, N)
+    output, int64), the pointer kernel's SWIGLU epilogue; also stores g and u to AUX (M, 2·N;
+    row stride stride_xm, unit column stride) in the weight's [gate | up] layout: the
+    pre-activations the backward needs."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
+    g_aux, u_aux = g, u
+    if ROUND_AUX:
+        g_aux, u_aux = _round_bf16(g), _round_bf16(u)
+    tl.store(aux_ptrs, g_aux.to(AUX.dtype.element_ty), mask=mask)
+    tl.store(aux_ptrs + N, u_aux.to(AUX.dtype.element_ty), mask=mask)
+    return silu_mul(g, u)
+
+
+@triton.jit
 def _mm_ptr_kernel(
     A,
     B,
@@ -130,6 +156,7 @@ def _mm_ptr_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
     DROPOUT: tl.constexpr,
+    SWIGLU: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -142,7 +169,12 @@ def _mm_ptr_kernel(
     One program per output tile (grid: tiles, batch). The pointer-based path: the
     interpreter, GPUs without TMA, fp32, batches, and layouts TMA cannot describe. The
     epilogue operands (R, AUX) are used with batch 1 only.
+
+    SWIGLU (batch 1, instead of the other epilogues): B is (K, 2·N), gate columns then up
+    columns; each tile accumulates both halves (acc from B's columns [n, n + BLOCK_N), acc_u
+    from [N + n, ...)), stores them to AUX (M, 2·N) and writes C = silu(gate) * up.
     """
+    tl.static_assert(not SWIGLU or not (RELU_SQUARED or HAS_RESIDUAL or DROPOUT))
     pid = tl.program_id(0)
     bid = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -155,6 +187,10 @@ def _mm_ptr_kernel(
     mask_n = offs_n < N
     a_ptrs = A + bid * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = B + bid * stride_bb + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if SWIGLU:  # the up half: B's columns N + offs_n
+        bu_ptrs = B + bid * stride_bb + offs_k[:, None] * stride_bk
+        bu_ptrs += (N + offs_n)[None, :] * stride_bn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -166,17 +202,26 @@ def _mm_ptr_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SWIGLU:
+            bu = tl.load(bu_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            if UPCAST:
+                bu = bu.to(tl.float32)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+            bu_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(SEED)
-    acc = _epilogue(
-        acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed, threshold,
-        tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX,
-        UPCAST, DROPOUT, BLOCK_N,
-    )  # fmt: skip
+    if SWIGLU:
+        acc = _swiglu_epilogue(acc, acc_u, AUX, offs_m, offs_n, M, N, stride_xm, UPCAST)
+    else:
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(SEED)
+        acc = _epilogue(
+            acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed, threshold,
+            tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL,
+            STORE_AUX, UPCAST, DROPOUT, BLOCK_N,
+        )  # fmt: skip
     if UPCAST and C.dtype.element_ty == tl.bfloat16:
         acc = _round_bf16(acc)  # as a GPU's cast would (a wider C keeps the fp32 sum)
     c_ptrs = C + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -210,6 +255,7 @@ def _mm_tma_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
     DROPOUT: tl.constexpr,
+    SWIGLU: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -229,17 +275,28 @@ def _mm_tma_kernel(
     partials go to WS (split_k, M, N); `_splitk_reduce_kernel` sums them. No epilogue then.
     EPI_SUB = 2 stores the tile in two halves (less shared memory for the epilogue).
     FLATTEN: software-pipeline across tiles (the next tile's loads overlap this epilogue).
+    SWIGLU (instead of the other epilogues, no split): B is (K, 2·N), gate columns then up
+    columns (the weight's [gate; up] rows when B_T); each K step loads two B tiles through
+    the one descriptor, [n, n + BLOCK_N) and [N + n, ...), into two fp32 accumulators; the
+    epilogue stores both to AUX (M, 2·N, row stride stride_xm, [gate | up]) and silu(gate) *
+    up to C, all through descriptors. A gate tile past column N reads up columns: clipped by
+    the (M, N) stores.
     """
+    tl.static_assert(not SWIGLU or not (RELU_SQUARED or HAS_RESIDUAL or DROPOUT or SPLIT))
+    n_b = 2 * N if SWIGLU else N  # B's columns: gate and up with SWIGLU
     if A_T:
         a_desc = tl.make_tensor_descriptor(A, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M])
     else:
         a_desc = tl.make_tensor_descriptor(A, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K])
     if B_T:
-        b_desc = tl.make_tensor_descriptor(B, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(B, [n_b, K], [stride_b, 1], [BLOCK_N, BLOCK_K])
     else:
-        b_desc = tl.make_tensor_descriptor(B, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N])
+        b_desc = tl.make_tensor_descriptor(B, [K, n_b], [stride_b, 1], [BLOCK_K, BLOCK_N])
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUB
     c_desc = tl.make_tensor_descriptor(C, [M, N], [stride_c, 1], [BLOCK_M, SUB_N])
+    if SWIGLU:  # the gate and up halves of AUX, each (M, N): each clips its own stores
+        g_desc = tl.make_tensor_descriptor(AUX, [M, N], [stride_xm, 1], [BLOCK_M, SUB_N])
+        u_desc = tl.make_tensor_descriptor(AUX + N, [M, N], [stride_xm, 1], [BLOCK_M, SUB_N])
 
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -269,6 +326,8 @@ def _mm_tma_kernel(
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_lo, k_hi):
             off_k = ki * BLOCK_K
             if A_T:  # noqa: SIM108 (constexpr branches, resolved at compile time)
@@ -280,6 +339,12 @@ def _mm_tma_kernel(
             else:
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
+            if SWIGLU:  # the up tile: same descriptor, N columns on
+                if B_T:  # noqa: SIM108
+                    bu = b_desc.load([N + off_n, off_k]).T
+                else:
+                    bu = b_desc.load([off_k, N + off_n])
+                acc_u = tl.dot(a, bu, acc_u)
 
         offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         if SPLIT:
@@ -288,6 +353,19 @@ def _mm_tma_kernel(
             ws_ptrs = WS + (work % split_k).to(tl.int64) * M * N
             ws_ptrs += offs_m[:, None] * N + offs_n[None, :]
             tl.store(ws_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        elif SWIGLU:
+            if EPI_SUB == 2:
+                g0, g1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
+                u0, u1 = tl.split(tl.permute(tl.reshape(acc_u, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
+            else:
+                g0, g1, u0, u1 = acc, acc, acc_u, acc_u
+            for h in tl.static_range(EPI_SUB):
+                g = g0 if h == 0 else g1
+                u = u0 if h == 0 else u1
+                col = off_n + h * SUB_N
+                g_desc.store([off_m, col], g.to(AUX.dtype.element_ty))
+                u_desc.store([off_m, col], u.to(AUX.dtype.element_ty))
+                c_desc.store([off_m, col], silu_mul(g, u).to(C.dtype.element_ty))
         elif EPI_SUB == 2:
             acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1))
             acc0, acc1 = tl.split(acc)
@@ -336,10 +414,37 @@ def _tma_configs() -> list[triton.Config]:
     return cfg
 
 
+def _tma_swiglu_configs() -> list[triton.Config]:
+    """The SWIGLU variant's configs (BLOCK_N per half): two fp32 accumulators and two B tiles
+    per K step, so narrower tiles and fewer stages than `_tma_configs()`: 2·BM·BN / (32·warps)
+    accumulator registers per thread, 128 at most (a 128x128 tile on 4 warps would hold 256
+    and spills). Compiled for sm_90 with triton 3.9 (cuobjdump's resource usage): 98-179
+    registers, no stack, 144-208 KiB of shared memory (stages x (BM + 2·BN) x BK x 2 bytes
+    plus the three epilogue stores, y, gate and up) of the 227 available."""
+    cfg = []
+    for bm, bn, bk, stages, warps, sub, flat in (
+        (128, 128, 64, 3, 8, 2, True),
+        (128, 128, 64, 3, 8, 2, False),
+        (128, 128, 64, 4, 8, 2, True),
+        (128, 128, 64, 3, 8, 1, True),
+        (256, 64, 64, 3, 8, 2, True),
+        (128, 64, 64, 4, 4, 1, True),
+        (128, 64, 64, 4, 8, 1, True),
+        (128, 64, 128, 3, 8, 1, True),
+        (64, 128, 64, 4, 4, 2, True),
+    ):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
+        meta["FLATTEN"] = flat
+        cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
+    return cfg
+
+
 _TMA_KEY = ["M", "N", "K", "split_k", "A_T", "B_T", "RELU_SQUARED", "HAS_RESIDUAL"]
-_TMA_KEY += ["STORE_AUX", "DROPOUT", "NUM_SMS"]  # NUM_SMS: a different GPU model tunes anew
+_TMA_KEY += ["STORE_AUX", "DROPOUT", "SWIGLU", "NUM_SMS"]  # NUM_SMS: a new GPU model tunes anew
 # The autotuner's key also holds every tensor argument's dtype.
 _mm_tma_tuned = triton.autotune(configs=_tma_configs(), key=_TMA_KEY)(_mm_tma_kernel)
+# The SWIGLU epilogue, tuned apart over its own configs (its own cache of picks).
+_mm_tma_swiglu_tuned = triton.autotune(configs=_tma_swiglu_configs(), key=_TMA_KEY)(_mm_tma_kernel)
 
 
 @triton.jit

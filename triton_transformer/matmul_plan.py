@@ -1,7 +1,7 @@
 """How each matmul runs: cuBLAS or one of `matmul_kernels.py`'s Triton kernels, planned per
 problem (cached) and launched. `bmm.py`'s ops and `linear_cross_entropy.py` call
-`_mm2d_into` (2-D products with the relu², dropout and residual epilogues) and `_bmm_into`
-(batched products).
+`_mm2d_into` (2-D products with the relu², dropout, residual and SwiGLU epilogues) and
+`_bmm_into` (batched products).
 
 Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and device; cached):
 - "cublas": torch.mm; torch.addmm for a residual of the operands' dtype (cuBLAS's own C-input
@@ -10,18 +10,24 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
 - "cublas+ew": relu² without a residual: torch.mm into the output, then `_relu2_ew_kernel`, one
   elementwise pass in place computing relu(y)² [· dropout mask / (1 - p)] (the mask of the
   fused epilogue, so the backward regenerates it the same way) and writing relu(y) where the
-  backward needs it (fp16), as the fused epilogue would. The backward is the fused path's.
+  backward needs it (fp16), as the fused epilogue would. SwiGLU ("+swiglu"): torch.mm of the
+  (M, 2·H) [gate | up] projection into the pre-activations the backward keeps, then
+  `swiglu.py`'s forward kernel on its halves (the unfused linear + swiglu of before). The
+  backward is the fused path's.
 - "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
   or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
-  16 for the output). `_mm_tma_kernel` is persistent (one program per SM looping over tiles
-  in grouped order), loads tiles with device-side tensor descriptors
-  (`tl.make_tensor_descriptor`; its scratch comes from `triton.set_allocator`) and is
-  autotuned per (M, N, K, layout, epilogue, dtype) over `_tma_configs()`. A transposed
-  operand (W read as (K, N) in the backward, dY^T for dW) is a descriptor of the untransposed
-  storage whose tile is transposed in shared memory: no copies. Problems with few output
-  tiles and a long K (the weight gradients, K = tokens) split K over programs
-  (`_split_k`): fp32 partials in a workspace, summed in a fixed order by a second kernel, so
-  results stay deterministic (no atomics).
+  16 for the output; with SwiGLU, N = H, which also aligns the up half of the pre-activations).
+  `_mm_tma_kernel` is persistent (one program per SM looping over tiles in grouped order),
+  loads tiles with device-side tensor descriptors (`tl.make_tensor_descriptor`; its scratch
+  comes from `triton.set_allocator`) and is autotuned per (M, N, K, layout, epilogue, dtype)
+  over `_tma_configs()`. A transposed operand (W read as (K, N) in the backward, dY^T for dW)
+  is a descriptor of the untransposed storage whose tile is transposed in shared memory: no
+  copies. Problems with few output tiles and a long K (the weight gradients, K = tokens)
+  split K over programs (`_split_k`): fp32 partials in a workspace, summed in a fixed order
+  by a second kernel, so results stay deterministic (no atomics). SwiGLU: the SWIGLU variant
+  (two accumulators per output tile, the gate and up tiles of the same B descriptor;
+  silu(gate)·up, gate and up stored through descriptors), tuned over its own
+  `_tma_swiglu_configs()`.
 - "ptr": `_mm_ptr_kernel`, the pointer-based (strided, batched) kernel: other GPUs, fp32,
   batched bmm under "triton", decode-sized problems (<= 16 rows, `_FEW_ROWS_PTR`), and
   layouts TMA cannot describe.
@@ -38,6 +44,10 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
   "cublas+ew" for the problem: the fused kernel has to beat cuBLAS plus the separate pass.
   A residual of another dtype (autocast's fp32 residual stream under a bf16 product) runs
   in our epilogue: addmm needs one dtype (addmm's out_dtype does not trace: pytorch#163880).
+  SwiGLU ("+swiglu") follows relu²: fused by default (the TMA kernel on Hopper, else the
+  pointer kernel), "cublas+ew" where the table says so. Which wins on Hopper is not measured
+  yet (benchmarks/bench_modern_ops.py --ops linear+swiglu times both): the default is the
+  fused kernel until that run fills the table.
 - "triton": never cuBLAS (benchmarks and tests of our kernels).
 - "cublas": cuBLAS wherever it computes the whole problem, listed or not; relu² stays fused.
 
@@ -59,7 +69,8 @@ gives the entries to add here.
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
 torch.compile the TMA kernel is traced where inductor provides the descriptors' scratch
-(`utils.compile_tma`), else the pointer kernel.
+(`utils.compile_tma`), else the pointer kernel; relu² and SwiGLU, which eager would fuse in
+the TMA kernel, then take "cublas+ew" (inductor launches cuBLAS itself).
 """
 
 from __future__ import annotations
@@ -73,10 +84,12 @@ from torch.library import wrap_triton
 from triton_transformer.matmul_kernels import (
     _mm_ptr_kernel,
     _mm_tma_kernel,
+    _mm_tma_swiglu_tuned,
     _mm_tma_tuned,
     _relu2_ew_kernel,
     _splitk_reduce_kernel,
 )
+from triton_transformer.swiglu import launch_swiglu_fwd
 from triton_transformer.utils import (
     cdiv,
     compile_tma,
@@ -93,11 +106,13 @@ from triton_transformer.utils import (
 # per call.
 matmul_impl = "auto"
 
-# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]" (A/B:
-# "n" row-major, "t" a transposed view, "s" other strides): "tma" / "ptr" where that Triton
-# kernel measured faster than cuBLAS (for relu², the faster of our two fused kernels); for
-# relu² without a residual, "fused" (our epilogue; the default) or "cublas+ew" (cuBLAS's
-# product, then our elementwise relu² pass) where that measured faster than the fused kernel.
+# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]" or
+# "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed view, "s" other strides; with
+# +swiglu N is the output's width H, the product's 2·H): "tma" / "ptr" where that Triton
+# kernel measured faster than cuBLAS (for relu² and SwiGLU, the faster of our two fused
+# kernels); for relu² without a residual and for SwiGLU, "fused" (our epilogue; the default)
+# or "cublas+ew" (cuBLAS's product, then our elementwise pass: relu², or swiglu.py's gating)
+# where that measured faster than the fused kernel.
 # benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
 # presets' projections. Kernel times, L2 flushed.
 MATMUL_TABLE: dict[str, dict[str, str]] = {
@@ -109,9 +124,9 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
 }
 
 # Tests and benchmarks only: force a path where it is allowed: "tma" or "ptr" (our kernels,
-# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual through cuBLAS and
-# the elementwise pass, on any device: on the CPU torch.mm and the interpreter; other
-# problems are planned as without a force).
+# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual, or SwiGLU,
+# through cuBLAS and the elementwise pass, on any device: on the CPU torch.mm and the
+# interpreter; other problems are planned as without a force).
 _FORCE_PATH: str | None = None
 
 
@@ -145,12 +160,16 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 @functools.cache
 def _ptr_config(
-    M: int, N: int, K: int, batch: int, dtype: torch.dtype, interpret: bool
+    M: int, N: int, K: int, batch: int, dtype: torch.dtype, interpret: bool, swiglu: bool = False
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of the pointer kernel.
 
     A fixed heuristic rather than triton.autotune: no benchmarking on first call, and the
-    same tiles (hence the same summation order) on every run.
+    same tiles (hence the same summation order) on every run. swiglu: the SWIGLU epilogue
+    (N the output's width; two accumulators and two B tiles per K step): on GPUs BLOCK_N is
+    capped at 64 and BLOCK_K at 32 for fp16/bf16, fp32 takes 8 warps: compiled for sm_90
+    (triton 3.9) these spill no registers, where the plain tiles with a second accumulator
+    did (128x64x64: 128 bytes of stack; fp32 on 4 warps: 104).
     """
     if interpret:
         # Each program costs ~1 ms in the interpreter whatever its tile size, so use tiles
@@ -158,18 +177,21 @@ def _ptr_config(
         return _pow2(M, 16, 32), _pow2(N, 16, 32), _pow2(K, 16, 32), 8, 4, 1
     if dtype == torch.float32:
         # ieee fp32 goes through FMA units, not tensor cores: 64x64 tiles with a 32-deep K
-        # step keep the per-thread accumulator (32 fp32) and shared memory small.
-        return _pow2(M, 16, 64), _pow2(N, 16, 64), _pow2(K, 16, 32), 8, 4, 3
+        # step keep the per-thread accumulator (32 fp32; SWIGLU's two on 8 warps too) and
+        # shared memory small.
+        return _pow2(M, 16, 64), _pow2(N, 16, 64), _pow2(K, 16, 32), 8, 8 if swiglu else 4, 3
     # fp16/bf16 on tensor cores: 128x128x64 tiles, 8 warps, 3 stages (96 KiB of shared
     # memory, fits any GPU since Ampere) for large problems; for small ones narrow N, then M,
     # to 64 so that there are enough programs for the SMs (an H100 has 132).
-    block_m, block_n = _pow2(M, 16, 128), _pow2(N, 16, 128)
+    block_m, block_n = _pow2(M, 16, 128), _pow2(N, 16, 64 if swiglu else 128)
     if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
         block_n = min(block_n, 64)
     if batch * cdiv(M, block_m) * cdiv(N, block_n) < 128:
         block_m = min(block_m, 64)
-    big = block_m * block_n >= 128 * 128
-    return block_m, block_n, _pow2(K, 16, 64), 8, 8 if big else 4, 3 if big else 4
+    # SWIGLU's 128x64 tiles count twice (two accumulators, two B tiles): 8 warps, 3 stages
+    big = block_m * block_n * (2 if swiglu else 1) >= 128 * 128
+    block_k = _pow2(K, 16, 32 if swiglu else 64)
+    return block_m, block_n, block_k, 8, 8 if big else 4, 3 if big else 4
 
 
 def _split_k(M: int, N: int, K: int, num_sms: int) -> int:
@@ -226,22 +248,25 @@ def _plan(
     ("ptr", config). The rule is the module docstring's.
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
-    epi: "", "+relu2", "+res" or "+relu2+res". cublas_ok: torch.mm / torch.addmm computes the
-    product and its residual into the output (one dtype throughout, or an fp32 output of
-    fp16/bf16 operands without a residual); relu² is then our separate pass ("cublas+ew").
+    epi: "", "+relu2", "+res", "+relu2+res" or "+swiglu" (N is then the output's width H; the
+    product's is 2·H). cublas_ok: torch.mm / torch.addmm computes the product and its
+    residual into the output (one dtype throughout, or an fp32 output of fp16/bf16 operands
+    without a residual); relu² or the SwiGLU gating is then our separate pass ("cublas+ew").
     out_size: the output's element size in bytes. tracing: torch.compile is tracing the op
     and may not trace the TMA kernel (`utils.compile_tma()` false: this torch's inductor
     does not provide the descriptors' scratch allocator).
     """
-    relu2 = "+relu2" in epi
-    plain = cublas_ok and not relu2  # cuBLAS computes the whole problem
-    ew = cublas_ok and epi == "+relu2"  # cuBLAS's product, then relu² in place
+    swiglu = epi == "+swiglu"
+    act = swiglu or "+relu2" in epi
+    plain = cublas_ok and not act  # cuBLAS computes the whole problem
+    # cuBLAS's product, then relu² in place or the SwiGLU gating (a pass of its own)
+    ew = cublas_ok and epi in ("+relu2", "+swiglu")
     if force == "cublas+ew":
         if ew:
             return ("cublas+ew",)
         force = None  # forces nothing else
     if device_type != "cuda":
-        return ("ptr", _ptr_config(M, N, K, 1, dtype, True))
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, True, swiglu))
     props = torch.cuda.get_device_properties(index)  # read once per problem: cached
     major, num_sms, name = props.major, props.multi_processor_count, props.name
     half = dtype in (torch.float16, torch.bfloat16)
@@ -255,16 +280,17 @@ def _plan(
         if ew and choice == "cublas+ew":
             return ("cublas+ew",)
         if M <= 16 and half:
-            return _plan_few_rows(K, impl, plain)
+            return _plan_few_rows(K, impl, plain, swiglu)
         if plain and impl == "auto" and choice not in ("tma", "ptr"):
             return ("cublas",)
     tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
     if tma and tracing and ew and force is None and impl != "triton" and choice != "ptr":
         # torch.compile: where eager runs the fused TMA kernel, cuBLAS's product and our
-        # relu² pass (inductor launches cuBLAS itself) rather than the pointer kernel
+        # relu² (or SwiGLU) pass (inductor launches cuBLAS itself) rather than the pointer
+        # kernel
         return ("cublas+ew",)
     if force == "ptr" or not tma or choice == "ptr" or tracing:
-        return ("ptr", _ptr_config(M, N, K, 1, dtype, False))
+        return ("ptr", _ptr_config(M, N, K, 1, dtype, False, swiglu))
     return ("tma", _split_k(M, N, K, num_sms) if epi == "" else 1, num_sms)
 
 
@@ -275,13 +301,16 @@ def _plan(
 # 5.7); at K = 2048 cuBLAS wins (5.4 vs 6.2 us), so plain products with a long K go there under
 # "auto".
 _FEW_ROWS_PTR = (16, 16, 256, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
+# The SWIGLU epilogue's (two accumulators, two B tiles): a 128-deep K step, which compiles for
+# sm_90 without spilling registers (256 spilled 152 bytes). Not measured yet.
+_FEW_ROWS_PTR_SWIGLU = (16, 16, 128, 8, 4, 3)
 
 
-def _plan_few_rows(K: int, impl: str, cublas_ok: bool) -> tuple:
+def _plan_few_rows(K: int, impl: str, cublas_ok: bool, swiglu: bool = False) -> tuple:
     """The plan of a decode-sized fp16/bf16 problem (cublas_ok: cuBLAS computes it whole)."""
     if cublas_ok and impl == "auto" and K >= 2048:
         return ("cublas",)
-    return ("ptr", _FEW_ROWS_PTR)
+    return ("ptr", _FEW_ROWS_PTR_SWIGLU if swiglu else _FEW_ROWS_PTR)
 
 
 _EPI = {  # (relu², residual) -> the table's key suffix
@@ -305,19 +334,24 @@ def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Te
     return seed, dropout_threshold(p), 1.0 / (1.0 - p)
 
 
-def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop) -> None:
-    """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N)."""
+def launch_mm_tma(
+    a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop, swiglu=False
+) -> None:
+    """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N); with
+    swiglu, b (K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations
+    (`_mm_tma_swiglu_tuned`, tuned over its own configs)."""
     M, K = a.shape
-    N = b.shape[1]
+    N = c.shape[1]
     # A context variable in Triton: set it in whichever thread launches (autograd's too).
     triton.set_allocator(tma_scratch)
     ws = c
     if split > 1:
         ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
     rs = r.stride() if r is not None else (0, 0)
+    xs = aux.stride(0) if aux is not None else N
     args = (
         a, b, c, r if r is not None else c, aux if aux is not None else c, ws,
-        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], N, split, *_dropout_args(drop, c),
+        M, N, K, a_lay[1], b_lay[1], N, rs[0], rs[1], xs, split, *_dropout_args(drop, c),
     )  # fmt: skip
     flags = {
         "A_T": bool(a_lay[0]),
@@ -326,6 +360,7 @@ def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, d
         "HAS_RESIDUAL": r is not None,
         "STORE_AUX": aux is not None,
         "DROPOUT": drop is not None,
+        "SWIGLU": swiglu,
         "SPLIT": split > 1,
         "NUM_SMS": num_sms,
     }
@@ -334,18 +369,19 @@ def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, d
         bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
         return (min(num_sms, ((M + bm - 1) // bm) * ((N + bn - 1) // bn) * split),)
 
+    autotuned = _mm_tma_swiglu_tuned if swiglu else _mm_tma_tuned
     if is_traced(a):  # torch.compile: inductor tunes and launches
-        wrap_triton(_mm_tma_tuned)[grid](*args, **flags)
+        wrap_triton(autotuned)[grid](*args, **flags)
     else:
         key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
         key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
-        key += (drop is not None,)
+        key += (drop is not None, swiglu)
         tuned = _TUNED.get(key)
         if tuned is not None:
             launcher(_mm_tma_kernel)[tuned[0]](*args, **flags, **tuned[1])
         else:
-            _mm_tma_tuned[grid](*args, **flags)
-            best = getattr(_mm_tma_tuned, "best_config", None)
+            autotuned[grid](*args, **flags)
+            best = getattr(autotuned, "best_config", None)
             if best is not None:
                 _TUNED[key] = (grid(best.kwargs), best.all_kwargs())
     if split > 1:
@@ -353,10 +389,11 @@ def launch_mm_tma(a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, d
         launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
 
 
-def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> None:
-    """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N)."""
+def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swiglu=False) -> None:
+    """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N); with swiglu (batch
+    1), b (1, K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations."""
     batch, M, K = a.shape
-    N = b.shape[2]
+    N = c.shape[2]
     block_m, block_n, block_k, group_m, num_warps, num_stages = cfg
     # Interpreter only: it has no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
     upcast = interpret and a.dtype == torch.bfloat16
@@ -364,6 +401,7 @@ def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> N
     # ignore the setting and always use tensor cores.
     precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
     rs = r.stride()[-2:] if r is not None else (0, 0)
+    xs = aux.stride(-2) if aux is not None else N
     grid_mn = cdiv(M, block_m) * cdiv(N, block_n)
     for start in range(0, batch, _MAX_GRID_BATCH):
         # Slice only when the batch needs several launches: views cost host time.
@@ -373,12 +411,12 @@ def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None) -> N
             a_, b_, c_ = a[start:end], b[start:end], c[start:end]
         launcher(_mm_ptr_kernel)[(grid_mn, end - start)](
             a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
-            M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], N,
+            M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], xs,
             *_dropout_args(drop, c_),
             RELU_SQUARED=relu_squared, HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None,
-            DROPOUT=drop is not None, DOT_PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
-            num_stages=num_stages,
+            DROPOUT=drop is not None, SWIGLU=swiglu, DOT_PRECISION=precision, UPCAST=upcast,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
 
 
@@ -390,18 +428,24 @@ def _mm2d_into(
     residual: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
     drop: tuple[float, torch.Tensor] | None = None,
+    swiglu: bool = False,
 ) -> None:
     """c = dropout(act(a @ b)) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c
     (M, N) fresh.
 
     aux (M, N, contiguous, a's dtype): with relu_squared, also receives relu(a @ b).
     drop: (p, seed) of a dropout after the activation (relu_squared only), or None.
+    swiglu (no residual, dropout or relu²): b is (K, 2·N), [gate | up] columns (the weight's
+    [gate; up] rows, transposed); c = silu(a @ b_gate) * (a @ b_up), and aux (M, 2·N,
+    contiguous, a's dtype; required) receives a @ b itself, the pre-activations the backward
+    reads. Fused in the matmul's epilogue, or cuBLAS's product into aux, then
+    `swiglu.launch_swiglu_fwd` ("cublas+ew").
     """
     M, K = a.shape
-    N = b.shape[1]
+    N = c.shape[1]
     if c.numel() == 0:
         return
-    if K == 0:  # an empty sum: act(0) = 0 for both activations
+    if K == 0:  # an empty sum: relu(0)² = 0, silu(0)·0 = 0 (aux: relu(0) or the zero pre)
         if residual is None:
             c.zero_()
         else:
@@ -411,7 +455,7 @@ def _mm2d_into(
         return  # act(0) = 0: nothing for a dropout to scale
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
-    epi = _EPI[relu_squared, residual is not None]
+    epi = "+swiglu" if swiglu else _EPI[relu_squared, residual is not None]
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         traced = is_traced(a)
@@ -431,8 +475,9 @@ def _mm2d_into(
         )  # fmt: skip
         if plan[0] == "tma":
             launch_mm_tma(
-                a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop
-            )
+                a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop,
+                swiglu,
+            )  # fmt: skip
             return
     else:  # the interpreter; torch.mm where a test forces "cublas+ew"
         cublas_ok = c.dtype == a.dtype and residual is None
@@ -442,6 +487,9 @@ def _mm2d_into(
         )  # fmt: skip
     if plan[0] == "cublas" and residual is not None:
         torch.addmm(residual, a, b, out=c)  # the residual as cuBLAS's own C input (beta = 1)
+    elif plan[0] == "cublas+ew" and swiglu:
+        torch.mm(a, b, out=aux)  # [gate | up], kept for the backward
+        launch_swiglu_fwd(aux[:, :N], aux[:, N:], c)  # swiglu.py's gating pass
     elif plan[0] in ("cublas", "cublas+ew"):
         if c.dtype != a.dtype:
             torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
@@ -452,8 +500,9 @@ def _mm2d_into(
     else:
         interpret = device.type != "cuda"
         launch_mm_ptr(
-            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop
-        )
+            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop,
+            swiglu,
+        )  # fmt: skip
 
 
 def _relu2_in_place(

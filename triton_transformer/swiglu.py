@@ -22,9 +22,14 @@ writing d(gate) and d(up) (5·e per element). Both see their inputs as (rows, N)
 last dim (`as_rows`: a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N); offsets
 are 64-bit.
 
-Follow-up, not done here: fusing the gating into the epilogue of the matmul that produces
-gate and up (`bmm.py`, owned separately) would skip writing and re-reading the (.., 2·hidden)
-projection: the issue's "SwiGLU fused into the MLP's matmul epilogue".
+Fused into the matmul: `bmm.linear(x, w_in, activation="swiglu")` computes the same gating in
+the epilogue of the projection that produces gate and up (`matmul_kernels.py`'s SWIGLU
+variant, two accumulators per tile), so the gating pass does not re-read the (.., 2·hidden)
+projection; the epilogue calls `silu_mul`, this module's forward arithmetic. That projection
+is still written once, for the backward, which runs this module's backward kernel on it
+(`launch_swiglu_bwd` into the halves of one (.., 2·hidden) gradient). Where the planner sends
+the product to cuBLAS instead ("cublas+ew"), the gating is `launch_swiglu_fwd` on its halves.
+The model's `FeedForward` uses that path; `swiglu` stays the op for separate gate and up.
 """
 
 from __future__ import annotations
@@ -65,6 +70,14 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def silu_mul(g, u):
+    """silu(g) * u = g · sigmoid(g) · u for fp32 tiles: the forward's arithmetic, shared by
+    `_swiglu_fwd_kernel` and the matmul epilogue that fuses the gating (`matmul_kernels.py`)."""
+    s = 1.0 / (1.0 + tl.exp(-g))
+    return g * s * u
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     G, U, Y, M, N, stride_g, stride_u, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -72,15 +85,16 @@ def _swiglu_fwd_kernel(
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-g))
-    tl.store(Y + rows * stride_y + cols, (g * s * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows * stride_y + cols, silu_mul(g, u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du,
+    DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du, off_dg, off_du,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """d(gate) to DG + off_dg, d(up) to DU + off_du (element offsets: `bmm.py`'s fused
+    projection passes its one (rows, 2·N) gradient twice, rather than views of its halves)."""
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -88,8 +102,9 @@ def _swiglu_bwd_kernel(
     s = 1.0 / (1.0 + tl.exp(-g))
     silu = g * s
     dg = dy * u * (s + silu * (1.0 - s))  # = dy * u * s * (1 + g * (1 - s))
-    tl.store(DG + rows * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + rows * stride_du + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + off_dg + rows * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
+    du = (dy * silu).to(DU.dtype.element_ty)
+    tl.store(DU + off_du + rows * stride_du + cols, du, mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -104,19 +119,56 @@ def _grid(M, N: int, block_m: int, block_n: int) -> tuple:
     return (cdiv(M, block_m), cdiv(N, block_n))
 
 
+def launch_swiglu_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor) -> None:
+    """y2 = silu(g2) * u2 for 2-D (rows, N) tensors whose last dims are unit-stride (any row
+    strides: e.g. the two halves of one (rows, 2·N) projection). Also the "cublas+ew" path of
+    `bmm.linear(..., activation="swiglu")`, after cuBLAS wrote the projection."""
+    M, N = g2.shape[0], int(g2.shape[1])
+    if M and N:
+        block_m, block_n = _blocks(N)
+        launcher(_swiglu_fwd_kernel)[_grid(M, N, block_m, block_n)](
+            g2, u2, y2, M, N, g2.stride(0), u2.stride(0), y2.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def launch_swiglu_bwd(
+    dy2: torch.Tensor,
+    g2: torch.Tensor,
+    u2: torch.Tensor,
+    dg2: torch.Tensor,
+    du2: torch.Tensor,
+    grads_base: torch.Tensor | None = None,
+) -> None:
+    """(dg2, du2) = (d(gate), d(up)) for 2-D (rows, N) tensors with unit-stride last dims (any
+    row strides: `bmm.linear`'s swiglu backward writes the halves of one (rows, 2·N) tensor).
+
+    grads_base: the tensor dg2 and du2 are views of, or None. The kernel then gets it for
+    both, with each view's element offset: under torch.compile a kernel writing into views
+    makes functionalization copy each view out and back (as `attention.launch_attention_bwd`).
+    """
+    M, N = g2.shape[0], int(g2.shape[1])
+    if M and N:
+        dg, du, off_dg, off_du = dg2, du2, 0, 0
+        if grads_base is not None:
+            dg = du = grads_base
+            off_dg = dg2.storage_offset() - grads_base.storage_offset()
+            off_du = du2.storage_offset() - grads_base.storage_offset()
+        block_m, block_n = _blocks(N)
+        launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
+            dy2, g2, u2, dg, du, M, N, dy2.stride(0), g2.stride(0), u2.stride(0),
+            dg2.stride(0), du2.stride(0), off_dg, off_du,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
 @triton_op("triton_transformer::swiglu", mutates_args=())
 def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: a new contiguous tensor shaped and typed like gate."""
     N = int(gate.shape[-1])
     g2, u2 = as_rows(gate), as_rows(up)
-    M = g2.shape[0]
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if M and N:
-        block_m, block_n = _blocks(N)
-        launcher(_swiglu_fwd_kernel)[_grid(M, N, block_m, block_n)](
-            g2, u2, y, M, N, g2.stride(0), u2.stride(0), N,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    launch_swiglu_fwd(g2, u2, y.view(g2.shape[0], N))
     return y
 
 
@@ -130,12 +182,7 @@ def swiglu_backward_op(
     M = g2.shape[0]
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    if M and N:
-        block_m, block_n = _blocks(N)
-        launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
-            dy2, g2, u2, dgate, dup, M, N, dy2.stride(0), g2.stride(0), u2.stride(0), N, N,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    launch_swiglu_bwd(dy2, g2, u2, dgate.view(M, N), dup.view(M, N))
     return dgate, dup
 
 

@@ -46,7 +46,6 @@ from triton_transformer.linear_cross_entropy import linear_cross_entropy
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.rmsnorm import RMSNorm, residual_rmsnorm
 from triton_transformer.rope import DEFAULT_BASE, rope
-from triton_transformer.swiglu import swiglu
 from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
 
 __all__ = ["ATTN_IMPLS", "KVCache", "StaticKVCache", "Transformer"]
@@ -313,10 +312,11 @@ class FeedForward(nn.Module):
     """Pre-norm feed-forward: norm -> linear + activation + dropout -> linear.
 
     act "relu2": relu(.)**2, with the dropout, in the input projection's epilogue (Triton).
-    "swiglu": the input projection yields 2·hidden features, gate then up, and
-    `swiglu(gate, up)` = silu(gate) * up feeds the output projection (a separate fused
-    kernel; fusing it into the matmul epilogue is a follow-up). "gelu": exact GELU (F.gelu on
-    both branches: no Triton kernel). hidden = dim * mult in every case.
+    "swiglu": the input projection's weight holds 2·hidden rows, gate then up, and silu(gate) *
+    up feeds the output projection: `linear(..., activation="swiglu")`, the gating in the
+    projection's epilogue (Triton; the PyTorch branch is the projection, then `swiglu`'s
+    reference), then the dropout. "gelu": exact GELU (F.gelu on both branches: no Triton
+    kernel). hidden = dim * mult in every case.
     """
 
     def __init__(
@@ -351,12 +351,11 @@ class FeedForward(nn.Module):
                 dropout_p=p, seed=seed,
             )  # fmt: skip
         else:
-            x = linear(y, self.proj_in.weight, use_triton=use_triton)
             if self.act == "swiglu":
-                gate, up = x.chunk(2, dim=-1)  # strided views, read in place
-                x = swiglu(gate, up, use_triton=use_triton)
+                # silu(gate) * up in the projection's epilogue; the dropout stays its own op
+                x = linear(y, self.proj_in.weight, activation="swiglu", use_triton=use_triton)
             else:
-                x = F.gelu(x)
+                x = F.gelu(linear(y, self.proj_in.weight, use_triton=use_triton))
             x = dropout(x, p, use_triton=use_triton, seed=seed)
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 

@@ -544,8 +544,9 @@ def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 # Whether torch.compile may trace the kernels that make device-side TMA descriptors (the Hopper
 # matmul; attention keeps its pointer loads when traced, see `attention._tma_loads`). True /
-# False force it; None (default) asks `_inductor_sets_allocator`. Eager launches set `triton.set_allocator(tma_scratch)`
-# themselves; a traced launch is made by inductor's generated code, which must do it.
+# False force it; None (default) asks `_inductor_sets_allocator`. Eager launches set
+# `triton.set_allocator(tma_scratch)` themselves; a traced launch is made by inductor's
+# generated code, which must do it.
 COMPILE_TMA: bool | None = None
 
 
