@@ -1244,11 +1244,12 @@ def test_linear_swiglu_double_backward_raises(device, assert_first_order_only):
 
 
 def test_plan_swiglu_paths(monkeypatch):
-    # "+swiglu" follows relu²: fused (TMA on Hopper) by default, the table's "cublas+ew" or
-    # "ptr", forced paths, traced -> cuBLAS + swiglu's pass where eager would run TMA
+    # "+swiglu": cuBLAS + swiglu's pass by default where cuBLAS computes the product (the
+    # fused kernel measured no faster), the table's "tma" or "ptr", forced paths, the fused
+    # kernel under "triton"/"cublas" or where cuBLAS can't, traced -> cuBLAS + the pass
     bf16 = torch.bfloat16
     _pretend_gpu(monkeypatch, 9, 132, "H200")
-    table = {"8192x5632x2048:nt+swiglu": "cublas+ew", "4096x2048x512:nt+swiglu": "ptr"}
+    table = {"8192x5632x2048:nt+swiglu": "tma", "4096x2048x512:nt+swiglu": "ptr"}
     monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
 
     def plan(M, N, K, a_t=0, b_t=1, impl="auto", force=None, tracing=False, ok=True, size=2):
@@ -1258,9 +1259,10 @@ def test_plan_swiglu_paths(monkeypatch):
 
     ptr_cfg = plan_module._ptr_config(16384, 2048, 768, 1, bf16, False, True)
     assert ptr_cfg[1] <= 64 and ptr_cfg[2] <= 32  # two accumulators: narrower tiles
-    assert plan(16384, 2048, 768) == ("tma", 1, 132)  # the default: fused
-    assert plan(8192, 5632, 2048) == ("cublas+ew",)  # the table can say cuBLAS + the pass
+    assert plan(16384, 2048, 768) == ("cublas+ew",)  # the default: cuBLAS + the pass
+    assert plan(8192, 5632, 2048) == ("tma", 1, 132)  # the table can say fused
     assert plan(4096, 2048, 512)[0] == "ptr"
+    assert plan(16384, 2048, 768, ok=False) == ("tma", 1, 132)  # cuBLAS can't: fused
     assert plan(16384, 2048, 768, force="cublas+ew") == ("cublas+ew",)
     assert plan(8192, 5632, 2048, force="tma")[0] == "tma"  # forced: the table is skipped
     assert plan(16384, 2048, 768, force="ptr") == ("ptr", ptr_cfg)
@@ -1269,11 +1271,12 @@ def test_plan_swiglu_paths(monkeypatch):
     assert plan(16384, 2048, 768, tracing=True) == ("cublas+ew",)
     assert plan(16384, 2048, 768, tracing=True, impl="triton")[0] == "ptr"
     assert plan(16384, 2048, 768, tracing=True, ok=False)[0] == "ptr"
-    assert plan(16384, 2044, 768)[0] == "ptr"  # 4088-byte rows: TMA can't describe them
-    assert plan(16384, 2048, 768, a_t=-1)[0] == "ptr"
+    assert plan(16384, 2044, 768, impl="triton")[0] == "ptr"  # 4088-byte rows: no TMA
+    assert plan(16384, 2048, 768, a_t=-1, impl="triton")[0] == "ptr"
     assert plan(5, 2048, 768) == ("ptr", plan_module._FEW_ROWS_PTR_SWIGLU)
     _pretend_gpu(monkeypatch, 8, 108, "A100")
-    assert plan(16384, 2048, 768)[0] == "ptr"
+    assert plan(16384, 2048, 768) == ("cublas+ew",)
+    assert plan(16384, 2048, 768, impl="triton")[0] == "ptr"
     cpu = plan_module._plan.__wrapped__
     assert cpu("cpu", 0, bf16, 37, 40, 48, -1, -1, "+swiglu", True, 2, "auto", None)[0] == "ptr"
 

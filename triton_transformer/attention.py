@@ -636,12 +636,12 @@ def _attention_bwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics. dQ, dK
-    and dV start at DQ + off_dq, DK + off_dk and DV + off_dv (elements): the packed op passes
-    its one d(qkv) tensor three times.
+    and dV start at DQ + off_dq, DK + off_dk and DV + off_dv (elements); PACKED_GRADS: all
+    three live in DQ's tensor (the packed op's d(qkv)) and DK, DV are unused placeholders.
 
     GROUP > 1 (grouped-query attention, query head h reading key/value head h // GROUP): the
     key blocks of a key/value head are dealt round the grid rows of its GROUP query heads
@@ -656,6 +656,9 @@ def _attention_bwd_kernel(
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
+    if PACKED_GRADS:
+        DK = DQ
+        DV = DQ
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     bh = _bh_index()
     if bh >= BH:
@@ -1093,9 +1096,10 @@ def launch_attention_bwd(
     `dout` are (b, n_q, h, d) tensors (dout of any strides).
 
     grads_base: the tensor dq, dk and dv are views of (the packed op's d(qkv)), or None. The
-    kernels then get it three times, with each view's element offset: under torch.compile a
-    kernel that writes into views makes functionalization copy each view out and back
-    (three copies of d(qkv) per call), where a write into a whole tensor it allocated is free.
+    kernels then get it once, with each view's element offset: under torch.compile a kernel
+    that writes into views makes functionalization copy each view out and back (three copies
+    of d(qkv) per call), where a write into a whole tensor it allocated is free. (Passed
+    three times, the one tensor would be cloned per argument, and two clones' writes lost.)
 
     deterministic: None follows `torch.are_deterministic_algorithms_enabled()`, as SDPA
     does: off, causal attention takes the single-pass kernel, which adds dQ in fp32 with TMA
@@ -1130,7 +1134,7 @@ def launch_attention_bwd(
     )  # fmt: skip
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if grads_base is not None:
-        grads = (grads_base,) * 3
+        grads = (grads_base, q, q)  # q: placeholders the kernel does not use
         offsets = tuple(t.storage_offset() - grads_base.storage_offset() for t in (dq, dk, dv))
     args = (
         q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
@@ -1147,7 +1151,7 @@ def launch_attention_bwd(
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
         DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
-        GROUP=_group(q, k),
+        GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD

@@ -44,10 +44,11 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
   "cublas+ew" for the problem: the fused kernel has to beat cuBLAS plus the separate pass.
   A residual of another dtype (autocast's fp32 residual stream under a bf16 product) runs
   in our epilogue: addmm needs one dtype (addmm's out_dtype does not trace: pytorch#163880).
-  SwiGLU ("+swiglu") follows relu²: fused by default (the TMA kernel on Hopper, else the
-  pointer kernel), "cublas+ew" where the table says so. Which wins on Hopper is not measured
-  yet (benchmarks/bench_modern_ops.py --ops linear+swiglu times both): the default is the
-  fused kernel until that run fills the table.
+  SwiGLU ("+swiglu") goes to "cublas+ew" wherever cuBLAS computes the product: the fused
+  kernel (TMA on Hopper, else the pointer kernel) measured no faster than cuBLAS plus the
+  gating pass (H200, 2026-11-25, benchmarks/bench_modern_ops.py --ops linear+swiglu: 0.97x
+  and 1.00x at the two shapes), so it runs only where the table says "tma"/"ptr", under
+  "triton"/"cublas", or where cuBLAS cannot compute the problem.
 - "triton": never cuBLAS (benchmarks and tests of our kernels).
 - "cublas": cuBLAS wherever it computes the whole problem, listed or not; relu² stays fused.
 
@@ -283,6 +284,11 @@ def _plan(
             return _plan_few_rows(K, impl, plain, swiglu)
         if plain and impl == "auto" and choice not in ("tma", "ptr"):
             return ("cublas",)
+        if swiglu and ew and impl == "auto" and choice not in ("tma", "ptr"):
+            # the fused kernel measured no faster than cuBLAS + the gating pass (H200,
+            # 2026-11-25, forward kernel time: 0.2075 against 0.2010 ms at 16384 x 768 ->
+            # 2 x 2048, 0.6366 against 0.6353 at 8192 x 2048 -> 2 x 5632; modern_ops.md)
+            return ("cublas+ew",)
     tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
     if tma and tracing and ew and force is None and impl != "triton" and choice != "ptr":
         # torch.compile: where eager runs the fused TMA kernel, cuBLAS's product and our

@@ -28,8 +28,9 @@ variant, two accumulators per tile), so the gating pass does not re-read the (..
 projection; the epilogue calls `silu_mul`, this module's forward arithmetic. That projection
 is still written once, for the backward, which runs this module's backward kernel on it
 (`launch_swiglu_bwd` into the halves of one (.., 2·hidden) gradient). Where the planner sends
-the product to cuBLAS instead ("cublas+ew"), the gating is `launch_swiglu_fwd` on its halves.
-The model's `FeedForward` uses that path; `swiglu` stays the op for separate gate and up.
+the product to cuBLAS instead ("cublas+ew", its default: the fused kernel measured no faster on
+an H200), the gating is `launch_swiglu_fwd` on its halves. The model's `FeedForward` uses
+`linear(..., activation="swiglu")`; `swiglu` stays the op for separate gate and up.
 """
 
 from __future__ import annotations
