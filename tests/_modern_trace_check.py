@@ -86,7 +86,8 @@ variants = {
     "rope inverse": (rope._rope_kernel, 4, dict(HAS_POS=False, INVERSE=True, BLOCK_S=16,
                                                 BLOCK_D=32)),
     "swiglu fwd": (sw._swiglu_fwd_kernel, 4, dict(BLOCK_M=2, BLOCK_N=1024)),
-    "swiglu bwd": (sw._swiglu_bwd_kernel, 4, dict(BLOCK_M=2, BLOCK_N=1024)),
+    "swiglu bwd": (sw._swiglu_bwd_kernel, 4, dict(PACKED=False, BLOCK_M=2, BLOCK_N=1024)),
+    "swiglu bwd packed": (sw._swiglu_bwd_kernel, 4, dict(PACKED=True, BLOCK_M=2, BLOCK_N=1024)),
 }  # fmt: skip
 defaults = dict(RESIDUAL=False, DROPOUT=False, INT64_IDX=False, HAS_DHN=False, WRITE_DBR=False,
                 PREFETCH=False)  # fmt: skip

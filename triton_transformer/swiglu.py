@@ -92,10 +92,13 @@ def _swiglu_fwd_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du, off_dg, off_du,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """d(gate) to DG + off_dg, d(up) to DU + off_du (element offsets: `bmm.py`'s fused
-    projection passes its one (rows, 2·N) gradient twice, rather than views of its halves)."""
+    """d(gate) to DG + off_dg, d(up) to DU + off_du (element offsets). PACKED: both live in
+    DG's tensor (`bmm.py`'s fused projection passes its one (rows, 2·N) gradient rather than
+    views of its halves) and DU is an unused placeholder."""
+    if PACKED:
+        DU = DG
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -144,21 +147,22 @@ def launch_swiglu_bwd(
     """(dg2, du2) = (d(gate), d(up)) for 2-D (rows, N) tensors with unit-stride last dims (any
     row strides: `bmm.linear`'s swiglu backward writes the halves of one (rows, 2·N) tensor).
 
-    grads_base: the tensor dg2 and du2 are views of, or None. The kernel then gets it for
-    both, with each view's element offset: under torch.compile a kernel writing into views
-    makes functionalization copy each view out and back (as `attention.launch_attention_bwd`).
+    grads_base: the tensor dg2 and du2 are views of, or None. The kernel then gets it once,
+    with each view's element offset: under torch.compile a kernel writing into views makes
+    functionalization copy each view out and back, and one tensor passed twice would be
+    cloned per argument (as `attention.launch_attention_bwd`).
     """
     M, N = g2.shape[0], int(g2.shape[1])
     if M and N:
         dg, du, off_dg, off_du = dg2, du2, 0, 0
         if grads_base is not None:
-            dg = du = grads_base
+            dg, du = grads_base, dy2  # dy2: a placeholder the kernel does not use
             off_dg = dg2.storage_offset() - grads_base.storage_offset()
             off_du = du2.storage_offset() - grads_base.storage_offset()
         block_m, block_n = _blocks(N)
         launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
             dy2, g2, u2, dg, du, M, N, dy2.stride(0), g2.stride(0), u2.stride(0),
-            dg2.stride(0), du2.stride(0), off_dg, off_du,
+            dg2.stride(0), du2.stride(0), off_dg, off_du, PACKED=grads_base is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
         )  # fmt: skip
 
