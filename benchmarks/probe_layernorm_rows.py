@@ -28,6 +28,9 @@ ROWS = (4096, 16384, 32768, 65536, 131072)
 MANY_ROWS = BwdConfig("row", 8, 512, 8, 2, prefetch=True)
 
 
+# The compiled backward is timed by repeated autograd.grad over one retained graph, which
+# AOTAutograd's donated buffers forbid.
+torch._functorch.config.donated_buffer = False
 # one dynamic-shape compile per variant, shared by every row count
 COMPILED = {
     stable: torch.compile(
