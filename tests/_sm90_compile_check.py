@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from triton_transformer import attention as attn
+from triton_transformer import embedding as emb
 from triton_transformer import matmul_kernels
 
 
@@ -138,3 +139,17 @@ for ptr, cfg in (
              BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_K=cfg[2], GROUP_M=8),
     )  # fmt: skip
 print("pointer matmul, SwiGLU epilogue: ok")
+
+# The embedding's backward at large vocabularies: the atomic scatter, then the reduce kernel's
+# positional part alone, with an fp32 placeholder for DWEIGHT and a bf16 dP (dW and dP of
+# different dtypes; the interpreter does not type-check the kernel's two branches)
+compile_sm90(
+    emb._embedding_bwd_scatter_kernel, dict(DH=bf16, IDS="*i64", DWEIGHT="*fp32"), set(),
+    dict(BLOCK_T=32, BLOCK_D=128),
+)  # fmt: skip
+compile_sm90(
+    emb._embedding_bwd_reduce_kernel,
+    dict(PARTIAL="*fp32", DH=bf16, DWEIGHT="*fp32", DPOS=bf16), set(),
+    dict(HAS_POS=True, BLOCK_R=32, BLOCK_D=128),
+)  # fmt: skip
+print("embedding backward, scatter and positions: ok")

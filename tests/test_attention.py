@@ -703,6 +703,7 @@ def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["attention forward: ok", "attention backward: ok"]
     assert "attention over a KV cache whose length is on the device: ok" in proc.stdout
+    assert "embedding backward, scatter and positions: ok" in proc.stdout  # dW fp32, dP bf16
 
 
 def test_dropout_explicit_seed(device):

@@ -170,8 +170,11 @@ def _embedding_bwd_reduce_kernel(
                 PARTIAL + rows[:, None] * dim + offs_d[None, :],
                 mask=v_in[:, None] & d_in[None, :], other=0.0,
             )  # fmt: skip
-        out = DWEIGHT + offs_v[:, None].to(tl.int64) * stride_dweight + offs_d[None, :]
-        tl.store(out, acc.to(DWEIGHT.dtype.element_ty), mask=v_in[:, None] & d_in[None, :])
+        # (dw_out, dp_out: two names, since dW and dP may differ in dtype: the scatter path
+        # passes an fp32 placeholder for DWEIGHT, and a name bound in both branches of a
+        # runtime `if` must keep one type)
+        dw_out = DWEIGHT + offs_v[:, None].to(tl.int64) * stride_dweight + offs_d[None, :]
+        tl.store(dw_out, acc.to(DWEIGHT.dtype.element_ty), mask=v_in[:, None] & d_in[None, :])
     elif HAS_POS:
         offs_p = (pid - n_vblocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         i = offs_p - start  # position within the sequence
@@ -182,8 +185,8 @@ def _embedding_bwd_reduce_kernel(
                 DH + rows[:, None] * stride_dh + offs_d[None, :],
                 mask=seen[:, None] & d_in[None, :], other=0.0,
             ).to(tl.float32)  # fmt: skip
-        out = DPOS + offs_p[:, None].to(tl.int64) * stride_dpos + offs_d[None, :]
-        tl.store(out, acc.to(DPOS.dtype.element_ty), mask=(offs_p[:, None] < n_pos) & d_in)
+        dp_out = DPOS + offs_p[:, None].to(tl.int64) * stride_dpos + offs_d[None, :]
+        tl.store(dp_out, acc.to(DPOS.dtype.element_ty), mask=(offs_p[:, None] < n_pos) & d_in)
 
 
 @triton.jit
