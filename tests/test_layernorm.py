@@ -366,11 +366,11 @@ def test_gpu_deterministic(N, stable, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("M", "N"), [(4096, 16384), (1024, 12288)])
+@pytest.mark.parametrize(("M", "N"), [(4096, 16384), (1024, 12288), (65536 + 8, 512)])
 @pytest.mark.parametrize("stable", [False, True])
 def test_gpu_wide_rows(M, N, stable, device):
     # GPT-2-scale widths through the shipped tables, bf16, against float64; and bitwise
-    # reproducible.
+    # reproducible. (65,544 x 512: the many-rows entry, plain; the width class's, stable.)
     x, w, b = _inputs((M, N), dtype=torch.bfloat16, device=device)
     dy = torch.randn(x.shape, device=device).to(x.dtype)
     out, _ = _check(x, w, b, stable=stable, tol=1e-2, dy=dy)
@@ -582,6 +582,21 @@ def test_config_lookup(tables):
     assert ln_mod._layernorm_bwd_config(100, big) == split._replace(block_n=128, sum_block_n=128)
     assert ln_mod._layernorm_bwd_config(30000, big) == split
     assert ln_mod._layernorm_bwd_config(30000, 64) == split._replace(block_n=64, sum_block_n=64)
+
+
+def test_config_lookup_many_rows():
+    # 512-wide plain rows from 32K rows on take the many-rows entry; fewer rows, stable
+    # LayerNorm and other widths keep the width class's
+    entry = ln_mod._LAYERNORM_BWD_MANY_ROWS[512][1]
+    shipped = ln_mod._LAYERNORM_BWD_CONFIGS[512]
+    assert ln_mod._many_rows(32768, 512, False) and ln_mod._many_rows(131072, 500, False)
+    assert not ln_mod._many_rows(32767, 512, False)
+    assert not ln_mod._many_rows(131072, 512, True)
+    assert not ln_mod._many_rows(131072, 1024, False)
+    big = ln_mod.MAX_BLOCK_N
+    assert ln_mod._layernorm_bwd_config(512, big, True) == entry
+    assert ln_mod._layernorm_bwd_config(512, big, False) == shipped
+    assert ln_mod._layernorm_bwd_config(1024, big, True) == ln_mod._LAYERNORM_BWD_CONFIGS[1024]
 
 
 @pytest.mark.parametrize("M", [1, 7, 50, 4096, 100_003])

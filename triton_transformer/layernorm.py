@@ -165,6 +165,16 @@ _LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     8192: BwdConfig("row", 1, 8192, 16, 2, prefetch=True),
     16384: BwdConfig("split", 16, 128, 4, 4, sum_block_m=1, sum_block_n=8192, sum_warps=16),
 }
+# Plain (not stable) backward entries for many rows: (least rows, entry). At 512 columns the
+# entry above, tuned at the model's 2,048-8,192 rows, falls behind from ~16K rows on; the
+# H100 sweep's pick at 131,072 rows (8 rows and 8 warps per program, 2 per SM) wins from 32K.
+# H200, `benchmarks/probe_layernorm_rows.py`, bf16 kernel µs, shipped / this entry: 4,096
+# rows 10.9 / 17.7; 16,384 29.1 / 27.7; 32,768 52.9 / 41.7; 65,536 98.0 / 68.7; 131,072
+# 187.7 / 121.8. Stable LayerNorm keeps the entry above (32.0 / 42.8 at 16,384 rows,
+# 210.2 / 231.0 at 131,072).
+_LAYERNORM_BWD_MANY_ROWS: dict[int, tuple[int, BwdConfig]] = {
+    512: (32768, BwdConfig("row", 8, 512, 8, 2, prefetch=True)),
+}
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
 # backward programs, so the few column programs are not latency-bound loops) and warps.
 _COLSUM_BLOCK_C = 32
@@ -634,18 +644,28 @@ def _layernorm_fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, b
 
 
 @functools.cache
-def _layernorm_bwd_config(n_cols: int, max_block: int) -> BwdConfig:
+def _layernorm_bwd_config(n_cols: int, max_block: int, many_rows: bool = False) -> BwdConfig:
     """The backward configuration for rows of `n_cols`: the `_LAYERNORM_BWD_CONFIGS` entry with
     its blocks capped at the width class and at max_block. A "row" entry whose row no longer fits
-    its block (max_block, or a wider class than the entry's) loops over blocks instead."""
+    its block (max_block, or a wider class than the entry's) loops over blocks instead.
+    many_rows: the `_LAYERNORM_BWD_MANY_ROWS` entry of the class, where it has one."""
     width = width_class(n_cols)
     cfg = _nearest(_LAYERNORM_BWD_CONFIGS, width)
+    if many_rows and width in _LAYERNORM_BWD_MANY_ROWS:
+        cfg = _LAYERNORM_BWD_MANY_ROWS[width][1]
     block_n = min(cfg.block_n, width, max_block)
     if cfg.kind == "row" and block_n < n_cols:
         return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
     if cfg.kind == "split":
         return cfg._replace(block_n=block_n, sum_block_n=min(cfg.sum_block_n, width, max_block))
     return cfg._replace(block_n=block_n)
+
+
+def _many_rows(n_rows, n_cols: int, stable: bool) -> bool:
+    """Whether a plain backward of n_rows rows takes its class's `_LAYERNORM_BWD_MANY_ROWS`
+    entry (n_rows may be symbolic under torch.compile: the comparison becomes a guard)."""
+    entry = _LAYERNORM_BWD_MANY_ROWS.get(width_class(n_cols))
+    return not stable and entry is not None and bool(n_rows >= entry[0])
 
 
 def _clear_config_caches() -> None:
@@ -747,7 +767,7 @@ def launch_layernorm_bwd(
         if exists(dbias):
             dbias.zero_()
         return
-    cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N)
+    cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N, _many_rows(M, N, stable))
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
