@@ -8,7 +8,8 @@ metrics.jsonl). Finally the loss curves of all modes go into one PNG: they must 
 
 Modes: torch (PyTorch ops), triton (--use-triton), compile (--compile), triton-compile
 (--use-triton --compile), triton-naive (--use-triton with model.attn_impl = "naive").
-Usage: python3 benchmarks/bench_train.py --out DIR [--steps 300]
+Usage: python3 benchmarks/bench_train.py --out DIR [--steps 300] [--config TOML]
+       [--set SECTION.FIELD=VALUE ...]   (overrides for every mode, e.g. a shorter batch)
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
         "log.checkpoint_every": 0,
         "log.progress": False,
         "log.run_dir": str(runs / name),
+        **dict(kv.split("=", 1) for kv in args.set),
     }
     config = apply_overrides(load_config(args.config), list(overrides.items())).validate()
     torch.manual_seed(0)
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--modes", nargs="*", default=list(MODES))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="config override for every mode (repeatable)")  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
