@@ -24,7 +24,8 @@ runs unforced. torch is F.linear, then F.silu(gate) * up on the halves (compile:
 torch.compile); liger is Liger's own MLP's composition, torch.mm of x with each half of the
 weight (contiguous gate and up: halves of one projection would be copied first), then
 `LigerSiLUMulFunction`. Which of fused and cublas+ew the planner should pick per shape (the
-`MATMUL_TABLE` entry: "cublas+ew" where it won the forward) ends `modern_ops.md`.
+`MATMUL_TABLE` entry: "fused" where the fused kernel won the forward; cublas+ew, the
+planner's default, needs none) ends `modern_ops.md`.
 
 Modes: fwd (inference: no grad recorded) and fwd+bwd (the forward with grad enabled, then
 torch.autograd.grad of all differentiable inputs). bf16 by default.
@@ -334,8 +335,9 @@ def _ratio(ours: dict | None, other: dict | None) -> str:
 
 def _table_entries(rows: list[dict]) -> list[str]:
     """linear+swiglu: the `MATMUL_TABLE` entry per shape, from the forward's kernel times
-    ("cublas+ew" where cuBLAS + the gating pass beat the fused kernel; the default, fused,
-    needs none). Keys "MxHxK:nt+swiglu" (x row-major, the weight read transposed)."""
+    ("fused" where the fused kernel beat cuBLAS + the gating pass; "cublas+ew", the planner's
+    default, needs no entry and is listed for the record). Keys "MxHxK:nt+swiglu" (x
+    row-major, the weight read transposed)."""
     keyed = {(r["shape"], r["mode"], r["provider"]): r for r in rows if r["op"] == "linear+swiglu"}
     lines = []
     for shape in dict.fromkeys(s for s, _, _ in keyed):

@@ -52,7 +52,7 @@ def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
         "log.checkpoint_every": 0,
         "log.progress": False,
         "log.run_dir": str(runs / name),
-        **dict(kv.split("=", 1) for kv in args.set),
+        **dict(args.set),
     }
     config = apply_overrides(load_config(args.config), list(overrides.items())).validate()
     torch.manual_seed(0)
@@ -85,6 +85,14 @@ def run_mode(name: str, args: argparse.Namespace, runs: Path) -> dict:
     }
 
 
+def _override(text: str) -> tuple[str, str]:
+    """A --set argument, SECTION.FIELD=VALUE, as (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise argparse.ArgumentTypeError(f"expected SECTION.FIELD=VALUE, got {text!r}")
+    return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_results")
@@ -93,7 +101,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--modes", nargs="*", default=list(MODES))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="config override for every mode (repeatable)")  # fmt: skip
+                    type=_override, help="config override for every mode (repeatable)")  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,11 @@ compile_sm90(
 compile_sm90(
     emb._embedding_bwd_reduce_kernel,
     dict(PARTIAL="*fp32", DH=bf16, DWEIGHT="*fp32", DPOS=bf16), set(),
-    dict(HAS_POS=True, BLOCK_R=32, BLOCK_D=128),
+    dict(HAS_VOCAB=False, HAS_POS=True, BLOCK_R=32, BLOCK_D=128),
+)  # fmt: skip
+compile_sm90(
+    emb._embedding_bwd_reduce_kernel,
+    dict(PARTIAL="*fp32", DH=bf16, DWEIGHT=bf16, DPOS=bf16), set(),
+    dict(HAS_VOCAB=True, HAS_POS=True, BLOCK_R=32, BLOCK_D=128),
 )  # fmt: skip
 print("embedding backward, scatter and positions: ok")

@@ -3,10 +3,27 @@ puts tests/ on sys.path, and so does running a test file as a worker script)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from triton_transformer.training.config import Config, apply_overrides
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(on) inside the block (warn_only: other ops of the
+    test may have no deterministic kernel), restored after it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
 
 # A model and run small enough for CPU: trains 12 steps in about a second.
 TINY = {

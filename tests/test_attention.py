@@ -6,7 +6,6 @@ edges, the causal diagonal and the ragged last block at different places for que
 keys); `gpu` tests repeat the checks at real shapes with the autotuned tiles.
 """
 
-import contextlib
 import math
 import os
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import deterministic_algorithms
 
 from triton_transformer.attention import (
     attention,
@@ -175,30 +175,37 @@ def test_arbitrary_strides(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_qkv(dtype, device):
-    # The model's layout: q, k, v are views of one (b, n, 3·h·d) projection output.
+@pytest.mark.parametrize(
+    "causal, deterministic", [(True, False), (True, True), (False, False)], ids=str
+)
+def test_packed_qkv(dtype, causal, deterministic, device):
+    # The model's layout: q, k, v are views of one (b, n, 3·h·d) projection output; the
+    # backward writes d(qkv) whole (PACKED_GRADS) from the single pass and from the
+    # two-program kernel (deterministic algorithms).
     b, n, h, d = 2, 37, 2, 48
     qkv = torch.randn(b, n, 3 * h * d, device=device)
     qkv = (qkv + torch.tensor([0.3, -0.2, -2.3], device=device).repeat_interleave(h * d)).to(dtype)
     qkv.requires_grad_()
-    out = attention_packed(qkv, h, causal=True, use_triton=True)
-    assert out.shape == (b, n, h * d) and out.is_contiguous() and out.dtype == dtype
-    dout = torch.randn(out.shape, device=device).to(dtype)
-    out.backward(dout)
+    with deterministic_algorithms(deterministic):
+        out = attention_packed(qkv, h, causal=causal, use_triton=True)
+        assert out.shape == (b, n, h * d) and out.is_contiguous() and out.dtype == dtype
+        dout = torch.randn(out.shape, device=device).to(dtype)
+        out.backward(dout)
 
     r = qkv.detach().double().requires_grad_()
     q, k, v = r.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
-    ref = ref_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, n, h * d)
+    ref = ref_attention(q, k, v, causal=causal).transpose(1, 2).reshape(b, n, h * d)
     ref.backward(dout.double())
     assert rel_err(out, ref) < TOL[dtype]
     assert qkv.grad.shape == qkv.shape and qkv.grad.is_contiguous()
     assert rel_err(qkv.grad, r.grad) < TOL_DQK[dtype]
     # the PyTorch branch agrees
-    torch_out = attention_packed(qkv.detach().double(), h, causal=True)
+    torch_out = attention_packed(qkv.detach().double(), h, causal=causal)
     assert rel_err(torch_out, ref) < 1e-12
     # and so do the views handed to `attention` (same kernel, different op)
     q, k, v = qkv.detach().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
-    view_out = attention(q, k, v, causal=True, use_triton=True).transpose(1, 2).reshape(b, n, -1)
+    view_out = attention(q, k, v, causal=causal, use_triton=True)
+    view_out = view_out.transpose(1, 2).reshape(b, n, -1)
     assert torch.equal(view_out, out.detach())
 
 
@@ -472,18 +479,6 @@ def test_cached_attention_bad_inputs(device):
 
 
 # --- every option: head dims x causal x dropout x key padding x backward path --------------
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(on: bool):
-    """torch.use_deterministic_algorithms(on) inside the block (warn_only: other ops of the
-    test may have no deterministic kernel)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 def check_option(b, h, n, d, causal, dropout, padded, deterministic, dtype, device):

@@ -1249,7 +1249,11 @@ def test_plan_swiglu_paths(monkeypatch):
     # kernel under "triton"/"cublas" or where cuBLAS can't, traced -> cuBLAS + the pass
     bf16 = torch.bfloat16
     _pretend_gpu(monkeypatch, 9, 132, "H200")
-    table = {"8192x5632x2048:nt+swiglu": "tma", "4096x2048x512:nt+swiglu": "ptr"}
+    table = {
+        "8192x5632x2048:nt+swiglu": "tma",
+        "4096x2048x512:nt+swiglu": "ptr",
+        "1024x2048x768:nt+swiglu": "fused",
+    }
     monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
 
     def plan(M, N, K, a_t=0, b_t=1, impl="auto", force=None, tracing=False, ok=True, size=2):
@@ -1262,6 +1266,7 @@ def test_plan_swiglu_paths(monkeypatch):
     assert plan(16384, 2048, 768) == ("cublas+ew",)  # the default: cuBLAS + the pass
     assert plan(8192, 5632, 2048) == ("tma", 1, 132)  # the table can say fused
     assert plan(4096, 2048, 512)[0] == "ptr"
+    assert plan(1024, 2048, 768) == ("tma", 1, 132)  # "fused": the faster fused kernel
     assert plan(16384, 2048, 768, ok=False) == ("tma", 1, 132)  # cuBLAS can't: fused
     assert plan(16384, 2048, 768, force="cublas+ew") == ("cublas+ew",)
     assert plan(8192, 5632, 2048, force="tma")[0] == "tma"  # forced: the table is skipped
@@ -1273,7 +1278,8 @@ def test_plan_swiglu_paths(monkeypatch):
     assert plan(16384, 2048, 768, tracing=True, ok=False)[0] == "ptr"
     assert plan(16384, 2044, 768, impl="triton")[0] == "ptr"  # 4088-byte rows: no TMA
     assert plan(16384, 2048, 768, a_t=-1, impl="triton")[0] == "ptr"
-    assert plan(5, 2048, 768) == ("ptr", plan_module._FEW_ROWS_PTR_SWIGLU)
+    assert plan(5, 2048, 768) == ("cublas+ew",)  # decode-sized: the fused tiles unmeasured
+    assert plan(5, 2048, 768, impl="triton") == ("ptr", plan_module._FEW_ROWS_PTR_SWIGLU)
     _pretend_gpu(monkeypatch, 8, 108, "A100")
     assert plan(16384, 2048, 768) == ("cublas+ew",)
     assert plan(16384, 2048, 768, impl="triton")[0] == "ptr"

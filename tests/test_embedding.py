@@ -8,10 +8,10 @@ they must still agree to ~1e-5. Vocabularies above ONE_HOT_MAX_VOCAB take the at
 scatter backward (deterministic algorithms off) or PyTorch's embedding (on).
 """
 
-import contextlib
-
 import pytest
 import torch
+from helpers import deterministic_algorithms
+from test_bmm import _opcheck_tests
 
 import triton_transformer.embedding as embedding_module
 from triton_transformer.embedding import ONE_HOT_MAX_VOCAB, embedding, embedding_backward_op
@@ -122,16 +122,6 @@ def test_deterministic(device):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-@contextlib.contextmanager
-def _deterministic_algorithms():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 def _spy_ops(monkeypatch) -> list:
     """Record (op, scatter) for every op `embedding` and its backward call."""
     calls = []
@@ -167,9 +157,29 @@ def test_large_vocab_scatter_matches_float64_reference(
     ]
 
 
-def test_large_vocab_int32_ids(device):
-    # int32 ids: the scatter widens them to int64 before the row offsets
+def test_large_vocab_int32_ids(device, monkeypatch):
+    # int32 ids through the scatter (it widens them to int64 for the row offsets; an offset
+    # past 2**31 itself needs a GPU-sized table: the GPT-2 shape's GPU test)
+    calls = _spy_ops(monkeypatch)
     _check(2, 9, 2000, 40, 9, 0, torch.float32, device, id_dtype=torch.int32)
+    assert [scatter for _, scatter in calls] == [True, True]
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_registered_ops(scatter, device):
+    # torch.library's checks of both ops with either backward (on CUDA also fake tensors and
+    # AOTAutograd's trace, which catch a mutated argument the schema does not declare)
+    tests = _opcheck_tests(device)
+    ids = torch.randint(0, 1100, (2, 9), device=device)
+    w = torch.randn(1100, 40, device=device, requires_grad=True)
+    p = torch.randn(16, 40, device=device, requires_grad=True)
+    torch.library.opcheck(embedding_module.embedding_op, (ids, w, p, 3, scatter), test_utils=tests)
+    torch.library.opcheck(
+        embedding_module.embedding_op, (ids, w, None, 0, scatter), test_utils=tests
+    )
+    dh = torch.randn(2, 9, 40, device=device)
+    args = (dh, ids, 1100, 16, 3, torch.float32, scatter)
+    torch.library.opcheck(embedding_module.embedding_backward_op, args, test_utils=tests)
 
 
 def test_large_vocab_deterministic_takes_pytorch_path(device, monkeypatch):
@@ -179,14 +189,14 @@ def test_large_vocab_deterministic_takes_pytorch_path(device, monkeypatch):
         raise AssertionError("embedding_op ran under deterministic algorithms")
 
     monkeypatch.setattr(embedding_module, "embedding_op", refuse)
-    with _deterministic_algorithms():
+    with deterministic_algorithms(True):
         _check(2, 13, LARGE_VOCAB, 40, 20, 3, torch.float32, device, n_distinct=4)
 
 
 def test_small_vocab_deterministic_keeps_triton_path(device, monkeypatch):
     # the one-hot backward is deterministic: deterministic algorithms keep it
     calls = _spy_ops(monkeypatch)
-    with _deterministic_algorithms():
+    with deterministic_algorithms(True):
         _check(2, 13, 40, 32, 20, 3, torch.float32, device)
     assert [scatter for _, scatter in calls] == [False, False]
 

@@ -17,11 +17,11 @@ from _modern_helpers import (
     decode_in_steps,
     train_both_branches,
 )
+from helpers import deterministic_algorithms
 from test_attention import (
     TOL,
     TOL_DQK,
     check_backward_kernels_agree,
-    deterministic_algorithms,
     dropout_mask,
     make_qkv,
     ref_attention,

@@ -90,6 +90,7 @@ from triton_transformer.utils import (
     is_traced,
     launcher,
     next_power_of_2,
+    offsets_in,
     seed_or_draw,
     sm_count,
     tma_scratch,
@@ -981,7 +982,7 @@ def _tma_loads(*tensors: torch.Tensor) -> bool:
     storages), 2-byte elements, a Hopper GPU, and no tracing. (Traced with inductor's scratch
     allocator, `utils.compile_tma`, a compiled attention passed its unit test but the compiled
     enwik8 training step hit an illegal memory access in them on an H200, torch 2.11 / triton
-    3.6, 2026-11-25, while the matmul's traced TMA kernel trained: attention keeps the pointer
+    3.6, 2026-11-25, where the same step without them trained: attention keeps the pointer
     loads and the two-program backward under torch.compile until that is understood.)"""
     t0 = tensors[0]
     if not (TMA_LOADS and _has_tma(t0.device)) or is_traced(t0):
@@ -1090,16 +1091,14 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
 
 def launch_attention_bwd(
     dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
-    deterministic=None, grads_base=None,
+    deterministic=None, grads_base: torch.Tensor | None = None,
 ):  # fmt: skip
     """Launch the backward: fills dq, dk, dv (any strides) for (b, h, n, d) views; `out` and
     `dout` are (b, n_q, h, d) tensors (dout of any strides).
 
     grads_base: the tensor dq, dk and dv are views of (the packed op's d(qkv)), or None. The
-    kernels then get it once, with each view's element offset: under torch.compile a kernel
-    that writes into views makes functionalization copy each view out and back (three copies
-    of d(qkv) per call), where a write into a whole tensor it allocated is free. (Passed
-    three times, the one tensor would be cloned per argument, and two clones' writes lost.)
+    kernels then get it once, with each view's element offset (`utils.offsets_in`: under
+    torch.compile, writes into three views cost three copies of d(qkv) per call).
 
     deterministic: None follows `torch.are_deterministic_algorithms_enabled()`, as SDPA
     does: off, causal attention takes the single-pass kernel, which adds dQ in fp32 with TMA
@@ -1135,7 +1134,7 @@ def launch_attention_bwd(
     grads, offsets = (dq, dk, dv), (0, 0, 0)
     if grads_base is not None:
         grads = (grads_base, q, q)  # q: placeholders the kernel does not use
-        offsets = tuple(t.storage_offset() - grads_base.storage_offset() for t in (dq, dk, dv))
+        offsets = offsets_in(grads_base, dq, dk, dv)
     args = (
         q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
         seed if dropping else q, dq_acc if atomic else delta, *offsets,

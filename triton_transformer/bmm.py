@@ -17,9 +17,11 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
 - `triton_transformer::relu2_grad(dy, s, from_square, p, seed)`: d(pre) = dy · keep / (1 - p)
   · 2·relu(pre), the mask regenerated from the forward's seed.
 - `triton_transformer::linear_swiglu(x, weight, weight_lp)`: (silu(x @ W_gate.T) * (x @
-  W_up.T), x @ weight.T) for a weight of 2·H rows [gate; up]: the gating fused into the
-  matmul's epilogue (two accumulators per tile, `matmul_kernels.py`), which also writes the
-  (M, 2·H) pre-activations; and `triton_transformer::linear_swiglu_backward(dy, pre)`: their
+  W_up.T), x @ weight.T) for a weight of 2·H rows [gate; up]: by default cuBLAS's product into
+  the (M, 2·H) pre-activations, then `swiglu.py`'s gating pass; the gating fused into the
+  matmul's epilogue (two accumulators per tile, `matmul_kernels.py`, also writing the
+  pre-activations) where `MATMUL_TABLE` lists it or cuBLAS cannot compute the product;
+  and `triton_transformer::linear_swiglu_backward(dy, pre)`: their
   gradient [d(gate) | d(up)], `swiglu.py`'s backward kernel writing both halves of one
   tensor, which dX and dW then read as one GEMM each. Saved: x, the weight (as the product
   read it) and the pre-activations, as the unfused projection + `swiglu` saved.
@@ -462,11 +464,12 @@ def linear(
         "swiglu": weight (2·H, K) holds the gate rows then the up rows (a Llama feed-forward's
         fused input projection) and the result (..., H) is silu(x @ W_gate.T) * (x @ W_up.T),
         as `swiglu.swiglu` of the two halves (fp32 arithmetic for fp16/bf16, one rounding).
-        Triton: the gating runs in the matmul's epilogue (two accumulators per output tile),
-        which also writes the (..., 2·H) pre-activations the backward reads (what the unfused
-        projection + swiglu kept), or it is `swiglu.py`'s pass after cuBLAS's product where
-        `MATMUL_TABLE` says "cublas+ew". No dropout nor residual with it (apply `dropout`
-        after, as `FeedForward` does).
+        Triton: `swiglu.py`'s gating pass after cuBLAS's product into the (..., 2·H)
+        pre-activations the backward reads (what the unfused projection + swiglu kept), or
+        the gating in the matmul's epilogue (two accumulators per output tile, writing the
+        pre-activations too) where `MATMUL_TABLE` lists it or cuBLAS cannot compute the
+        product (the fused kernel measured no faster on an H200). No dropout nor residual
+        with it (apply `dropout` after, as `FeedForward` does).
     dropout_p: dropout on the activation's output, in [0, 1) (relu_squared only; pass 0
         outside training). Triton: drawn in the same epilogue from `seed` (a 0-dim int64
         device tensor; None draws one, `utils.draw_seed`), and the backward's d(pre) pass

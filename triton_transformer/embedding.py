@@ -151,42 +151,46 @@ def _embedding_bwd_reduce_kernel(
     PARTIAL, DH, DWEIGHT, DPOS,
     stride_dh, stride_dweight, stride_dpos,
     n_splits, batch, seq_len, start, n_vocab, n_pos, dim,
-    HAS_POS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VOCAB: tl.constexpr, HAS_POS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Programs [0, cdiv(V, BLOCK_R)): dW = Σ_s PARTIAL[s], in split order; the rest
-    (HAS_POS): dP[p] = Σ_b g[b, p - start], zero outside the window. (BLOCK_R, BLOCK_D) tiles;
-    every element of dW and dP is written by exactly one program."""
+    """HAS_VOCAB: programs [0, cdiv(V, BLOCK_R)) sum dW = Σ_s PARTIAL[s], in split order. The
+    rest (HAS_POS): dP[p] = Σ_b g[b, p - start], zero outside the window. (BLOCK_R, BLOCK_D)
+    tiles; every element of dW and dP is written by exactly one program. Without HAS_VOCAB
+    (the scatter path, which has no partials) PARTIAL and DWEIGHT are unused placeholders:
+    compiled out, so torch.compile's analysis sees no write to them."""
     pid = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_in = offs_d < dim
-    n_vblocks = tl.cdiv(n_vocab, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    if pid < n_vblocks:
-        offs_v = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        v_in = offs_v < n_vocab
-        for split in range(n_splits):
-            rows = (split * n_vocab + offs_v).to(tl.int64)
-            acc += tl.load(
-                PARTIAL + rows[:, None] * dim + offs_d[None, :],
-                mask=v_in[:, None] & d_in[None, :], other=0.0,
-            )  # fmt: skip
-        # (dw_out, dp_out: two names, since dW and dP may differ in dtype: the scatter path
-        # passes an fp32 placeholder for DWEIGHT, and a name bound in both branches of a
-        # runtime `if` must keep one type)
-        dw_out = DWEIGHT + offs_v[:, None].to(tl.int64) * stride_dweight + offs_d[None, :]
-        tl.store(dw_out, acc.to(DWEIGHT.dtype.element_ty), mask=v_in[:, None] & d_in[None, :])
-    elif HAS_POS:
-        offs_p = (pid - n_vblocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-        i = offs_p - start  # position within the sequence
-        seen = (i >= 0) & (i < seq_len)
-        for b in range(batch):
-            rows = (b * seq_len + i).to(tl.int64)
-            acc += tl.load(
-                DH + rows[:, None] * stride_dh + offs_d[None, :],
-                mask=seen[:, None] & d_in[None, :], other=0.0,
-            ).to(tl.float32)  # fmt: skip
-        dp_out = DPOS + offs_p[:, None].to(tl.int64) * stride_dpos + offs_d[None, :]
-        tl.store(dp_out, acc.to(DPOS.dtype.element_ty), mask=(offs_p[:, None] < n_pos) & d_in)
+    pos_block = pid  # this program's block of positions (negative: a vocabulary program)
+    if HAS_VOCAB:
+        n_vblocks = tl.cdiv(n_vocab, BLOCK_R)
+        pos_block = pid - n_vblocks
+        if pid < n_vblocks:
+            offs_v = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            v_in = offs_v < n_vocab
+            for split in range(n_splits):
+                rows = (split * n_vocab + offs_v).to(tl.int64)
+                acc += tl.load(
+                    PARTIAL + rows[:, None] * dim + offs_d[None, :],
+                    mask=v_in[:, None] & d_in[None, :], other=0.0,
+                )  # fmt: skip
+            out = DWEIGHT + offs_v[:, None].to(tl.int64) * stride_dweight + offs_d[None, :]
+            tl.store(out, acc.to(DWEIGHT.dtype.element_ty), mask=v_in[:, None] & d_in[None, :])
+    if HAS_POS:  # noqa: SIM102 (a constexpr: without positions the block compiles out)
+        if pos_block >= 0:
+            offs_p = pos_block * BLOCK_R + tl.arange(0, BLOCK_R)
+            i = offs_p - start  # position within the sequence
+            seen = (i >= 0) & (i < seq_len)
+            for b in range(batch):
+                rows = (b * seq_len + i).to(tl.int64)
+                acc += tl.load(
+                    DH + rows[:, None] * stride_dh + offs_d[None, :],
+                    mask=seen[:, None] & d_in[None, :], other=0.0,
+                ).to(tl.float32)  # fmt: skip
+            out = DPOS + offs_p[:, None].to(tl.int64) * stride_dpos + offs_d[None, :]
+            tl.store(out, acc.to(DPOS.dtype.element_ty), mask=(offs_p[:, None] < n_pos) & d_in)
 
 
 @triton.jit
@@ -308,7 +312,6 @@ def embedding_backward_op(
             launcher(_embedding_bwd_scatter_kernel)[grid](
                 g, flat_ids, dweight, g.stride(0), n_tokens, n_vocab, dim, **tile
             )
-        partial = dweight  # a placeholder: the reduce pass below runs no vocab programs
         reduce_vocab, n_splits = 0, 0
     else:
         tile = _EMBEDDING_BWD_INTERP_CONFIG if interpret else _EMBEDDING_BWD_CONFIG
@@ -326,13 +329,17 @@ def embedding_backward_op(
                 n_vocab, dim, **_bwd_flags(g.dtype, interpret), **tile,
             )  # fmt: skip
         reduce_vocab = n_vocab
-    # dW from the partials (one-hot path) and dP; with reduce_vocab = 0 every program does dP
+    # dW from the partials (one-hot path) and dP; the scatter path's dP alone, with g as the
+    # placeholder of PARTIAL and DWEIGHT (read-only: a mutated argument passed twice would be
+    # cloned apart under torch.compile)
     block_r = reduce_tile["BLOCK_R"]
     n_programs = cdiv(reduce_vocab, block_r) + cdiv(n_pos, block_r)
     if n_programs:
+        partial_, dweight_ = (g, g) if scatter else (partial, dweight)
         launcher(_embedding_bwd_reduce_kernel)[(n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))](
-            partial, g, dweight, dpos if n_pos else dweight, g.stride(0), dim, dim,
-            n_splits, b, n, start, reduce_vocab, n_pos, dim, HAS_POS=n_pos > 0, **reduce_tile,
+            partial_, g, dweight_, dpos if n_pos else dweight_, g.stride(0), dim, dim,
+            n_splits, b, n, start, reduce_vocab, n_pos, dim, HAS_VOCAB=not scatter,
+            HAS_POS=n_pos > 0, **reduce_tile,
         )  # fmt: skip
     if scatter and weight_dtype != torch.float32:
         dweight = dweight.to(weight_dtype)  # the fp32 sums, rounded once

@@ -661,7 +661,7 @@ def _layernorm_bwd_config(n_cols: int, max_block: int, many_rows: bool = False) 
     return cfg._replace(block_n=block_n)
 
 
-def _many_rows(n_rows, n_cols: int, stable: bool) -> bool:
+def _many_rows(n_rows: int | torch.SymInt, n_cols: int, stable: bool) -> bool:
     """Whether a plain backward of n_rows rows takes its class's `_LAYERNORM_BWD_MANY_ROWS`
     entry (n_rows may be symbolic under torch.compile: the comparison becomes a guard)."""
     entry = _LAYERNORM_BWD_MANY_ROWS.get(width_class(n_cols))

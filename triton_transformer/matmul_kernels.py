@@ -388,6 +388,16 @@ def _mm_tma_kernel(
             c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
 
 
+def _configs(rows: tuple) -> list[triton.Config]:
+    """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, EPI_SUB, FLATTEN) rows."""
+    cfg = []
+    for bm, bn, bk, stages, warps, sub, flat in rows:
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
+        meta["FLATTEN"] = flat
+        cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
+    return cfg
+
+
 def _tma_configs() -> list[triton.Config]:
     """Tile shapes / stages / warps the Hopper kernel is autotuned over (per shape).
 
@@ -395,8 +405,7 @@ def _tma_configs() -> list[triton.Config]:
     narrower tiles for problems with few output tiles. Shared memory per config
     (stages x (BM + BN) x BK x 2 bytes, plus the epilogue tile) stays under 227 KiB.
     """
-    cfg = []
-    for bm, bn, bk, stages, warps, sub, flat in (
+    return _configs((
         (128, 256, 64, 3, 8, 2, True),
         (128, 256, 64, 3, 8, 2, False),
         (128, 256, 64, 4, 8, 2, True),
@@ -407,11 +416,7 @@ def _tma_configs() -> list[triton.Config]:
         (128, 128, 128, 3, 8, 1, True),
         (64, 128, 64, 4, 4, 1, True),
         (128, 64, 64, 4, 4, 1, True),
-    ):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
-        meta["FLATTEN"] = flat
-        cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
-    return cfg
+    ))  # fmt: skip
 
 
 def _tma_swiglu_configs() -> list[triton.Config]:
@@ -421,8 +426,7 @@ def _tma_swiglu_configs() -> list[triton.Config]:
     and spills). Compiled for sm_90 with triton 3.9 (cuobjdump's resource usage): 98-179
     registers, no stack, 144-208 KiB of shared memory (stages x (BM + 2·BN) x BK x 2 bytes
     plus the three epilogue stores, y, gate and up) of the 227 available."""
-    cfg = []
-    for bm, bn, bk, stages, warps, sub, flat in (
+    return _configs((
         (128, 128, 64, 3, 8, 2, True),
         (128, 128, 64, 3, 8, 2, False),
         (128, 128, 64, 4, 8, 2, True),
@@ -432,11 +436,7 @@ def _tma_swiglu_configs() -> list[triton.Config]:
         (128, 64, 64, 4, 8, 1, True),
         (128, 64, 128, 3, 8, 1, True),
         (64, 128, 64, 4, 4, 2, True),
-    ):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SUB": sub}
-        meta["FLATTEN"] = flat
-        cfg.append(triton.Config(meta, num_stages=stages, num_warps=warps))
-    return cfg
+    ))  # fmt: skip
 
 
 _TMA_KEY = ["M", "N", "K", "split_k", "A_T", "B_T", "RELU_SQUARED", "HAS_RESIDUAL"]

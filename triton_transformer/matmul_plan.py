@@ -70,8 +70,8 @@ gives the entries to add here.
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
 torch.compile the TMA kernel is traced where inductor provides the descriptors' scratch
-(`utils.compile_tma`), else the pointer kernel; relu² and SwiGLU, which eager would fuse in
-the TMA kernel, then take "cublas+ew" (inductor launches cuBLAS itself).
+(`utils.compile_tma`), else the pointer kernel; a relu² (or table-listed SwiGLU) product that
+eager would fuse in the TMA kernel then takes "cublas+ew" (inductor launches cuBLAS itself).
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ matmul_impl = "auto"
 # "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed view, "s" other strides; with
 # +swiglu N is the output's width H, the product's 2·H): "tma" / "ptr" where that Triton
 # kernel measured faster than cuBLAS (for relu² and SwiGLU, the faster of our two fused
-# kernels); for relu² without a residual and for SwiGLU, "fused" (our epilogue; the default)
-# or "cublas+ew" (cuBLAS's product, then our elementwise pass: relu², or swiglu.py's gating)
-# where that measured faster than the fused kernel.
+# kernels); for relu² without a residual, "cublas+ew" (cuBLAS's product, then our relu² pass)
+# where that measured faster than the fused kernel, the default; for SwiGLU, "fused" (our
+# epilogue, TMA where it can) where that measured faster than cuBLAS + swiglu.py's gating
+# pass, the default.
 # benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
 # presets' projections. Kernel times, L2 flushed.
 MATMUL_TABLE: dict[str, dict[str, str]] = {
@@ -280,15 +281,16 @@ def _plan(
             return ("cublas",)
         if ew and choice == "cublas+ew":
             return ("cublas+ew",)
+        if swiglu and ew and impl == "auto" and choice not in ("tma", "ptr", "fused"):
+            # the fused kernel measured no faster than cuBLAS + the gating pass (H200,
+            # 2026-11-25, forward kernel time: 0.2075 against 0.2010 ms at 16384 x 768 ->
+            # 2 x 2048, 0.6366 against 0.6353 at 8192 x 2048 -> 2 x 5632; modern_ops.md);
+            # decode-sized products too (the fused few-rows tiles are not measured)
+            return ("cublas+ew",)
         if M <= 16 and half:
             return _plan_few_rows(K, impl, plain, swiglu)
         if plain and impl == "auto" and choice not in ("tma", "ptr"):
             return ("cublas",)
-        if swiglu and ew and impl == "auto" and choice not in ("tma", "ptr"):
-            # the fused kernel measured no faster than cuBLAS + the gating pass (H200,
-            # 2026-11-25, forward kernel time: 0.2075 against 0.2010 ms at 16384 x 768 ->
-            # 2 x 2048, 0.6366 against 0.6353 at 8192 x 2048 -> 2 x 5632; modern_ops.md)
-            return ("cublas+ew",)
     tma = major in (9, 10) and half and a_t >= 0 and b_t >= 0 and (N * out_size) % 16 == 0
     if tma and tracing and ew and force is None and impl != "triton" and choice != "ptr":
         # torch.compile: where eager runs the fused TMA kernel, cuBLAS's product and our

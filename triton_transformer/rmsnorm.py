@@ -40,8 +40,9 @@ LayerNorm's):
   writes the (masked) branch gradient, which is dh itself when there is no dropout.
 
 Launch configurations: `_RMSNORM_FWD_CONFIGS` / `_RMSNORM_BWD_CONFIGS` below start from
-LayerNorm's H200/H100-tuned entries (the same memory pattern with one statistic less), not swept
-for RMSNorm yet;
+LayerNorm's H200/H100-tuned entries (the same memory pattern with one statistic less); of the
+forward entries only 768-4096 columns were probed for RMSNorm itself (2048 differs,
+`benchmarks/probe_modern_tiles.py`);
 `benchmarks/bench_modern_ops.py` measures them against Liger-Kernel and torch.compile.
 """
 

@@ -50,6 +50,7 @@ from triton_transformer.utils import (
     first_order_only,
     launcher,
     next_power_of_2,
+    offsets_in,
 )
 
 # Elements per program tile and its widest row block; not swept yet (the benchmark measures).
@@ -148,17 +149,14 @@ def launch_swiglu_bwd(
     row strides: `bmm.linear`'s swiglu backward writes the halves of one (rows, 2·N) tensor).
 
     grads_base: the tensor dg2 and du2 are views of, or None. The kernel then gets it once,
-    with each view's element offset: under torch.compile a kernel writing into views makes
-    functionalization copy each view out and back, and one tensor passed twice would be
-    cloned per argument (as `attention.launch_attention_bwd`).
+    with each view's element offset (`utils.offsets_in` says why).
     """
     M, N = g2.shape[0], int(g2.shape[1])
     if M and N:
         dg, du, off_dg, off_du = dg2, du2, 0, 0
         if grads_base is not None:
             dg, du = grads_base, dy2  # dy2: a placeholder the kernel does not use
-            off_dg = dg2.storage_offset() - grads_base.storage_offset()
-            off_du = du2.storage_offset() - grads_base.storage_offset()
+            off_dg, off_du = offsets_in(grads_base, dg2, du2)
         block_m, block_n = _blocks(N)
         launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
             dy2, g2, u2, dg, du, M, N, dy2.stride(0), g2.stride(0), u2.stride(0),

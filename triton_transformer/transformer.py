@@ -313,10 +313,11 @@ class FeedForward(nn.Module):
 
     act "relu2": relu(.)**2, with the dropout, in the input projection's epilogue (Triton).
     "swiglu": the input projection's weight holds 2·hidden rows, gate then up, and silu(gate) *
-    up feeds the output projection: `linear(..., activation="swiglu")`, the gating in the
-    projection's epilogue (Triton; the PyTorch branch is the projection, then `swiglu`'s
-    reference), then the dropout. "gelu": exact GELU (F.gelu on both branches: no Triton
-    kernel). hidden = dim * mult in every case.
+    up feeds the output projection: `linear(..., activation="swiglu")`, one op for the
+    projection and the gating (Triton: cuBLAS then the gating kernel, or the gating in the
+    projection's epilogue where the planner lists it; the PyTorch branch is the projection,
+    then `swiglu`'s reference), then the dropout. "gelu": exact GELU (F.gelu on both
+    branches: no Triton kernel). hidden = dim * mult in every case.
     """
 
     def __init__(

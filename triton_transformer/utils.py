@@ -536,6 +536,15 @@ def launcher(kernel: Any) -> KernelLauncher:
     return found
 
 
+def offsets_in(base: torch.Tensor, *views: torch.Tensor) -> tuple[int, ...]:
+    """Each view's element offset into `base`, the tensor it is a view of. A kernel that writes
+    several slices of one tensor takes the tensor once plus these offsets: under torch.compile
+    a kernel writing into views makes functionalization copy each view out and back, and one
+    tensor passed as several mutated arguments is cloned once per argument (the writes to all
+    but one clone are lost)."""
+    return tuple(int(v.storage_offset() - base.storage_offset()) for v in views)
+
+
 def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for device-side TMA descriptors (`tl.make_tensor_descriptor`): pass to
     `triton.set_allocator` before launching a kernel that makes them."""
@@ -564,7 +573,12 @@ def _inductor_sets_allocator() -> bool:
 
 
 def compile_tma() -> bool:
-    """Whether traced (torch.compile) launches may take the TMA-descriptor kernels."""
+    """Whether traced (torch.compile) launches may take the TMA-descriptor kernels. The probe
+    reads that inductor's launcher sets the allocator, which it does on a kernel's first
+    launch; Triton's allocator is per thread, so a compiled graph first run in one thread and
+    later in a new one relies on inductor setting it there too (torch 2.11, H200: the compiled
+    forward + backward tests of tests/test_bmm.py, whose backward runs on autograd's device
+    thread, pass with the traced TMA kernel)."""
     if COMPILE_TMA is not None:
         return COMPILE_TMA
     import triton
