@@ -697,7 +697,7 @@ def _run_tma_kernel(
         M, N, K, la[1], lb[1], N, rs[0], rs[1], aux.stride(0) if aux is not None else N, split,
         *plan_module._dropout_args(drop, c),
         A_T=bool(la[0]), B_T=bool(lb[0]), RELU_SQUARED=relu_squared,
-        HAS_RESIDUAL=residual is not None, STORE_AUX=save_relu, DROPOUT=drop is not None,
+        HAS_RESIDUAL=residual is not None, STORE_AUX=aux is not None, DROPOUT=drop is not None,
         SWIGLU=swiglu, SPLIT=split > 1,
         NUM_SMS=num_sms, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPI_SUB=sub, FLATTEN=True,
     )  # fmt: skip
