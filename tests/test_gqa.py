@@ -12,6 +12,7 @@ import pytest
 import torch
 from _modern_helpers import (
     LLAMA,
+    check_graphed_decode,
     check_greedy_cached_generation,
     check_state_dict_round_trip,
     decode_in_steps,
@@ -29,7 +30,6 @@ from test_attention import (
 )
 
 from triton_transformer.attention import attention, attention_cached, attention_naive
-from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.transformer import KVCache, StaticKVCache, Transformer
 
 
@@ -322,16 +322,7 @@ def test_gpu_cached_decode(b, h_kv, n_q, cache_len, capacity, d, dtype, device):
 def test_gpu_graphed_decode_matches_eager(device):
     cfg = dict(num_tokens=256, dim=256, max_seq_len=128, depth=2, heads=8, dim_head=32)
     net = Transformer(causal=True, kv_heads=2, **cfg, **LLAMA).to(device)
-    with torch.no_grad():
-        net.to_logits.weight.mul_(20)
-    model = AutoregressiveWrapper(net)
-    prompt = torch.randint(0, 256, (2, 50), device=device)
-    kw = dict(temperature=0.0, use_triton=True)
-    eager = model.generate(prompt, 60, cuda_graph=False, **kw)
-    graphed = model.generate(prompt, 60, cuda_graph=True, **kw)
-    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
-    reference = model.generate(prompt, 60, temperature=0.0, use_kv_cache=False)
-    torch.testing.assert_close(graphed, reference, rtol=0, atol=0)
+    check_graphed_decode(net, 60, against_uncached=True)
 
 
 @pytest.mark.gpu

@@ -8,13 +8,13 @@ import pytest
 import torch
 from _modern_helpers import (
     LLAMA,
+    check_graphed_decode,
     check_greedy_cached_generation,
     check_state_dict_round_trip,
     decode_in_steps,
     train_both_branches,
 )
 
-from triton_transformer.autoregressive_wrapper import AutoregressiveWrapper
 from triton_transformer.rmsnorm import RMSNorm
 from triton_transformer.transformer import KVCache, StaticKVCache, Transformer
 
@@ -156,11 +156,4 @@ def test_gpu_llama_block_trains_and_compiles(device):
 def test_gpu_llama_graphed_decode_matches_eager(device):
     cfg = dict(num_tokens=256, dim=256, max_seq_len=128, depth=2, heads=4, dim_head=64)
     net = Transformer(causal=True, **cfg, **LLAMA).to(device)
-    with torch.no_grad():
-        net.to_logits.weight.mul_(20)
-    model = AutoregressiveWrapper(net)
-    prompt = torch.randint(0, 256, (2, 50), device=device)
-    kw = dict(temperature=0.0, use_triton=True)
-    eager = model.generate(prompt, 100, cuda_graph=False, **kw)
-    graphed = model.generate(prompt, 100, cuda_graph=True, **kw)
-    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    check_graphed_decode(net, 100)
