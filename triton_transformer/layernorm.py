@@ -76,6 +76,7 @@ from triton_transformer.utils import (
     as_rows,
     call_op,
     cdiv,
+    check_dropout_p,
     check_triton_tensor,
     exists,
     first_order_only,
@@ -916,6 +917,23 @@ def check_out_dtype(out_dtype: object) -> None:
         isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point
     ):
         raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+
+
+def check_residual_branch(
+    h: torch.Tensor, branch: object, dropout_p: object, training: bool, use_triton: bool
+) -> float:
+    """Validate a residual norm's `branch` against h (residual_layernorm, residual_rmsnorm) and
+    return the dropout probability in effect (0 outside training)."""
+    if not isinstance(branch, torch.Tensor):
+        raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
+    if branch.shape != h.shape:
+        raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
+    p = check_dropout_p(dropout_p) if training else 0.0
+    if use_triton:
+        check_triton_tensor(branch, "branch")
+        if branch.device != h.device:
+            raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
+    return p
 
 
 def check_layernorm_args(x: object, weight: object, bias: object, use_triton: bool) -> None:

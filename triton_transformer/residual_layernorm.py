@@ -46,14 +46,13 @@ from triton_transformer.layernorm import (
     _layernorm_reference,
     check_layernorm_args,
     check_out_dtype,
+    check_residual_branch,
     launch_layernorm_bwd,
     launch_layernorm_fwd,
 )
 from triton_transformer.utils import (
     as_rows,
     call_op,
-    check_dropout_p,
-    check_triton_tensor,
     draw_seed,
     exists,
     first_order_only,
@@ -188,17 +187,10 @@ def residual_layernorm(
     """
     check_layernorm_args(h, weight, bias, use_triton)
     check_out_dtype(out_dtype)
-    if not isinstance(branch, torch.Tensor):
-        raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
-    if branch.shape != h.shape:
-        raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
-    p = check_dropout_p(dropout_p) if training else 0.0
+    p = check_residual_branch(h, branch, dropout_p, training, use_triton)
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
         return h_new, _layernorm_reference(h_new, weight, bias, eps, stable, out_dtype)
-    check_triton_tensor(branch, "branch")
-    if branch.device != h.device:
-        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
     # The seed tensor is drawn only when there is dropout (no RNG advance, no launch otherwise);
     # the op needs a tensor argument either way, and weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight

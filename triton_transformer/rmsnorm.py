@@ -68,13 +68,13 @@ from triton_transformer.layernorm import (
     _nearest,
     _store_dx,
     check_out_dtype,
+    check_residual_branch,
     width_class,
 )
 from triton_transformer.utils import (
     as_rows,
     call_op,
     cdiv,
-    check_dropout_p,
     check_triton_tensor,
     draw_seed,
     first_order_only,
@@ -560,17 +560,10 @@ def residual_rmsnorm(
     """
     check_rmsnorm_args(h, weight, eps, use_triton)
     check_out_dtype(out_dtype)
-    if not isinstance(branch, torch.Tensor):
-        raise TypeError(f"branch must be a torch.Tensor, got {type(branch).__name__}")
-    if branch.shape != h.shape:
-        raise ValueError(f"branch shape {tuple(branch.shape)} != h shape {tuple(h.shape)}")
-    p = check_dropout_p(dropout_p) if training else 0.0
+    p = check_residual_branch(h, branch, dropout_p, training, use_triton)
     if not use_triton:
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
         return h_new, _rmsnorm_reference(h_new, weight, eps, out_dtype)
-    check_triton_tensor(branch, "branch")
-    if branch.device != h.device:
-        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
     # The seed is drawn only with dropout; otherwise weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
     h_new, y, _ = call_op(residual_rmsnorm_op, h, branch, weight, float(eps), p, seed, out_dtype)
