@@ -415,14 +415,24 @@ def test_bad_inputs(device):
 
 
 def check_cached(b, h, n_q, cache_len, capacity, d, dtype, device):
-    """attention_cached (Triton and PyTorch) against float64 causal attention over the
-    cache's first cache_len positions; stale positions hold NaN (must never be read)."""
-    q, k, v = make_qkv(b, h, n_q, cache_len, d, dtype, device)
-    k_cache = torch.full((b, h, capacity, d), float("nan"), dtype=dtype, device=device)
+    """attention_cached over a cache of cache_len real positions of `capacity`."""
+    check_cached_over(*make_qkv(b, h, n_q, cache_len, d, dtype, device), capacity)
+
+
+def check_cached_over(q, k, v, capacity):
+    """attention_cached (Triton and PyTorch) of q (b, h, n_q, d) over caches of `capacity`
+    positions holding k, v (b, h_kv, cache_len, d; h_kv dividing h: grouped-query attention)
+    against float64 causal attention over k, v repeated to h heads; stale positions hold NaN
+    (must never be read)."""
+    b, h, n_q, d = q.shape
+    h_kv, cache_len, dtype, device = k.shape[1], k.shape[2], q.dtype, q.device
+    k_cache = torch.full((b, h_kv, capacity, d), float("nan"), dtype=dtype, device=device)
     v_cache = k_cache.clone()
     k_cache[:, :, :cache_len], v_cache[:, :, :cache_len] = k, v
     length = torch.tensor(cache_len, device=device)
-    ref = ref_attention(q, k, v, causal=True)
+    group = h // h_kv
+    k_ref, v_ref = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    ref = ref_attention(q, k_ref, v_ref, causal=True)
     for use_triton in (True, False):
         out = attention_cached(q, k_cache, v_cache, length, use_triton=use_triton)
         assert out.shape == (b, h, n_q, d) and out.dtype == dtype

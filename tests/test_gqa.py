@@ -23,6 +23,7 @@ from test_attention import (
     TOL,
     TOL_DQK,
     check_backward_kernels_agree,
+    check_cached_over,
     dropout_mask,
     make_qkv,
     ref_attention,
@@ -174,18 +175,8 @@ def test_pytorch_branches(device):
 
 
 def check_cached_gqa(b, h, h_kv, n_q, cache_len, capacity, d, dtype, device):
-    """attention_cached over (b, h_kv, capacity, d) caches, both branches, against float64;
-    stale positions hold NaN (never read)."""
-    q, k, v = make_gqa(b, h, h_kv, n_q, cache_len, d, dtype, device)
-    k_cache = torch.full((b, h_kv, capacity, d), float("nan"), dtype=dtype, device=device)
-    v_cache = k_cache.clone()
-    k_cache[:, :, :cache_len], v_cache[:, :, :cache_len] = k, v
-    length = torch.tensor(cache_len, device=device)
-    ref = ref_attention(q, expand(k, h), expand(v, h), causal=True)
-    for use_triton in (True, False):
-        out = attention_cached(q, k_cache, v_cache, length, use_triton=use_triton)
-        assert out.shape == (b, h, n_q, d) and out.dtype == dtype
-        assert rel_err(out, ref) < TOL[dtype], (use_triton, rel_err(out, ref))
+    """attention_cached over (b, h_kv, capacity, d) caches (`check_cached_over`)."""
+    check_cached_over(*make_gqa(b, h, h_kv, n_q, cache_len, d, dtype, device), capacity)
 
 
 @pytest.mark.parametrize(
