@@ -27,7 +27,14 @@ def signature(kernel, pointers: dict[str, str], floats: set[str], constants: dic
     return sig
 
 
+def with_defaults(kernel, constants: dict) -> dict:
+    """constants plus the defaults of the constexprs they leave out, as a launch takes them."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    return {**defaults, **constants}
+
+
 def compile_sm90(kernel, pointers, floats, constants) -> None:
+    constants = with_defaults(kernel, constants)
     sig = signature(kernel, pointers, floats, constants)
     names = list(sig)
     src = ASTSource(
@@ -73,6 +80,14 @@ compile_sm90(
          BLOCK_K=64, GROUP_M=8, EPI_SUB=2, FLATTEN=True),
 )  # fmt: skip
 print("TMA matmul, relu² + dropout epilogue: ok")
+for epi_sub in (1, 2):
+    compile_sm90(
+        matmul_kernels._mm_tma_kernel, mm_ptrs, {"drop_scale"},
+        dict(A_T=False, B_T=False, RELU_SQUARED=False, HAS_RESIDUAL=False, STORE_AUX=False,
+             DROPOUT=True, SWIGLU=False, SPLIT=False, NUM_SMS=132, BLOCK_M=128, BLOCK_N=128,
+             BLOCK_K=64, GROUP_M=8, EPI_SUB=epi_sub, FLATTEN=True, RELU2_GRAD=2),
+    )  # fmt: skip
+print("TMA matmul, relu² gradient + dropout epilogue: ok")
 compile_sm90(
     matmul_kernels._relu2_grad_kernel, dict(DY=bf16, S=bf16, DP=bf16, SEED="*i64"), {"drop_scale"},
     dict(FROM_SQUARE=True, DROPOUT=True, BLOCK_M=16, BLOCK_N=256),
@@ -117,6 +132,7 @@ swiglu = dict(RELU_SQUARED=False, HAS_RESIDUAL=False, STORE_AUX=True, DROPOUT=Fa
 for i, cfg in enumerate(matmul_kernels._tma_swiglu_configs()):
     for b_t in (True, False) if i == 0 else (True,):
         consts = dict(swiglu, A_T=False, B_T=b_t, SPLIT=False, NUM_SMS=132, **cfg.kwargs)
+        consts = with_defaults(matmul_kernels._mm_tma_kernel, consts)
         sig = signature(matmul_kernels._mm_tma_kernel, mm_ptrs, {"drop_scale"}, consts)
         names = list(sig)
         src = ASTSource(
@@ -139,6 +155,13 @@ for ptr, cfg in (
              BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_K=cfg[2], GROUP_M=8),
     )  # fmt: skip
 print("pointer matmul, SwiGLU epilogue: ok")
+compile_sm90(
+    matmul_kernels._mm_ptr_kernel, mm_ptrs, {"drop_scale"},
+    dict(RELU_SQUARED=False, HAS_RESIDUAL=False, STORE_AUX=False, DROPOUT=True, SWIGLU=False,
+         DOT_PRECISION="tf32", UPCAST=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+         RELU2_GRAD=1),
+)  # fmt: skip
+print("pointer matmul, relu² gradient + dropout epilogue: ok")
 
 # The embedding's backward at large vocabularies: the atomic scatter, then the reduce kernel's
 # positional part alone, with an fp32 placeholder for DWEIGHT and a bf16 dP (dW and dP of

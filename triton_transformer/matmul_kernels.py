@@ -22,8 +22,12 @@
 - `_relu2_ew_kernel`: that relu² epilogue as a pass of its own, in place after cuBLAS's
   product ("cublas+ew"), with the same mask. (SwiGLU's "cublas+ew" pass is `swiglu.py`'s
   forward kernel.)
-- `_relu2_grad_kernel`: relu²'s backward, d(pre) = dy · keep / (1 - p) · 2·relu(pre), the
-  mask regenerated from the forward's seed.
+- RELU2_GRAD, a constexpr of both matmuls (instead of the epilogues above, no split): relu²'s
+  backward in the epilogue of dY @ W, d(pre) = (dY @ W) · 2·relu(pre) [· mask / (1 - p)], with
+  relu(pre) from what the forward kept (`_relu2_slope`): the feed-forward's backward without
+  the pass below (`mlp.py`).
+- `_relu2_grad_kernel`: relu²'s backward as a pass of its own, d(pre) = dy · keep / (1 - p) ·
+  2·relu(pre), the mask regenerated from the forward's seed.
 
 Which kernel runs a problem (or cuBLAS), with which tiles, and how it is launched:
 `matmul_plan.py`.
@@ -58,6 +62,19 @@ def _round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _relu2_slope(s, drop_scale, FROM_SQUARE: tl.constexpr, DROPOUT: tl.constexpr):
+    """2·relu(pre) in fp32 from a tile s of what the forward kept: relu(pre) itself, or with
+    FROM_SQUARE its output y = relu(pre)² (· drop_scale where the mask kept it; where it
+    dropped, y = 0 and so is the slope, which the mask zeroes anyway)."""
+    s = s.to(tl.float32)
+    if FROM_SQUARE:
+        if DROPOUT:
+            s = s / drop_scale
+        s = tl.sqrt(s)
+    return 2.0 * s
 
 
 @triton.jit
@@ -163,6 +180,7 @@ def _mm_ptr_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    RELU2_GRAD: tl.constexpr = 0,
 ):
     """C[b] = epilogue(A[b] @ B[b]) for A (M, K), B (K, N), C (M, N), all given by strides.
 
@@ -173,8 +191,13 @@ def _mm_ptr_kernel(
     SWIGLU (batch 1, instead of the other epilogues): B is (K, 2·N), gate columns then up
     columns; each tile accumulates both halves (acc from B's columns [n, n + BLOCK_N), acc_u
     from [N + n, ...)), stores them to AUX (M, 2·N) and writes C = silu(gate) * up.
+
+    RELU2_GRAD (batch 1; 1: R holds relu(pre), 2: R holds relu²'s output, see
+    `_relu2_slope`): relu²'s backward in the epilogue, C = (A @ B) · 2·relu(pre) [· the
+    forward's dropout mask · drop_scale], d(pre) straight from the product dY @ W.
     """
     tl.static_assert(not SWIGLU or not (RELU_SQUARED or HAS_RESIDUAL or DROPOUT))
+    tl.static_assert(RELU2_GRAD == 0 or not (RELU_SQUARED or HAS_RESIDUAL or SWIGLU))
     pid = tl.program_id(0)
     bid = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -217,6 +240,10 @@ def _mm_ptr_kernel(
         seed = 0
         if DROPOUT:
             seed = tl.load(SEED)
+        if RELU2_GRAD != 0:
+            s_ptrs = R + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+            s = tl.load(s_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            acc *= _relu2_slope(s, tl.cast(drop_scale, tl.float32), RELU2_GRAD == 2, DROPOUT)
         acc = _epilogue(
             acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed, threshold,
             tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL,
@@ -264,6 +291,7 @@ def _mm_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SUB: tl.constexpr,
     FLATTEN: tl.constexpr,
+    RELU2_GRAD: tl.constexpr = 0,
 ):
     """Persistent TMA matmul: C = epilogue(A @ B) for 2-D A (M, K), B (K, N), C (M, N).
 
@@ -281,8 +309,11 @@ def _mm_tma_kernel(
     epilogue stores both to AUX (M, 2·N, row stride stride_xm, [gate | up]) and silu(gate) *
     up to C, all through descriptors. A gate tile past column N reads up columns: clipped by
     the (M, N) stores.
+    RELU2_GRAD (no split) as in `_mm_ptr_kernel`: relu²'s backward, the tiles of R (M, N, row
+    stride stride_rm, unit column stride) loaded through a descriptor.
     """
     tl.static_assert(not SWIGLU or not (RELU_SQUARED or HAS_RESIDUAL or DROPOUT or SPLIT))
+    tl.static_assert(RELU2_GRAD == 0 or not (RELU_SQUARED or HAS_RESIDUAL or SWIGLU or SPLIT))
     n_b = 2 * N if SWIGLU else N  # B's columns: gate and up with SWIGLU
     if A_T:
         a_desc = tl.make_tensor_descriptor(A, [K, M], [stride_a, 1], [BLOCK_K, BLOCK_M])
@@ -297,6 +328,8 @@ def _mm_tma_kernel(
     if SWIGLU:  # the gate and up halves of AUX, each (M, N): each clips its own stores
         g_desc = tl.make_tensor_descriptor(AUX, [M, N], [stride_xm, 1], [BLOCK_M, SUB_N])
         u_desc = tl.make_tensor_descriptor(AUX + N, [M, N], [stride_xm, 1], [BLOCK_M, SUB_N])
+    if RELU2_GRAD != 0:  # what the forward kept, read tile by tile like C is written
+        s_desc = tl.make_tensor_descriptor(R, [M, N], [stride_rm, 1], [BLOCK_M, SUB_N])
 
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -372,6 +405,9 @@ def _mm_tma_kernel(
             for h in tl.static_range(2):
                 part = acc0 if h == 0 else acc1
                 offs_n = off_n.to(tl.int64) + h * SUB_N + tl.arange(0, SUB_N)
+                if RELU2_GRAD != 0:
+                    s = s_desc.load([off_m, off_n + h * SUB_N])
+                    part *= _relu2_slope(s, drop_scale, RELU2_GRAD == 2, DROPOUT)
                 part = _epilogue(
                     part, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
                     threshold, drop_scale, off_n + h * SUB_N, RELU_SQUARED, HAS_RESIDUAL,
@@ -380,6 +416,9 @@ def _mm_tma_kernel(
                 c_desc.store([off_m, off_n + h * SUB_N], part.to(C.dtype.element_ty))
         else:
             offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+            if RELU2_GRAD != 0:
+                s = s_desc.load([off_m, off_n])
+                acc *= _relu2_slope(s, drop_scale, RELU2_GRAD == 2, DROPOUT)
             acc = _epilogue(
                 acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
                 threshold, drop_scale, off_n, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
@@ -440,7 +479,8 @@ def _tma_swiglu_configs() -> list[triton.Config]:
 
 
 _TMA_KEY = ["M", "N", "K", "split_k", "A_T", "B_T", "RELU_SQUARED", "HAS_RESIDUAL"]
-_TMA_KEY += ["STORE_AUX", "DROPOUT", "SWIGLU", "NUM_SMS"]  # NUM_SMS: a new GPU model tunes anew
+# NUM_SMS: a new GPU model tunes anew
+_TMA_KEY += ["STORE_AUX", "DROPOUT", "SWIGLU", "RELU2_GRAD", "NUM_SMS"]
 # The autotuner's key also holds every tensor argument's dtype.
 _mm_tma_tuned = triton.autotune(configs=_tma_configs(), key=_TMA_KEY)(_mm_tma_kernel)
 # The SWIGLU epilogue, tuned apart over its own configs (its own cache of picks).
@@ -485,12 +525,7 @@ def _relu2_grad_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     dy = tl.load(DY + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn, mask=mask)
     s = tl.load(S + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn, mask=mask)
-    s = s.to(tl.float32)
-    if FROM_SQUARE:
-        if DROPOUT:  # S = relu(pre)² · drop_scale where kept (0 where dropped: d(pre) = 0)
-            s = s / tl.cast(drop_scale, tl.float32)
-        s = tl.sqrt(s)
-    dp = dy.to(tl.float32) * (2.0 * s)
+    dp = dy.to(tl.float32) * _relu2_slope(s, tl.cast(drop_scale, tl.float32), FROM_SQUARE, DROPOUT)
     if DROPOUT:
         keep = dropout_keep_tile(tl.load(SEED), offs_m, start_n, N, threshold, BLOCK_N, True)
         dp = tl.where(keep != 0, dp * tl.cast(drop_scale, tl.float32), 0.0)

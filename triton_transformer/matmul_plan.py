@@ -13,7 +13,8 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
   backward needs it (fp16), as the fused epilogue would. SwiGLU ("+swiglu"): torch.mm of the
   (M, 2·H) [gate | up] projection into the pre-activations the backward keeps, then
   `swiglu.py`'s forward kernel on its halves (the unfused linear + swiglu of before). The
-  backward is the fused path's.
+  backward is the fused path's. relu²'s gradient ("+relu2grad", `mlp.py`): torch.mm of dY @ W,
+  then `_relu2_grad_kernel` in place.
 - "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
   or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
   16 for the output; with SwiGLU, N = H, which also aligns the up half of the pre-activations).
@@ -88,6 +89,7 @@ from triton_transformer.matmul_kernels import (
     _mm_tma_swiglu_tuned,
     _mm_tma_tuned,
     _relu2_ew_kernel,
+    _relu2_grad_kernel,
     _splitk_reduce_kernel,
 )
 from triton_transformer.swiglu import launch_swiglu_fwd
@@ -107,14 +109,14 @@ from triton_transformer.utils import (
 # per call.
 matmul_impl = "auto"
 
-# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]" or
-# "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed view, "s" other strides; with
-# +swiglu N is the output's width H, the product's 2·H): "tma" / "ptr" where that Triton
-# kernel measured faster than cuBLAS (for relu² and SwiGLU, the faster of our two fused
-# kernels); for relu² without a residual, "cublas+ew" (cuBLAS's product, then our relu² pass)
-# where that measured faster than the fused kernel, the default; for SwiGLU, "fused" (our
-# epilogue, TMA where it can) where that measured faster than cuBLAS + swiglu.py's gating
-# pass, the default.
+# The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]",
+# "MxNxK:AB+relu2grad" or "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed view, "s"
+# other strides; with +swiglu N is the output's width H, the product's 2·H): "tma" / "ptr"
+# where that Triton kernel measured faster than cuBLAS (for relu² and SwiGLU, the faster of
+# our two fused kernels); for relu² without a residual and its gradient, "cublas+ew" (cuBLAS's
+# product, then our pass) where that measured faster than the fused kernel, the default; for
+# SwiGLU, "fused" (our epilogue, TMA where it can) where that measured faster than cuBLAS +
+# swiglu.py's gating pass, the default.
 # benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
 # presets' projections. Kernel times, L2 flushed.
 MATMUL_TABLE: dict[str, dict[str, str]] = {
@@ -250,10 +252,11 @@ def _plan(
     ("ptr", config). The rule is the module docstring's.
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
-    epi: "", "+relu2", "+res", "+relu2+res" or "+swiglu" (N is then the output's width H; the
-    product's is 2·H). cublas_ok: torch.mm / torch.addmm computes the product and its
-    residual into the output (one dtype throughout, or an fp32 output of fp16/bf16 operands
-    without a residual); relu² or the SwiGLU gating is then our separate pass ("cublas+ew").
+    epi: "", "+relu2", "+res", "+relu2+res", "+swiglu" (N is then the output's width H; the
+    product's is 2·H) or "+relu2grad" (relu²'s backward, d(pre) from dY @ W). cublas_ok:
+    torch.mm / torch.addmm computes the product and its residual into the output (one dtype
+    throughout, or an fp32 output of fp16/bf16 operands without a residual); relu², its
+    gradient or the SwiGLU gating is then our separate pass ("cublas+ew").
     out_size: the output's element size in bytes. tracing: torch.compile is tracing the op
     and may not trace the TMA kernel (`utils.compile_tma()` false: this torch's inductor
     does not provide the descriptors' scratch allocator).
@@ -262,7 +265,7 @@ def _plan(
     act = swiglu or "+relu2" in epi
     plain = cublas_ok and not act  # cuBLAS computes the whole problem
     # cuBLAS's product, then relu² in place or the SwiGLU gating (a pass of its own)
-    ew = cublas_ok and epi in ("+relu2", "+swiglu")
+    ew = cublas_ok and epi in ("+relu2", "+swiglu", "+relu2grad")
     if force == "cublas+ew":
         if ew:
             return ("cublas+ew",)
@@ -343,11 +346,12 @@ def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Te
 
 
 def launch_mm_tma(
-    a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop, swiglu=False
+    a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop, swiglu=False, grad=None
 ) -> None:
     """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N); with
     swiglu, b (K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations
-    (`_mm_tma_swiglu_tuned`, tuned over its own configs)."""
+    (`_mm_tma_swiglu_tuned`, tuned over its own configs); grad: (s, from_square) of the
+    RELU2_GRAD epilogue (s row-major, TMA-describable)."""
     M, K = a.shape
     N = c.shape[1]
     # A context variable in Triton: set it in whichever thread launches (autograd's too).
@@ -355,6 +359,8 @@ def launch_mm_tma(
     ws = c
     if split > 1:
         ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
+    if grad is not None:  # the epilogue reads s where a residual would be
+        r = grad[0]
     rs = r.stride() if r is not None else (0, 0)
     xs = aux.stride(0) if aux is not None else N
     args = (
@@ -365,12 +371,13 @@ def launch_mm_tma(
         "A_T": bool(a_lay[0]),
         "B_T": bool(b_lay[0]),
         "RELU_SQUARED": relu_squared,
-        "HAS_RESIDUAL": r is not None,
+        "HAS_RESIDUAL": r is not None and grad is None,
         "STORE_AUX": aux is not None,
         "DROPOUT": drop is not None,
         "SWIGLU": swiglu,
         "SPLIT": split > 1,
         "NUM_SMS": num_sms,
+        "RELU2_GRAD": _relu2_grad_flag(grad),
     }
 
     def grid(meta):
@@ -383,7 +390,7 @@ def launch_mm_tma(
     else:
         key = (M, N, K, split, a_lay[0], b_lay[0], relu_squared, r is not None)
         key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
-        key += (drop is not None, swiglu)
+        key += (drop is not None, swiglu, flags["RELU2_GRAD"])
         tuned = _TUNED.get(key)
         if tuned is not None:
             launcher(_mm_tma_kernel)[tuned[0]](*args, **flags, **tuned[1])
@@ -397,9 +404,15 @@ def launch_mm_tma(
         launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
 
 
-def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swiglu=False) -> None:
+def launch_mm_ptr(
+    a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swiglu=False, grad=None
+) -> None:
     """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N); with swiglu (batch
-    1), b (1, K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations."""
+    1), b (1, K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations; grad
+    (batch 1): (s, from_square) of the RELU2_GRAD epilogue."""
+    has_residual = r is not None
+    if grad is not None:  # the epilogue reads s where a residual would be
+        r = grad[0]
     batch, M, K = a.shape
     N = c.shape[2]
     block_m, block_n, block_k, group_m, num_warps, num_stages = cfg
@@ -421,11 +434,16 @@ def launch_mm_ptr(a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swig
             a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
             M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], xs,
             *_dropout_args(drop, c_),
-            RELU_SQUARED=relu_squared, HAS_RESIDUAL=r is not None, STORE_AUX=aux is not None,
+            RELU_SQUARED=relu_squared, HAS_RESIDUAL=has_residual, STORE_AUX=aux is not None,
             DROPOUT=drop is not None, SWIGLU=swiglu, DOT_PRECISION=precision, UPCAST=upcast,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            num_warps=num_warps, num_stages=num_stages,
+            RELU2_GRAD=_relu2_grad_flag(grad), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
+
+
+def _relu2_grad_flag(grad: tuple[torch.Tensor, bool] | None) -> int:
+    """The kernels' RELU2_GRAD: 0 none, 1 s holds relu(pre), 2 s holds relu²'s output."""
+    return 0 if grad is None else 2 if grad[1] else 1
 
 
 def _mm2d_into(
@@ -437,6 +455,7 @@ def _mm2d_into(
     aux: torch.Tensor | None = None,
     drop: tuple[float, torch.Tensor] | None = None,
     swiglu: bool = False,
+    grad: tuple[torch.Tensor, bool] | None = None,
 ) -> None:
     """c = dropout(act(a @ b)) [+ residual] for 2-D a (M, K), b (K, N) of any strides; c
     (M, N) fresh.
@@ -448,12 +467,18 @@ def _mm2d_into(
     contiguous, a's dtype; required) receives a @ b itself, the pre-activations the backward
     reads. Fused in the matmul's epilogue, or cuBLAS's product into aux, then
     `swiglu.launch_swiglu_fwd` ("cublas+ew").
+    grad (no other epilogue; drop allowed): (s, from_square), relu²'s backward: c = (a @ b) ·
+    2·relu(pre) [· the forward's mask / (1 - p)], relu(pre) = sqrt(s (1 - p)) if from_square
+    else s (M, N, any strides): fused in the epilogue, or cuBLAS's product, then
+    `_relu2_grad_kernel` in place ("cublas+ew").
     """
     M, K = a.shape
     N = c.shape[1]
     if c.numel() == 0:
         return
-    if K == 0:  # an empty sum: relu(0)² = 0, silu(0)·0 = 0 (aux: relu(0) or the zero pre)
+    # an empty sum: relu(0)² = 0, silu(0)·0 = 0, d(pre) = 0 · slope (aux: relu(0) or the zero
+    # pre-activations)
+    if K == 0:
         if residual is None:
             c.zero_()
         else:
@@ -464,8 +489,12 @@ def _mm2d_into(
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
     epi = "+swiglu" if swiglu else _EPI[relu_squared, residual is not None]
+    if grad is not None:
+        epi = "+relu2grad"
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
+        if grad is not None and (_layout(grad[0]) or (1,))[0] != 0:
+            a_lay = None  # the epilogue's descriptor of s needs it row-major: no TMA
         traced = is_traced(a)
         # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
         # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
@@ -484,7 +513,7 @@ def _mm2d_into(
         if plan[0] == "tma":
             launch_mm_tma(
                 a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop,
-                swiglu,
+                swiglu, grad,
             )  # fmt: skip
             return
     else:  # the interpreter; torch.mm where a test forces "cublas+ew"
@@ -503,13 +532,15 @@ def _mm2d_into(
             torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
         else:
             torch.mm(a, b, out=c)
-        if plan[0] == "cublas+ew":
+        if plan[0] == "cublas+ew" and grad is not None:
+            _relu2_grad_in_place(c, grad, drop)
+        elif plan[0] == "cublas+ew":
             _relu2_in_place(c, aux, drop)
     else:
         interpret = device.type != "cuda"
         launch_mm_ptr(
             a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop,
-            swiglu,
+            swiglu, grad,
         )  # fmt: skip
 
 
@@ -523,6 +554,21 @@ def _relu2_in_place(
     launcher(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
         c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
         STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _relu2_grad_in_place(
+    c: torch.Tensor, grad: tuple[torch.Tensor, bool], drop: tuple[float, torch.Tensor] | None
+) -> None:
+    """c (M, N, contiguous) = c · 2·relu(pre) [· mask / (1 - p)] in place: relu²'s backward
+    after cuBLAS's product dY @ W (`_relu2_grad_kernel`, each element read then written by
+    the same program)."""
+    s, from_square = grad
+    M, N = c.shape
+    launcher(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
+        c, s, c, M, N, *c.stride(), *s.stride(), *_dropout_args(drop, c),
+        FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
         num_warps=4,
     )  # fmt: skip
 

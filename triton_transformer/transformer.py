@@ -43,6 +43,7 @@ from triton_transformer.dropout import dropout
 from triton_transformer.embedding import embedding
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.linear_cross_entropy import linear_cross_entropy
+from triton_transformer.mlp import relu2_mlp
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.rmsnorm import RMSNorm, residual_rmsnorm
 from triton_transformer.rope import DEFAULT_BASE, rope
@@ -311,7 +312,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """Pre-norm feed-forward: norm -> linear + activation + dropout -> linear.
 
-    act "relu2": relu(.)**2, with the dropout, in the input projection's epilogue (Triton).
+    act "relu2": relu(.)**2, with the dropout, in the input projection's epilogue, and the
+    whole feed-forward one op (`mlp.relu2_mlp`, Triton: relu²'s gradient in the backward's
+    product epilogue).
     "swiglu": the input projection's weight holds 2·hidden rows, gate then up, and silu(gate) *
     up feeds the output projection: `linear(..., activation="swiglu")`, one op for the
     projection and the gating (Triton: cuBLAS then the gating kernel, or the gating in the
@@ -346,18 +349,18 @@ class FeedForward(nn.Module):
         `bmm.linear`, `dropout.dropout`)."""
         p = self.dropout if self.training else 0.0
         if self.act == "relu2":
-            # relu² and the dropout after it run in the projection's epilogue (Triton)
-            x = linear(
-                y, self.proj_in.weight, activation="relu_squared", use_triton=use_triton,
+            # relu² and the dropout after it in the input projection's epilogue, relu²'s
+            # gradient in the epilogue of the backward's dout @ W_out (Triton: one op)
+            return relu2_mlp(
+                y, self.proj_in.weight, self.proj_out.weight, use_triton=use_triton,
                 dropout_p=p, seed=seed,
             )  # fmt: skip
+        if self.act == "swiglu":
+            # silu(gate) * up in the projection's epilogue; the dropout stays its own op
+            x = linear(y, self.proj_in.weight, activation="swiglu", use_triton=use_triton)
         else:
-            if self.act == "swiglu":
-                # silu(gate) * up in the projection's epilogue; the dropout stays its own op
-                x = linear(y, self.proj_in.weight, activation="swiglu", use_triton=use_triton)
-            else:
-                x = F.gelu(linear(y, self.proj_in.weight, use_triton=use_triton))
-            x = dropout(x, p, use_triton=use_triton, seed=seed)
+            x = F.gelu(linear(y, self.proj_in.weight, use_triton=use_triton))
+        x = dropout(x, p, use_triton=use_triton, seed=seed)
         return linear(x, self.proj_out.weight, use_triton=use_triton)
 
 
