@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,13 @@ def deterministic_algorithms(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def pretend_gpu(monkeypatch, major: int, num_sms: int, name: str) -> None:
+    """The matmul planner (`matmul_plan._plan`) reads the device's compute capability, SM count
+    and name from torch.cuda.get_device_properties: plan for another GPU (or without one)."""
+    props = types.SimpleNamespace(major=major, multi_processor_count=num_sms, name=name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
 
 
 # A model and run small enough for CPU: trains 12 steps in about a second.

@@ -7,11 +7,11 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles, so sizes 
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import pretend_gpu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
@@ -531,18 +531,11 @@ def test_layout_for_tma():
         assert plan_module._layout(fake.t()) == (1, 48) and plan_module._layout(fake[:, 1:]) is None
 
 
-def _pretend_gpu(monkeypatch, major: int, num_sms: int, name: str) -> None:
-    """`_plan` reads the device's compute capability, SM count and name from
-    torch.cuda.get_device_properties: plan for another GPU (or without one)."""
-    props = types.SimpleNamespace(major=major, multi_processor_count=num_sms, name=name)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-
-
 def test_plan_picks_paths(monkeypatch):
     # The dispatch on a (pretend) H200 and an A100, without a GPU: the uncached plan function.
     bf16 = torch.bfloat16
     few = ("ptr", plan_module._FEW_ROWS_PTR)
-    _pretend_gpu(monkeypatch, 9, 132, "H200")
+    pretend_gpu(monkeypatch, 9, 132, "H200")
     table = {
         "512x512x8192:tn": "tma",
         "64x64x64:nn": "ptr",
@@ -603,7 +596,7 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(5, 512, 2048, impl="triton") == few
     assert plan(5, 512, 512, impl="cublas") == ("cublas",)
     # another GPU: no TMA; the H200's table does not apply
-    _pretend_gpu(monkeypatch, 8, 108, "A100")
+    pretend_gpu(monkeypatch, 8, 108, "A100")
     assert plan(8192, 512, 512) == ("cublas",)
     assert plan(512, 512, 8192, a_t=1, b_t=0) == ("cublas",)
     assert plan(64, 64, 64, epi="+relu2")[0] == "ptr"
@@ -636,7 +629,7 @@ def test_traced_products_go_to_cublas(monkeypatch):
         plans.append(uncached(*args))
         return plans[-1]
 
-    _pretend_gpu(monkeypatch, 9, 132, "H200")
+    pretend_gpu(monkeypatch, 9, 132, "H200")
     monkeypatch.setattr(plan_module, "_plan", plan)
     monkeypatch.setattr(plan_module, "launch_mm_tma", no_triton)
     monkeypatch.setattr(plan_module, "launch_mm_ptr", no_triton)
@@ -1248,7 +1241,7 @@ def test_plan_swiglu_paths(monkeypatch):
     # fused kernel measured no faster), the table's "tma" or "ptr", forced paths, the fused
     # kernel under "triton"/"cublas" or where cuBLAS can't, traced -> cuBLAS + the pass
     bf16 = torch.bfloat16
-    _pretend_gpu(monkeypatch, 9, 132, "H200")
+    pretend_gpu(monkeypatch, 9, 132, "H200")
     table = {
         "8192x5632x2048:nt+swiglu": "tma",
         "4096x2048x512:nt+swiglu": "ptr",
@@ -1280,7 +1273,7 @@ def test_plan_swiglu_paths(monkeypatch):
     assert plan(16384, 2048, 768, a_t=-1, impl="triton")[0] == "ptr"
     assert plan(5, 2048, 768) == ("cublas+ew",)  # decode-sized: the fused tiles unmeasured
     assert plan(5, 2048, 768, impl="triton") == ("ptr", plan_module._FEW_ROWS_PTR_SWIGLU)
-    _pretend_gpu(monkeypatch, 8, 108, "A100")
+    pretend_gpu(monkeypatch, 8, 108, "A100")
     assert plan(16384, 2048, 768) == ("cublas+ew",)
     assert plan(16384, 2048, 768, impl="triton")[0] == "ptr"
     cpu = plan_module._plan.__wrapped__

@@ -7,6 +7,7 @@ cover ragged tiles in every dimension and K loops longer than one step.
 
 import pytest
 import torch
+from helpers import pretend_gpu
 
 import triton_transformer.matmul_plan as plan_module
 import triton_transformer.mlp as mlp_module
@@ -203,14 +204,28 @@ def test_relu2_mlp_opcheck(device):
     torch.library.opcheck(mlp_module.mm_relu2_grad_op, args, test_utils=tests)
 
 
-def test_plan_relu2grad_rule():
-    # "+relu2grad" follows relu²'s rule: our fused kernel by default, the product and the pass
-    # where the table says "cublas+ew", while tracing without the TMA kernel, or when forced
-    plan = plan_module._plan.__wrapped__
+def test_plan_relu2grad_rule(monkeypatch):
+    # On a (pretend) H200: "+relu2grad" fused by default (the TMA kernel), "cublas+ew" where the
+    # table says so; with the dropout mask "cublas+ew" by default, fused where the table says
+    # "fused"; "cublas+ew" while tracing without the TMA kernel; the interpreter's pointer
+    # kernel on the CPU unless forced
+    pretend_gpu(monkeypatch, 9, 132, "H200")
+    table = {"64x64x64:nn+relu2grad": "cublas+ew", "128x128x128:nn+relu2grad+drop": "fused"}
+    monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
     bf16 = torch.bfloat16
-    assert plan("cpu", 0, bf16, 64, 64, 64, 0, 0, "+relu2grad", True, 2, "auto", None)[0] == "ptr"
-    forced = plan("cpu", 0, bf16, 64, 64, 64, 0, 0, "+relu2grad", True, 2, "auto", "cublas+ew")
-    assert forced == ("cublas+ew",)
+
+    def plan(M, N, K, epi, tracing=False, device="cuda", force=None):
+        return plan_module._plan.__wrapped__(
+            device, 0, bf16, M, N, K, 0, 0, epi, True, 2, "auto", force, tracing
+        )
+
+    assert plan(8192, 2048, 512, "+relu2grad") == ("tma", 1, 132)
+    assert plan(64, 64, 64, "+relu2grad") == ("cublas+ew",)
+    assert plan(8192, 2048, 512, "+relu2grad+drop") == ("cublas+ew",)
+    assert plan(128, 128, 128, "+relu2grad+drop") == ("tma", 1, 132)
+    assert plan(8192, 2048, 512, "+relu2grad", tracing=True) == ("cublas+ew",)
+    assert plan(64, 64, 64, "+relu2grad", device="cpu")[0] == "ptr"
+    assert plan(64, 64, 64, "+relu2grad", device="cpu", force="cublas+ew") == ("cublas+ew",)
 
 
 # --- GPU: real shapes, the TMA kernel's epilogue, graphs and compile --------------------------

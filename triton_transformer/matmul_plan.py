@@ -49,7 +49,11 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
   kernel (TMA on Hopper, else the pointer kernel) measured no faster than cuBLAS plus the
   gating pass (H200, 2026-11-25, benchmarks/bench_modern_ops.py --ops linear+swiglu: 0.97x
   and 1.00x at the two shapes), so it runs only where the table says "tma"/"ptr", under
-  "triton"/"cublas", or where cuBLAS cannot compute the problem.
+  "triton"/"cublas", or where cuBLAS cannot compute the problem. relu²'s gradient
+  ("+relu2grad", the feed-forward's d(pre) = (dY @ W_out) · 2·relu(pre)) runs fused like relu²;
+  with the forward's dropout mask to regenerate ("+relu2grad+drop") it goes to "cublas+ew"
+  unless the table says "fused" (the mask's draws measured slower in the epilogue at 2 of 3
+  presets' shapes, `_plan`).
 - "triton": never cuBLAS (benchmarks and tests of our kernels).
 - "cublas": cuBLAS wherever it computes the whole problem, listed or not; relu² stays fused.
 
@@ -110,13 +114,13 @@ from triton_transformer.utils import (
 matmul_impl = "auto"
 
 # The exceptions to "auto"'s rule, per device name and problem "MxNxK:AB[+relu2][+res]",
-# "MxNxK:AB+relu2grad" or "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed view, "s"
-# other strides; with +swiglu N is the output's width H, the product's 2·H): "tma" / "ptr"
-# where that Triton kernel measured faster than cuBLAS (for relu² and SwiGLU, the faster of
-# our two fused kernels); for relu² without a residual and its gradient, "cublas+ew" (cuBLAS's
-# product, then our pass) where that measured faster than the fused kernel, the default; for
-# SwiGLU, "fused" (our epilogue, TMA where it can) where that measured faster than cuBLAS +
-# swiglu.py's gating pass, the default.
+# "MxNxK:AB+relu2grad[+drop]" or "MxNxK:AB+swiglu" (A/B: "n" row-major, "t" a transposed
+# view, "s" other strides; with +swiglu N is the output's width H, the product's 2·H):
+# "tma" / "ptr" where that Triton kernel measured faster than cuBLAS (for relu² and SwiGLU,
+# the faster of our two fused kernels); for relu² without a residual and relu²'s gradient,
+# "cublas+ew" (cuBLAS's product, then our pass) where that measured faster than the fused
+# kernel, the default; for SwiGLU and relu²'s gradient with a dropout mask, "fused" (our
+# epilogue, TMA where it can) where that measured faster than cuBLAS + the pass, the default.
 # benchmarks/bench_matmul.py --presets prints the entries for the enwik8, GPT-2 and large
 # presets' projections. Kernel times, L2 flushed.
 MATMUL_TABLE: dict[str, dict[str, str]] = {
@@ -124,8 +128,14 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
         # triton 3.6, torch 2.11, 2026-11-22: enwik8's proj_in at 2048 tokens (a micro-batch
         # of 4 x 512), fused: pointer kernel 359, TMA kernel 337 TFLOP/s
         "2048x2048x512:nt+relu2": "ptr",
+        # triton 3.6, torch 2.11, 2026-11-25: the large preset's d(pre) with dropout 0.1,
+        # feed-forward fwd+bwd 1.2193 ms fused against 1.2595 with cuBLAS + the pass
+        "16384x4096x1024:nn+relu2grad+drop": "fused",
     }
 }
+
+# Table entries that pick our fused epilogue over cuBLAS + a separate pass.
+_FUSED = ("tma", "ptr", "fused")
 
 # Tests and benchmarks only: force a path where it is allowed: "tma" or "ptr" (our kernels,
 # skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual, or SwiGLU,
@@ -253,7 +263,8 @@ def _plan(
 
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
     epi: "", "+relu2", "+res", "+relu2+res", "+swiglu" (N is then the output's width H; the
-    product's is 2·H) or "+relu2grad" (relu²'s backward, d(pre) from dY @ W). cublas_ok:
+    product's is 2·H) or "+relu2grad[+drop]" (relu²'s backward, d(pre) from dY @ W, with the
+    forward's dropout mask). cublas_ok:
     torch.mm / torch.addmm computes the product and its residual into the output (one dtype
     throughout, or an fp32 output of fp16/bf16 operands without a residual); relu², its
     gradient or the SwiGLU gating is then our separate pass ("cublas+ew").
@@ -265,7 +276,7 @@ def _plan(
     act = swiglu or "+relu2" in epi
     plain = cublas_ok and not act  # cuBLAS computes the whole problem
     # cuBLAS's product, then relu² in place or the SwiGLU gating (a pass of its own)
-    ew = cublas_ok and epi in ("+relu2", "+swiglu", "+relu2grad")
+    ew = cublas_ok and epi in ("+relu2", "+swiglu", "+relu2grad", "+relu2grad+drop")
     if force == "cublas+ew":
         if ew:
             return ("cublas+ew",)
@@ -284,11 +295,18 @@ def _plan(
             return ("cublas",)
         if ew and choice == "cublas+ew":
             return ("cublas+ew",)
-        if swiglu and ew and impl == "auto" and choice not in ("tma", "ptr", "fused"):
+        if swiglu and ew and impl == "auto" and choice not in _FUSED:
             # the fused kernel measured no faster than cuBLAS + the gating pass (H200,
             # 2026-11-25, forward kernel time: 0.2075 against 0.2010 ms at 16384 x 768 ->
             # 2 x 2048, 0.6366 against 0.6353 at 8192 x 2048 -> 2 x 5632; modern_ops.md);
             # decode-sized products too (the fused few-rows tiles are not measured)
+            return ("cublas+ew",)
+        if epi == "+relu2grad+drop" and ew and impl == "auto" and choice not in _FUSED:
+            # with the dropout mask the fused epilogue measured slower than cuBLAS + the pass
+            # at enwik8's feed-forward (H200, 2026-11-25, the feed-forward's fwd+bwd kernel
+            # time, benchmarks/probe_relu2_mlp.py: 0.2311 against 0.2176 ms at 8192 tokens,
+            # 0.7919 against 0.7871 at GPT-2's 16384 x 768 -> 3072; faster only at the large
+            # preset's, whose table entry says so)
             return ("cublas+ew",)
         if M <= 16 and half:
             return _plan_few_rows(K, impl, plain, swiglu)
@@ -489,8 +507,8 @@ def _mm2d_into(
     device = a.device
     M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
     epi = "+swiglu" if swiglu else _EPI[relu_squared, residual is not None]
-    if grad is not None:
-        epi = "+relu2grad"
+    if grad is not None:  # the mask's draws cost the epilogue more than the separate pass
+        epi = "+relu2grad+drop" if drop is not None else "+relu2grad"
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
         if grad is not None and (_layout(grad[0]) or (1,))[0] != 0:

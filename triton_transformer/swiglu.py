@@ -19,8 +19,10 @@ The Triton path is two `torch.library.triton_op`s, `triton_transformer::swiglu` 
 The forward reads gate and up once and writes y (3·e bytes per element, the floor); the backward
 recomputes sigmoid from the saved gate and up (nothing else is saved) and reads dy, gate, up once,
 writing d(gate) and d(up) (5·e per element). Both see their inputs as (rows, N) with a unit-stride
-last dim (`as_rows`: a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N); offsets
-are 64-bit.
+last dim (`as_rows`: a view when one exists, else a copy) and tile them (BLOCK_M, BLOCK_N) on a
+1-D grid whose consecutive programs take consecutive column blocks of a row block, so the grid
+sweeps memory in address order; where every tensor's rows are contiguous (stride N) the kernels
+see one (1, rows·N) row and sweep it in flat tiles of TILE elements. Offsets are 64-bit.
 
 Fused into the matmul: `bmm.linear(x, w_in, activation="swiglu")` computes the same gating in
 the epilogue of the projection that produces gate and up (`matmul_kernels.py`'s SWIGLU
@@ -53,7 +55,8 @@ from triton_transformer.utils import (
     offsets_in,
 )
 
-# Elements per program tile and its widest row block; not swept yet (the benchmark measures).
+# Elements per program tile and its widest row block (strided rows), and warps per program;
+# benchmarks/probe_swiglu_tiles.py sweeps them.
 TILE = 2048
 MAX_BLOCK_N = 1024
 NUM_WARPS = 4
@@ -64,11 +67,15 @@ NUM_WARPS = 4
 
 @triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows (int64, (BLOCK_M, 1)), columns ((1, BLOCK_N)) and mask of this program's tile."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Rows ((BLOCK_M, 1)), columns ((1, BLOCK_N)), both int64, and mask of this program's
+    tile: program p takes row block p // cdiv(N, BLOCK_N) and column block p % cdiv(N,
+    BLOCK_N), so consecutive programs read consecutive addresses."""
+    pid = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    return rows.to(tl.int64)[:, None], cols[None, :], mask
+    return rows[:, None], cols[None, :], mask
 
 
 @triton.jit
@@ -115,13 +122,16 @@ def _swiglu_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _blocks(n_cols: int) -> tuple[int, int]:
-    block_n = min(MAX_BLOCK_N, max(16, next_power_of_2(n_cols)))
-    return max(1, TILE // block_n), block_n
-
-
-def _grid(M, N: int, block_m: int, block_n: int) -> tuple:
-    return (cdiv(M, block_m), cdiv(N, block_n))
+def _launch_shape(M: int, N: int, *tensors: torch.Tensor) -> tuple[int, int, int, int, tuple]:
+    """(M, N, BLOCK_M, BLOCK_N, grid) of a launch over (M, N) tensors with unit-stride rows:
+    one flat (1, M·N) row in tiles of TILE where every tensor's rows are contiguous (the
+    kernels index rows · stride + column, and stride N makes that the flat index), else
+    (TILE // BLOCK_N, BLOCK_N) tiles, BLOCK_N up to MAX_BLOCK_N."""
+    if M > 1 and all(t.stride(0) == N for t in tensors):
+        M, N = 1, M * N
+    block_n = min(MAX_BLOCK_N if M > 1 else TILE, max(16, next_power_of_2(N)))
+    block_m = max(1, TILE // block_n) if M > 1 else 1
+    return M, N, block_m, block_n, (cdiv(M, block_m) * cdiv(N, block_n),)
 
 
 def launch_swiglu_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor) -> None:
@@ -130,11 +140,11 @@ def launch_swiglu_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor) -> N
     `bmm.linear(..., activation="swiglu")`, after cuBLAS wrote the projection."""
     M, N = g2.shape[0], int(g2.shape[1])
     if M and N:
-        block_m, block_n = _blocks(N)
-        launcher(_swiglu_fwd_kernel)[_grid(M, N, block_m, block_n)](
-            g2, u2, y2, M, N, g2.stride(0), u2.stride(0), y2.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        strides = (g2.stride(0), u2.stride(0), y2.stride(0))
+        M, N, block_m, block_n, grid = _launch_shape(M, N, g2, u2, y2)
+        launcher(_swiglu_fwd_kernel)[grid](
+            g2, u2, y2, M, N, *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS
+        )
 
 
 def launch_swiglu_bwd(
@@ -157,10 +167,10 @@ def launch_swiglu_bwd(
         if grads_base is not None:
             dg, du = grads_base, dy2  # dy2: a placeholder the kernel does not use
             off_dg, off_du = offsets_in(grads_base, dg2, du2)
-        block_m, block_n = _blocks(N)
-        launcher(_swiglu_bwd_kernel)[_grid(M, N, block_m, block_n)](
-            dy2, g2, u2, dg, du, M, N, dy2.stride(0), g2.stride(0), u2.stride(0),
-            dg2.stride(0), du2.stride(0), off_dg, off_du, PACKED=grads_base is not None,
+        strides = (dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
+        M, N, block_m, block_n, grid = _launch_shape(M, N, dy2, g2, u2, dg2, du2)
+        launcher(_swiglu_bwd_kernel)[grid](
+            dy2, g2, u2, dg, du, M, N, *strides, off_dg, off_du, PACKED=grads_base is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
         )  # fmt: skip
 
