@@ -57,7 +57,7 @@ from triton_transformer.utils import (
 
 # Elements per program tile and its widest row block (strided rows), and warps per program;
 # benchmarks/probe_swiglu_tiles.py sweeps them.
-TILE = 2048
+TILE = 1024
 MAX_BLOCK_N = 1024
 NUM_WARPS = 4
 
