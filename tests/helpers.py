@@ -26,6 +26,18 @@ def deterministic_algorithms(on: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before)
 
 
+# Norm-wise relative error allowed against float64 (fp32 uses ieee products, not tf32).
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere fails every comparison."""
+    out, ref = out.double(), ref.double()
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def pretend_gpu(monkeypatch, major: int, num_sms: int, name: str) -> None:
     """The matmul planner (`matmul_plan._plan`) reads the device's compute capability, SM count
     and name from torch.cuda.get_device_properties: plan for another GPU (or without one)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import pretend_gpu
+from helpers import TOL, pretend_gpu, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
@@ -22,16 +22,6 @@ from triton_transformer.bmm import bmm, linear
 from triton_transformer.utils import draw_seeds
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Norm-wise relative error allowed against float64 (fp32 uses ieee products, not tf32).
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere fails every comparison."""
-    out, ref = out.double(), ref.double()
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def rand(shape, dtype, device, mean=-2.3, std=0.5):

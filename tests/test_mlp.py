@@ -7,7 +7,7 @@ cover ragged tiles in every dimension and K loops longer than one step.
 
 import pytest
 import torch
-from helpers import pretend_gpu
+from helpers import TOL, pretend_gpu, rel_err
 
 import triton_transformer.matmul_plan as plan_module
 import triton_transformer.mlp as mlp_module
@@ -15,15 +15,6 @@ import triton_transformer.utils as utils_module
 from triton_transformer.bmm import linear, relu2_grad_op
 from triton_transformer.mlp import mm_relu2_grad_op, relu2_mlp
 from triton_transformer.utils import draw_seeds
-
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def rand(shape, dtype, device, mean=0.2, std=1.0):
