@@ -264,10 +264,10 @@ def _plan(
     a_t / b_t: the operands' TMA layouts (0 row-major, 1 transposed, -1 not describable).
     epi: "", "+relu2", "+res", "+relu2+res", "+swiglu" (N is then the output's width H; the
     product's is 2·H) or "+relu2grad[+drop]" (relu²'s backward, d(pre) from dY @ W, with the
-    forward's dropout mask). cublas_ok:
-    torch.mm / torch.addmm computes the product and its residual into the output (one dtype
-    throughout, or an fp32 output of fp16/bf16 operands without a residual); relu², its
-    gradient or the SwiGLU gating is then our separate pass ("cublas+ew").
+    forward's dropout mask). cublas_ok: torch.mm / torch.addmm computes the product and its
+    residual into the output (one dtype throughout, or an fp32 output of fp16/bf16 operands
+    without a residual); relu², its gradient or the SwiGLU gating is then our separate pass
+    ("cublas+ew").
     out_size: the output's element size in bytes. tracing: torch.compile is tracing the op
     and may not trace the TMA kernel (`utils.compile_tma()` false: this torch's inductor
     does not provide the descriptors' scratch allocator).
