@@ -250,6 +250,56 @@ def test_reuse_weight_casts_shares_one_copy_until_the_weight_changes(device):
     assert bmm_module._weight_casts is None  # copies dropped on exit
 
 
+class _CountForeachCopies(TorchDispatchMode):
+    """Counts `aten._foreach_copy_` calls and the tensors they copy inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.tensors = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.calls += 1
+            self.tensors += len(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_reuse_weight_casts_of_a_module_cast_its_linears_at_once(device):
+    # reuse_weight_casts(module): the first cast casts every nn.Linear weight of the module
+    # in one foreach copy (tied weights once, a weight already in the dtype not at all); the
+    # products read those copies: the same outputs and gradients as casting per call
+    dev = torch.device(device).type
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 40, bias=False)
+    ).to(device)
+    net.append(torch.nn.Linear(24, 40, bias=False).to(device))
+    net[2].weight = net[1].weight  # tied: cast once
+    net.append(torch.nn.Linear(40, 8, bias=False).to(device, torch.bfloat16))  # no cast
+    x = rand((9, 40), torch.bfloat16, device, mean=0.2)
+
+    def run():
+        with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+            h = linear(x, net[0].weight, use_triton=True)
+            y = linear(h, net[1].weight, use_triton=True)
+            y = linear(h, net[2].weight, use_triton=True) + y
+            y = linear(y, net[3].weight, use_triton=True)
+        y.float().square().sum().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad(set_to_none=True)
+        return y, grads
+
+    want = run()
+    counting = (_CountForeachCopies(), _CountCasts((24, 40)))
+    with counting[0] as foreach, counting[1] as single, bmm_module.reuse_weight_casts(net):
+        got = run()
+    assert (foreach.calls, foreach.tensors) == (1, 2)  # net[0] and the tied net[1]/net[2]
+    assert single.casts == 0  # net[0]'s weight: no cast of its own
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["auto", "triton"])
 @pytest.mark.parametrize("M, K, N", [(2048, 512, 1536), (8192, 2048, 512), (2048, 512, 2048)])

@@ -171,7 +171,8 @@ class AutoregressiveWrapper(nn.Module):
                     f"cuda_graph=True needs a prompt on a CUDA device, not {prompt.device}"
                 )
             decode = (cuda_graph, use_kv_cache)
-            with reuse_weight_casts():  # one bf16 copy of each weight under autocast
+            # one bf16 copy of each weight under autocast, all made at the first cast
+            with reuse_weight_casts(self.net):
                 out = self._generate(prompt, length, eos_token, decode, sample_args, kwargs)
         finally:
             self.net.train(was_training)

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.library import triton_op
 
 from triton_transformer import matmul_plan
@@ -403,13 +404,40 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     return c.view(*a.shape[:-1], b.shape[-1])
 
 
-# Low-precision copies of wider weights shared within a `reuse_weight_casts` context:
-# (id(weight), dtype) -> (weight, its version counter when cast, the copy). None: no context.
-_weight_casts: dict | None = None
+class _WeightCasts:
+    """The state of a `reuse_weight_casts` context: low-precision copies of wider weights,
+    (id(weight), dtype) -> (weight, its version counter when cast, the copy); the module whose
+    nn.Linear weights are cast together at the first cast to a dtype, and the dtypes done."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.copies: dict[tuple[int, torch.dtype], tuple] = {}
+        self.module = module
+        self.batched: set[torch.dtype] = set()
+
+    def cast_module(self, dtype: torch.dtype) -> None:
+        """Cast every nn.Linear weight of the module that is not in dtype, all in one
+        `torch._foreach_copy_` (one kernel for the lot, not one launch per weight)."""
+        self.batched.add(dtype)
+        weights = {
+            id(m.weight): m.weight for m in self.module.modules() if isinstance(m, nn.Linear)
+        }
+        todo = [w for w in weights.values() if w.dtype != dtype and w.is_floating_point()]
+        todo = [w for w in todo if (id(w), dtype) not in self.copies]
+        if not todo:
+            return
+        copies = [torch.empty_like(w, dtype=dtype) for w in todo]
+        with torch.no_grad():
+            torch._foreach_copy_(copies, [w.detach() for w in todo])
+        for w, copy in zip(todo, copies, strict=True):
+            self.copies[id(w), dtype] = (w, w._version, copy)
+
+
+# The innermost-first `reuse_weight_casts` context's state; None outside any.
+_weight_casts: _WeightCasts | None = None
 
 
 @contextlib.contextmanager
-def reuse_weight_casts() -> Iterator[None]:
+def reuse_weight_casts(module: nn.Module | None = None) -> Iterator[None]:
     """Within this context `linear` casts each wider weight (fp32 under bf16 autocast) to the
     activations' dtype once and reuses that copy: the micro-batches of one optimizer step read
     one bf16 copy per weight instead of casting it again each (the enwik8 config on an H200:
@@ -417,11 +445,15 @@ def reuse_weight_casts() -> Iterator[None]:
     context (its version counter moves) is cast again. Copies are dropped on exit; nested
     contexts share the outer one's. Not used while torch.compile traces (the compiled graph
     casts itself).
+
+    module: the first cast to a dtype inside the context casts every nn.Linear weight of
+    `module` at once, one `torch._foreach_copy_` kernel instead of one cast kernel per weight
+    (the training steps pass the model).
     """
     global _weight_casts
     outer = _weight_casts
     if outer is None:
-        _weight_casts = {}
+        _weight_casts = _WeightCasts(module)
     try:
         yield
     finally:
@@ -436,13 +468,15 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     # is_compiling first: Dynamo then never reads (and guards on) the module global
     if torch.compiler.is_compiling() or is_traced(weight) or _weight_casts is None:
         return weight.detach().to(dtype)
-    cache = _weight_casts
+    casts = _weight_casts
+    if casts.module is not None and dtype not in casts.batched:
+        casts.cast_module(dtype)
     key = (id(weight), dtype)
-    hit = cache.get(key)
+    hit = casts.copies.get(key)
     if hit is not None and hit[0] is weight and hit[1] == weight._version:
         return hit[2]
     copy = weight.detach().to(dtype)
-    cache[key] = (weight, weight._version, copy)
+    casts.copies[key] = (weight, weight._version, copy)
     return copy
 
 

@@ -27,6 +27,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from triton_transformer.bmm import reuse_weight_casts
+
 T = TypeVar("T")
 
 __all__ = [
@@ -86,7 +88,8 @@ def capturable_train_step(
     model: torch.nn.Module, batch: torch.Tensor, lr: float = 1e-3, max_norm: float = 1.0
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A whole training step that obeys the rules above, as a closure for `GraphedStep`: bf16
-    autocast forward of `model(batch)` (a loss), backward, global-norm clipping and a fused,
+    autocast forward of `model(batch)` (a loss; the Triton path's bf16 weight copies made by
+    one foreach copy, `bmm.reuse_weight_casts(model)`), backward, global-norm clipping and a fused,
     capturable AdamW update whose learning rate lives on the device. Returns (loss, grad
     norm) device tensors. The trainer's own step is `training.step.OptimizerStep`; this
     minimal one is what the CUDA-graph tests and `benchmarks/bench_step.py` time."""
@@ -95,7 +98,8 @@ def capturable_train_step(
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         opt.zero_grad(set_to_none=True)  # capture then allocates the grads in its pool
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        # the Triton path's bf16 weight copies: one foreach cast of them all
+        with reuse_weight_casts(model), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

@@ -329,7 +329,8 @@ class OptimizerStep:
         gradient norm before clipping), 0-dim float32 device tensors, no host sync."""
         n = self.t.grad_accum_steps
         total = torch.zeros((), device=self.device)
-        with reuse_weight_casts():  # the weights are fixed until the optimizer step
+        # the weights are fixed until the optimizer step: one cast of them all, shared
+        with reuse_weight_casts(self.params_model):
             for i in range(n):
                 if i and self.should_stop():
                     raise StepInterrupted  # phase stays "forward": the caller discards it
@@ -383,7 +384,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         n = self.t.grad_accum_steps
         batches = self._inputs.device_buffer
-        with reuse_weight_casts():
+        with reuse_weight_casts(self.params_model):
             total = sum(self._micro_batch(batches[i], last=i == n - 1) for i in range(n))
         grad_norm = self._clip()
         self.optimizer.step()
