@@ -14,9 +14,11 @@ Backward, from dout (M, D); relu(pre) = sqrt(h · (1 - p)) where the mask kept i
 
 The two linears' backward wrote dh = dout @ W_out (M, H) and read it back with h in a pass of
 its own to make d(pre): three M×H tensors of memory traffic per layer (about 300 MB at GPT-2's
-16,384 tokens × 3,072) that the epilogue does not move. Where cuBLAS's product plus that pass
-measured faster (`matmul_plan.MATMUL_TABLE`, "+relu2grad": "cublas+ew"), or while
-torch.compile traces without the TMA kernel, d(pre) is that product and the pass, in place.
+16,384 tokens × 3,072) that the epilogue does not move. d(pre) is cuBLAS's product and that
+pass, in place, where the pair measured faster (`matmul_plan.MATMUL_TABLE`, "+relu2grad":
+"cublas+ew"), with a dropout mask unless the table says "fused" (the mask's draws slow the
+epilogue more than the pass costs at two of the three presets' shapes), and while
+torch.compile traces without the TMA kernel.
 
 relu(pre) = sqrt(h (1 - p)) needs h not to underflow (see `bmm.py`'s "relu² backward"): bf16
 and fp32 only. fp16 runs the two linears, whose relu² saves relu(pre) itself.
