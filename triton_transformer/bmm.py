@@ -52,17 +52,14 @@ from torch import nn
 from torch.library import triton_op
 
 from triton_transformer import matmul_plan
-from triton_transformer.matmul_kernels import _relu2_grad_kernel
-from triton_transformer.matmul_plan import _bmm_into, _dropout_args, _mm2d_into
+from triton_transformer.matmul_plan import _bmm_into, _mm2d_into, launch_relu2_grad
 from triton_transformer.swiglu import _swiglu_reference, launch_swiglu_bwd
 from triton_transformer.utils import (
     call_op,
-    cdiv,
     check_dropout_p,
     check_triton_tensor,
     first_order_only,
     is_traced,
-    launcher,
     seed_or_draw,
 )
 
@@ -237,11 +234,7 @@ def relu2_grad_op(
     dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
     if dp.numel():
         drop = (p, seed) if p > 0.0 else None
-        launcher(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
-            dy, s, dp, M, N, *dy.stride(), *s.stride(), *_dropout_args(drop, s),
-            FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
-            num_warps=4,
-        )  # fmt: skip
+        launch_relu2_grad(dy, s, dp, from_square, drop)
     return dp
 
 
@@ -432,7 +425,7 @@ class _WeightCasts:
             self.copies[id(w), dtype] = (w, w._version, copy)
 
 
-# The innermost-first `reuse_weight_casts` context's state; None outside any.
+# The outermost `reuse_weight_casts` context's state (nested ones share it); None outside any.
 _weight_casts: _WeightCasts | None = None
 
 

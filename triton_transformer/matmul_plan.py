@@ -551,7 +551,7 @@ def _mm2d_into(
         else:
             torch.mm(a, b, out=c)
         if plan[0] == "cublas+ew" and grad is not None:
-            _relu2_grad_in_place(c, grad, drop)
+            launch_relu2_grad(c, grad[0], c, grad[1], drop)
         elif plan[0] == "cublas+ew":
             _relu2_in_place(c, aux, drop)
     else:
@@ -568,7 +568,7 @@ def _relu2_in_place(
     """c (M, N, contiguous) = dropout(relu(c)²) in place, aux = relu(c) if given: the relu²
     epilogue after cuBLAS's product (`_relu2_ew_kernel`)."""
     M, N = c.shape
-    # 16 x 256 tiles, 4 warps: the d(pre) pass's (`relu2_grad_op`), also one read and write
+    # 16 x 256 tiles, 4 warps: the d(pre) pass's (`launch_relu2_grad`), also one read and write
     launcher(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
         c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
         STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
@@ -576,16 +576,20 @@ def _relu2_in_place(
     )  # fmt: skip
 
 
-def _relu2_grad_in_place(
-    c: torch.Tensor, grad: tuple[torch.Tensor, bool], drop: tuple[float, torch.Tensor] | None
+def launch_relu2_grad(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    dp: torch.Tensor,
+    from_square: bool,
+    drop: tuple[float, torch.Tensor] | None,
 ) -> None:
-    """c (M, N, contiguous) = c · 2·relu(pre) [· mask / (1 - p)] in place: relu²'s backward
-    after cuBLAS's product dY @ W (`_relu2_grad_kernel`, each element read then written by
-    the same program)."""
-    s, from_square = grad
-    M, N = c.shape
+    """dp (M, N, contiguous) = dy · 2·relu(pre) [· the forward's mask / (1 - p)] for dy and s
+    (M, N) of any strides, relu(pre) = sqrt(s) if from_square else s: `_relu2_grad_kernel`.
+    Each element is read and written by the same program, so dp may be dy itself: relu²'s
+    backward in place after cuBLAS's product dY @ W ("cublas+ew"), or `relu2_grad_op`."""
+    M, N = dp.shape
     launcher(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
-        c, s, c, M, N, *c.stride(), *s.stride(), *_dropout_args(drop, c),
+        dy, s, dp, M, N, *dy.stride(), *s.stride(), *_dropout_args(drop, dp),
         FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
         num_warps=4,
     )  # fmt: skip
