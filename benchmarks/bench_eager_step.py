@@ -1,10 +1,14 @@
-"""The model step in an ordinary eager loop (no CUDA graph): PyTorch ops against Triton ops.
+"""The model step in an ordinary eager loop (no whole-step CUDA graph): PyTorch ops against
+Triton ops.
 
-For each preset (enwik8 and GPT-2 shapes, `bench_step.PRESETS`) and op set, the training step
-of `cuda_graph.capturable_train_step` (bf16 autocast, fused AdamW) runs eagerly with autograd's
-backward on its device worker thread (PyTorch's default) and on the calling thread
-(`torch.autograd.set_multithreading_enabled(False)`, what the trainer does); ms per step is
-the median of 5 x 10 steps. Also an inference forward (no_grad). Writes eager_step_<label>.json.
+For each preset (enwik8, GPT-2 and large shapes, `bench_step.PRESETS`) and provider, the
+training step of `cuda_graph.capturable_train_step` (bf16 autocast, fused AdamW) runs eagerly
+with autograd's backward on its device worker thread (PyTorch's default) and on the calling
+thread (`torch.autograd.set_multithreading_enabled(False)`, what the trainer does); ms per step
+is the median of 5 x 10 steps. Providers: "torch" (use_triton=False), "triton" (the default:
+the blocks replayed as CUDA graphs, `block_graphs`) and "triton-nographs" (cuda_graphs=False,
+every kernel launched from Python). Also GPU ms per step (profiler) and GPU busy, peak memory,
+and an inference forward (no_grad). Writes eager_step_<label>.json.
 
 Usage: python3 benchmarks/bench_eager_step.py --out DIR [--label after] [--presets small gpt2]
 To compare two checkouts, run it with PYTHONPATH pointing at each (the package is imported
@@ -25,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
+import common
 
 from triton_transformer.cuda_graph import capturable_train_step
 
@@ -41,7 +46,11 @@ def ms_per_step(step, steps: int = 10) -> float:
 def measure(preset: str, provider: str) -> dict:
     p = bench_step.PRESETS[preset]
     torch.manual_seed(0)
-    model = bench_step.build(provider, "eager", p, 0.0)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = bench_step.build(provider.removesuffix("-nographs"), "eager", p, 0.0)
+    if provider == "triton-nographs":
+        model.net.cuda_graphs = False
     batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
     step = capturable_train_step(model, batch, lr=3e-4)
     for _ in range(5):  # autotuning, allocator warm-up
@@ -52,6 +61,9 @@ def measure(preset: str, provider: str) -> dict:
             ms_per_step(step, 3)
             ms = statistics.median(ms_per_step(step) for _ in range(5))
         row["ms_worker_thread" if threaded else "ms_calling_thread"] = ms
+    row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+    row["gpu_ms"] = common.gpu_time_per_step(step)[0]
+    row["gpu_busy_worker_thread"] = min(1.0, row["gpu_ms"] / row["ms_worker_thread"])
 
     def infer():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -69,11 +81,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--label", default="after")
-    ap.add_argument("--presets", nargs="+", default=["small", "gpt2"])
+    ap.add_argument("--presets", nargs="+", default=["small", "gpt2", "large"])
     args = ap.parse_args()
     results = {}
     for preset in args.presets:
-        for provider in ("torch", "triton"):
+        for provider in ("torch", "triton", "triton-nographs"):
             results[f"{preset}/{provider}"] = row = measure(preset, provider)
             print(args.label, preset, provider, {k: round(v, 2) for k, v in row.items()})
             torch.cuda.empty_cache()

@@ -402,9 +402,9 @@ class _WeightCasts:
     (id(weight), dtype) -> (weight, its version counter when cast, the copy); the module whose
     nn.Linear weights are cast together at the first cast to a dtype, and the dtypes done."""
 
-    def __init__(self, module: nn.Module | None) -> None:
+    def __init__(self, *modules: nn.Module | None) -> None:
         self.copies: dict[tuple[int, torch.dtype], tuple] = {}
-        self.module = module
+        self.modules = [m for m in modules if m is not None]
         self.batched: set[torch.dtype] = set()
 
     def cast_module(self, dtype: torch.dtype) -> None:
@@ -412,7 +412,10 @@ class _WeightCasts:
         `torch._foreach_copy_` (one kernel for the lot, not one launch per weight)."""
         self.batched.add(dtype)
         weights = {
-            id(m.weight): m.weight for m in self.module.modules() if isinstance(m, nn.Linear)
+            id(m.weight): m.weight
+            for root in self.modules
+            for m in root.modules()
+            if isinstance(m, nn.Linear)
         }
         todo = [w for w in weights.values() if w.dtype != dtype and w.is_floating_point()]
         todo = [w for w in todo if (id(w), dtype) not in self.copies]
@@ -453,6 +456,20 @@ def reuse_weight_casts(module: nn.Module | None = None) -> Iterator[None]:
         _weight_casts = outer
 
 
+@contextlib.contextmanager
+def fresh_weight_casts(*modules: nn.Module) -> Iterator[None]:
+    """`reuse_weight_casts(modules)` with a cache of its own, even inside another context: for
+    code captured into a CUDA graph, whose replays must cast the weights themselves rather than
+    read an outer context's copies (freed when that context ends)."""
+    global _weight_casts
+    outer = _weight_casts
+    _weight_casts = _WeightCasts(*modules)
+    try:
+        yield
+    finally:
+        _weight_casts = outer
+
+
 def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """weight's copy in dtype made outside autograd (reused inside `reuse_weight_casts`), or
     None when weight is already in dtype."""
@@ -462,7 +479,7 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     if torch.compiler.is_compiling() or is_traced(weight) or _weight_casts is None:
         return weight.detach().to(dtype)
     casts = _weight_casts
-    if casts.module is not None and dtype not in casts.batched:
+    if casts.modules and dtype not in casts.batched:
         casts.cast_module(dtype)
     key = (id(weight), dtype)
     hit = casts.copies.get(key)

@@ -27,6 +27,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from triton_transformer import block_graphs
 from triton_transformer.bmm import reuse_weight_casts
 
 T = TypeVar("T")
@@ -74,13 +75,14 @@ def capture_graph(
     capture, so the captured backward allocates them in the graph's memory pool (and
     overwrites, rather than accumulates into, them on every replay).
     """
-    for _ in range(warmup_calls):
-        warm_up(fn)
-    for tensor in clear_grads:
-        tensor.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=capture_stream(torch.cuda.current_device())):
-        out = fn()
+    with block_graphs.suspended():  # the whole call is captured: no graphs of a model's own
+        for _ in range(warmup_calls):
+            warm_up(fn)
+        for tensor in clear_grads:
+            tensor.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture_stream(torch.cuda.current_device())):
+            out = fn()
     return graph, out
 
 
@@ -139,11 +141,13 @@ class GraphedStep(Generic[T]):
         if self.graph is not None:
             self.graph.replay()
             return self._outputs  # type: ignore[return-value]
-        if self.calls <= self.warmup_steps:
-            return warm_up(self.step_fn, self._side)  # real steps, on the capture stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._side):
-            self._outputs = self.step_fn()
+        # the whole step is captured: no graphs of a model's own blocks (`block_graphs`)
+        with block_graphs.suspended():
+            if self.calls <= self.warmup_steps:
+                return warm_up(self.step_fn, self._side)  # real steps, on the capture stream
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._side):
+                self._outputs = self.step_fn()
         self.graph = graph
         graph.replay()  # capture records the kernels without running them: run this step
         return self._outputs

@@ -37,6 +37,7 @@ from triton_transformer.attention import (
     attention_naive,
     attention_packed,
 )
+from triton_transformer.block_graphs import BlockGraphs
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.dropout import dropout
@@ -380,6 +381,13 @@ class Transformer(nn.Module):
     (the bmm -> softmax -> dropout -> bmm composition). Both compute the same function and
     have the same parameters.
 
+    `cuda_graphs` (default True; constructor or attribute): eager calls of the Triton path
+    on CUDA replay the residual blocks, forward and backward, as CUDA graphs captured per
+    input shape (`block_graphs.BlockGraphs`, kept in `block_graphs`), so that an ordinary
+    eager training or evaluation loop is not bound by Python's launch cost. Calls with a KV
+    cache, traced calls (torch.compile) and calls inside a graph of the caller's own run the
+    blocks eagerly. `block_graphs.reset()` drops the graphs (and their memory).
+
     `fused_loss` (default True; constructor or attribute): with `labels` and use_triton, the
     loss comes from `linear_cross_entropy`, the output projection and cross entropy in chunks
     of tokens, so the (tokens x num_tokens) logits never exist whole. False materialises the
@@ -418,6 +426,7 @@ class Transformer(nn.Module):
         qk_norm: bool = False,
         rope_base: float = DEFAULT_BASE,
         kv_heads: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
         for name, val, allowed in (
@@ -463,6 +472,10 @@ class Transformer(nn.Module):
         self.check_token_ids = check_token_ids
         self.attn_impl = attn_impl
         self.fused_loss = fused_loss
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
+        self.block_graphs = BlockGraphs()
         self.options = dict(
             pos_emb=pos_emb, norm=norm, ff_act=ff_act, qk_norm=qk_norm, rope_base=float(rope_base)
         )
@@ -524,7 +537,7 @@ class Transformer(nn.Module):
     def _dropout_seeds(self, device: torch.device, use_triton: bool) -> torch.Tensor | None:
         """All dropout seeds of one Triton forward, drawn with one launch: (2 · depth,), the
         attention's and the feed-forward's of each layer (None when nothing drops)."""
-        dropping = self.training and any(m.dropout > 0.0 for pair in self.layers for m in pair)
+        dropping = self.training and any(p > 0.0 for p in self._dropout_rates())
         return draw_seeds(device, 2 * self.depth) if use_triton and dropping else None
 
     def forward(
@@ -575,22 +588,15 @@ class Transformer(nn.Module):
                 x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton,
                 check_ids=False,
             )  # fmt: skip
-        # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
-        # written so that each residual add and the norm that follows it are one fused op
-        # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
-        y = self.layers[0][0].norm(h, use_triton=use_triton, out_dtype=_matmul_dtype(h))
-        seeds = self._dropout_seeds(h.device, use_triton)
-        for i, (attn, ff) in enumerate(self.layers):
-            a = attn.from_normed(
-                y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i,
-                seed=seeds[2 * i] if exists(seeds) else None, positions=positions,
+        y = None
+        if use_triton and self.cuda_graphs and kv_cache is None:
+            config = (self.training, self.attn_impl, *self._dropout_rates())
+            y = self.block_graphs(
+                lambda h, mask: self._blocks(h, mask, use_triton=True), (self.layers, self.norm),
+                h, mask, config,
             )  # fmt: skip
-            h, y = _add_and_norm(h, a, ff.norm, use_triton)
-            f = ff.from_normed(
-                y, use_triton=use_triton, seed=seeds[2 * i + 1] if exists(seeds) else None
-            )
-            next_norm = self.layers[i + 1][0].norm if i + 1 < self.depth else self.norm
-            h, y = _add_and_norm(h, f, next_norm, use_triton)
+        if y is None:  # eagerly
+            y = self._blocks(h, mask, use_triton, kv_cache, positions)
         # The fused loss computes the logits chunk by chunk, never all at once.
         fused = exists(labels) and use_triton and self.fused_loss
         logits = None if fused else linear(y, self.to_logits.weight, use_triton=use_triton)
@@ -618,6 +624,37 @@ class Transformer(nn.Module):
             check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
             inplace_backward=True,  # nothing else keeps the logits: they take their gradient
         )
+
+    def _dropout_rates(self) -> list[float]:
+        return [m.dropout for pair in self.layers for m in pair]
+
+    def _blocks(
+        self,
+        h: torch.Tensor,
+        mask: torch.Tensor | None,
+        use_triton: bool,
+        kv_cache: KVCache | StaticKVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The residual blocks and the final norm: embeddings h (b, n, dim) -> y (b, n, dim),
+        normalised, in the matmul dtype (autocast's, else h's)."""
+        # Pre-norm blocks, h = h + attn(norm(h)), h = h + ff(norm(h)), then the final norm;
+        # written so that each residual add and the norm that follows it are one fused op
+        # (`residual_layernorm`): y is the normalised h that the next sub-layer reads.
+        y = self.layers[0][0].norm(h, use_triton=use_triton, out_dtype=_matmul_dtype(h))
+        seeds = self._dropout_seeds(h.device, use_triton)
+        for i, (attn, ff) in enumerate(self.layers):
+            a = attn.from_normed(
+                y, mask=mask, use_triton=use_triton, kv_cache=kv_cache, layer=i,
+                seed=seeds[2 * i] if exists(seeds) else None, positions=positions,
+            )  # fmt: skip
+            h, y = _add_and_norm(h, a, ff.norm, use_triton)
+            f = ff.from_normed(
+                y, use_triton=use_triton, seed=seeds[2 * i + 1] if exists(seeds) else None
+            )
+            next_norm = self.layers[i + 1][0].norm if i + 1 < self.depth else self.norm
+            h, y = _add_and_norm(h, f, next_norm, use_triton)
+        return y
 
     def _check_inputs(
         self,
