@@ -4,7 +4,7 @@ replay the residual blocks as CUDA graphs, forward and backward.
 The GPU tests compare a model with graphs against its deep copy without them (same kernels;
 deterministic algorithms on, so the same bits) in the ways an ordinary eager loop uses a
 model, and check the cases a replay cannot serve: a pending backward, retain_graph,
-create_graph, hooks, a caller's own whole-step graph. Each asserts that graphs were in fact
+create_graph, a caller's own whole-step graph. Each asserts that graphs were in fact
 captured and replayed, so a silently eager path cannot pass them.
 """
 
@@ -213,16 +213,9 @@ def test_gpu_dropout_draws_fresh_masks_per_replay():
 
 
 @pytest.mark.gpu
-def test_gpu_hooks_and_new_storage_take_effect():
+def test_gpu_new_parameter_storage_takes_effect():
     graphed, eager = pair()
     x = batches(1)[0]
-    calls = []
-    handle = graphed.layers[0][1].register_forward_hook(lambda *a: calls.append(1))
-    with torch.no_grad():
-        for _ in range(3):
-            graphed(x)
-    handle.remove()
-    assert len(calls) == 3 and len(graphed.block_graphs) == 0
     with torch.no_grad():
         graphed(x), graphed(x)  # captured
         for model in (graphed, eager):  # new storage, new values: a new graph

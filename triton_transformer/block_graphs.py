@@ -25,9 +25,9 @@ same replay (retain_graph) raises, as does a differentiable backward (create_gra
 
 Never graphed: calls that torch.compile or export traces, calls made while a CUDA graph is
 being captured or inside `suspended()` (the trainer's `GraphedStep` captures the blocks inside
-its own graph), tensors not on CUDA, and modules with forward or backward hooks (a replay would
-skip them). Attribute changes other than those in the signature (dropout rates are in it) are
-not seen by a captured graph: call `reset()` after them.
+its own graph), and tensors not on CUDA. Attribute changes other than those in the signature
+(dropout rates are in it) are not seen by a captured graph: call `reset()` after them. (The
+Transformer calls its blocks' methods, not the modules, so module hooks inside never ran.)
 """
 
 from __future__ import annotations
@@ -85,24 +85,35 @@ class _Captured:
         record: bool,
         stream: torch.cuda.Stream,
     ) -> None:
-        self.h = h.detach().clone().requires_grad_(record and h.requires_grad)
-        self.mask = None if mask is None else mask.clone()
-        self.grad_inputs = ([self.h] if self.h.requires_grad else []) + list(params)
+        current = torch.cuda.current_stream(h.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            # Fresh leaves, made and first used on the capture stream: autograd runs a leaf's
+            # gradient on the stream its accumulator node was made on, and a parameter's
+            # node from an eager call would make capture wait on the legacy stream (an
+            # error). The aliases share the parameters' storage, so replays read live weights.
+            self.h = h.detach().clone().requires_grad_(record and h.requires_grad)
+            self.mask = None if mask is None else mask.clone()
+            aliases = {id(p): p.detach().requires_grad_(record) for p in params}
+            self.grad_inputs = ([self.h] if self.h.requires_grad else []) + list(aliases.values())
         self.generation = 0  # replays so far, forward and backward: a backward checks it
         self.pending: weakref.ref | None = None  # the token of the last replayed forward
 
         def run() -> torch.Tensor:
             # the blocks' own weight casts (never an outer context's copies, which the graph
             # would keep reading after they are freed), and autocast without its cast cache
-            with fresh_weight_casts(*modules), _autocast_without_cache(h.device):
+            with (
+                _parameters_replaced(modules, aliases),
+                fresh_weight_casts(*modules),
+                _autocast_without_cache(h.device),
+            ):
                 return blocks(self.h, self.mask)
 
-        current = torch.cuda.current_stream(h.device)
-        stream.wait_stream(current)
         with torch.cuda.stream(stream):  # warm-up: cuBLAS handles and the like, on this stream
             y = run()
             if record:
                 torch.autograd.grad(y, self.grad_inputs, torch.ones_like(y), allow_unused=True)
+                self.dy = torch.empty_like(y)
             del y
         current.wait_stream(stream)
 
@@ -111,7 +122,6 @@ class _Captured:
             y = run()
         self.backward_graph = None
         if record:
-            self.dy = torch.empty_like(y)
             self.backward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(
                 self.backward_graph, pool=self.forward_graph.pool(), stream=stream
@@ -206,7 +216,7 @@ class BlockGraphs:
         the blocks read (copied in like h); modules: those whose parameters `blocks` uses
         (their nn.Linear weights are cast in one kernel); config: whatever else the result
         depends on (hashable: training mode, dropout rates, ...)."""
-        if not _may_graph(h, modules):
+        if not _may_graph(h):
             return None
         params = [p for m in modules for p in m.parameters()]
         grad_params = [p for p in params if p.requires_grad]
@@ -239,30 +249,29 @@ class BlockGraphs:
         return _Replay.apply(captured, h, mask, *grad_params)
 
 
-def _may_graph(h: torch.Tensor, modules: Sequence[nn.Module]) -> bool:
+def _may_graph(h: torch.Tensor) -> bool:
     if _suspended or not h.is_cuda or torch.compiler.is_compiling() or is_traced(h):
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    return not _has_hooks(modules)
+    return not torch.cuda.is_current_stream_capturing()
 
 
-def _has_hooks(modules: Sequence[nn.Module]) -> bool:
-    """Whether a forward or backward hook is set on one of `modules`, a submodule or globally."""
-    from torch.nn.modules import module as nn_module
-
-    if (
-        nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-        or nn_module._global_backward_hooks
-        or nn_module._global_backward_pre_hooks
-    ):
-        return True
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for root in modules
-        for m in root.modules()
-    )
+@contextlib.contextmanager
+def _parameters_replaced(modules: Sequence[nn.Module], aliases: dict[int, torch.Tensor]):
+    """Inside, every parameter p of `modules` that `aliases` holds (by id) reads as
+    aliases[id(p)]; restored on exit."""
+    replaced = []
+    for root in modules:
+        for m in root.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in aliases:
+                    replaced.append((m, name, p))
+    try:
+        for m, name, p in replaced:
+            m._parameters[name] = aliases[id(p)]
+        yield
+    finally:
+        for m, name, p in replaced:
+            m._parameters[name] = p
 
 
 def _autocast_state(device: torch.device) -> tuple:
