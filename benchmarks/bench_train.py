@@ -7,7 +7,8 @@ torch.profiler: GPU busy = GPU kernel time per step / wall time per step (steady
 metrics.jsonl). Finally the loss curves of all modes go into one PNG: they must overlap.
 
 Modes: torch (PyTorch ops), triton (--use-triton), compile (--compile), triton-compile
-(--use-triton --compile), triton-naive (--use-triton with model.attn_impl = "naive").
+(--use-triton --compile), triton-naive (--use-triton with model.attn_impl = "naive"),
+torch-eager and triton-eager (train.cuda_graph = false: no whole-step graph).
 Usage: python3 benchmarks/bench_train.py --out DIR [--steps 300] [--config TOML]
        [--set SECTION.FIELD=VALUE ...]   (overrides for every mode, e.g. a shorter batch)
 """
@@ -39,6 +40,9 @@ MODES = {
     # the score-matrix composition (bmm -> softmax -> dropout -> bmm) instead of the fused
     # attention kernel: issue #8's end-to-end comparison
     "triton-naive": {"model.use_triton": True, "model.attn_impl": "naive"},
+    # eager steps (no whole-step graph): PyTorch ops, and Triton ops with their block graphs
+    "torch-eager": {"train.cuda_graph": "false"},
+    "triton-eager": {"model.use_triton": True, "train.cuda_graph": "false"},
 }
 
 

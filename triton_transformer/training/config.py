@@ -151,7 +151,8 @@ class TrainConfig:
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16", "fp32"
     compile: bool = False  # torch.compile the model
     # run each optimizer step as one CUDA graph replay: "auto" (on for CUDA), "true", "false"
-    # (TOML booleans work too)
+    # (TOML booleans work too). Eager steps of a Triton-path model still replay its residual
+    # blocks as graphs of their own (`Transformer.cuda_graphs`).
     cuda_graph: str = "auto"
     cuda_graph_warmup: int = 3  # eager steps before the capture (11 under DDP, at least)
     # multi-process runs: how long a collective waits for the other ranks before failing
