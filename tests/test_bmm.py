@@ -300,6 +300,30 @@ def test_reuse_weight_casts_of_a_module_cast_its_linears_at_once(device):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_fresh_weight_casts_ignore_an_outer_context(device):
+    # code captured into a CUDA graph (block_graphs) must cast its weights itself: inside
+    # fresh_weight_casts(*modules) a weight the outer context already cast is cast again, all
+    # the modules' nn.Linear weights in one foreach copy; on exit the outer copies are back
+    dev = torch.device(device).type
+    torch.manual_seed(0)
+    first, second = (torch.nn.Linear(40, 40, bias=False).to(device) for _ in range(2))
+    x = rand((9, 40), torch.bfloat16, device, mean=0.2)
+
+    def run(lin):
+        with torch.autocast(device_type=dev, dtype=torch.bfloat16), torch.no_grad():
+            return linear(x, lin.weight, use_triton=True)
+
+    with bmm_module.reuse_weight_casts():
+        outer = bmm_module._weight_casts
+        want = run(first)
+        with _CountForeachCopies() as foreach, bmm_module.fresh_weight_casts(first, second):
+            assert bmm_module._weight_casts is not outer
+            got = run(first)
+        assert (foreach.calls, foreach.tensors) == (1, 2)
+        assert bmm_module._weight_casts is outer and len(outer.copies) == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["auto", "triton"])
 @pytest.mark.parametrize("M, K, N", [(2048, 512, 1536), (8192, 2048, 512), (2048, 512, 2048)])
