@@ -87,25 +87,27 @@ def bench(args) -> list[dict]:
 
 
 def sweep(args) -> list[dict]:
-    """BLOCK and warps of the kernel (fwd = bwd: the same kernel), 2**26 elements."""
+    """Tile rows (BLOCK_M, of BLOCK_N = 512 elements) and warps of the kernel (fwd = bwd: the
+    same kernel), 2**26 elements."""
     out = []
     n = 1 << 26
     seed = draw_seed("cuda")
+    shipped = dropout_mod.BLOCK_M, dropout_mod.NUM_WARPS
     for dname, dtype in {"bf16": torch.bfloat16, "fp32": torch.float32}.items():
         x = torch.randn(n, device="cuda").to(dtype)
-        for block in (1024, 2048, 4096, 8192, 16384):
+        for block_m in (2, 4, 8, 16, 32):
             for warps in (2, 4, 8, 16):
-                dropout_mod.BLOCK, dropout_mod.NUM_WARPS = block, warps
+                dropout_mod.BLOCK_M, dropout_mod.NUM_WARPS = block_m, warps
                 try:
                     ms = triton.testing.do_bench(lambda x=x: dropout_mod.dropout_op(x, P, seed))
                 except Exception as e:
-                    print(f"sweep {block} {warps}: {e}")
+                    print(f"sweep {block_m} {warps}: {e}")
                     continue
-                row = {"dtype": dname, "BLOCK": block, "warps": warps, "ms": ms,
+                row = {"dtype": dname, "BLOCK_M": block_m, "warps": warps, "ms": ms,
                        "GB/s": 2 * n * x.element_size() / ms / 1e6}  # fmt: skip
                 out.append(row)
                 print(row)
-    dropout_mod.BLOCK, dropout_mod.NUM_WARPS = 4096, 4
+    dropout_mod.BLOCK_M, dropout_mod.NUM_WARPS = shipped
     return out
 
 

@@ -87,3 +87,29 @@ def tiny_config(run_dir: Path, corpus_file: Path, **overrides) -> Config:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def philox_keep_mask(seed: int, n_rows: int, n_cols: int, p: float) -> torch.Tensor:
+    """The package's one dropout mask scheme (`_jit_helpers.dropout_keep_tile`), computed
+    independently in NumPy: element (row, col) of an (n_rows, n_cols) matrix is kept when
+    16-bit half col % 8 of Philox4x32-7 (key = seed, counter = row · ⌈n_cols / 8⌉ + col // 8,
+    as Triton's `randint4x`) is >= round(p · 2**16). Returns an (n_rows, n_cols) bool tensor."""
+    import numpy as np
+
+    m32 = np.uint64(0xFFFFFFFF)
+    groups = -(-n_cols // 8)
+    counter = (np.arange(n_rows, dtype=np.uint64)[:, None] * np.uint64(groups)
+               + np.arange(groups, dtype=np.uint64)[None, :])  # fmt: skip
+    c0, c1 = counter & m32, counter >> np.uint64(32)
+    c2 = c3 = np.zeros_like(c0)
+    k0, k1 = np.uint64(seed) & m32, (np.uint64(seed) >> np.uint64(32)) & m32
+    round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(7):
+        prod_a, prod_b = round_a * c0, round_b * c2  # 32 x 32 bits: exact in uint64
+        c0, c2 = (prod_b >> np.uint64(32)) ^ c1 ^ k0, (prod_a >> np.uint64(32)) ^ c3 ^ k1
+        c1, c3 = prod_b & m32, prod_a & m32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
+    words = np.stack([c0, c1, c2, c3], axis=-1)  # (rows, groups, 4)
+    halves = np.stack([words & np.uint64(0xFFFF), words >> np.uint64(16)], axis=-1)
+    uniforms = halves.reshape(n_rows, groups * 8)[:, :n_cols].astype(np.int64)
+    return torch.from_numpy(uniforms >= round(p * 2**16))

@@ -13,7 +13,8 @@ import torch
 import triton
 
 from triton_transformer.dropout import (
-    BLOCK,
+    BLOCK_M,
+    BLOCK_N,
     _dropout_kernel,
     _strided_layout,
     dropout,
@@ -78,9 +79,12 @@ def test_shapes_and_dtypes(shape, dtype, device):
     check_backward_uses_mask(make_x(shape, dtype, device), 0.5)
 
 
+BLOCK = BLOCK_M * BLOCK_N  # elements per program
+
+
 def test_masks_differ_across_blocks(device):
     # Each element has its own random number: no program block, and no quarter of one (each
-    # Philox call serves four elements), repeats another's mask.
+    # Philox call serves eight elements), repeats another's mask.
     out = dropout(make_x((4 * BLOCK,), device=device), 0.5, use_triton=True)
     chunks = (out != 0).view(16, BLOCK // 4)
     for i in range(16):
@@ -161,7 +165,7 @@ def test_int64_offsets_path(device):
         seed = torch.tensor(987, device=device)
         _dropout_kernel[grid](
             x, seed, out, x.numel(), 32768, 2.0, 1, 1, 1, 0, 0, 0, 0,
-            STRIDED=False, BLOCK=BLOCK, INT64=int64,
+            STRIDED=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INT64=int64,
         )  # fmt: skip
         check_is_dropout_of(out, x, 0.5)
         outs.append(out)

@@ -1,14 +1,15 @@
 """Dropout: a seeded Triton kernel whose mask is never stored, and the PyTorch reference.
 
-The Triton kernel draws keep/drop for each element from Philox: one `tl.randint4x` call gives
-four 32-bit words, split into eight 16-bit uniforms, used for eight elements. An element is
-kept when its 16-bit draw r satisfies r >= round(p * 2**16), so the drop probability is p
+The mask is the package's one dropout scheme (`_jit_helpers.dropout_keep_tile`, shared with
+attention, the residual LayerNorm and the matmul epilogue): element i of the row-major order
+takes 16-bit half i % 8 of Philox4x32-7(seed, counter i // 8), eight elements per Philox call,
+and is kept when that draw r satisfies r >= round(p * 2**16). So the drop probability is p
 rounded to a multiple of 2**-16 (off by at most 2**-17; the kept values are scaled by exactly
-1 / (1 - p)). Eight elements per Philox call halve the Philox work per element against four:
-in bf16 the four-per-call kernel issued about as many integer instructions as the memory
-system could feed, so its backward (which, unlike eager's, regenerates the mask instead of
-reading it) trailed eager. The sm_90 PTX of this kernel has about 24 instructions per element.
-The mask is a pure function of (seed, element index).
+1 / (1 - p)), and for an (M, N) tensor with N a multiple of 8 the mask is exactly the one those
+kernels draw over an (M, N) matrix. The kernel covers the flat order as (BLOCK_M, BLOCK_N)
+tiles of a matrix BLOCK_N wide, which that scheme gives the same mask at any tile shape.
+Eight elements per Philox call: one call per element is integer work the memory system
+cannot hide (its backward, unlike eager's, regenerates the mask instead of reading it).
 
 The seed is a 0-dim int64 *device* tensor drawn from torch's generator (`utils.draw_seed`) and
 loaded inside the kernel; nothing is read back on the host. So:
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.utils import (
     call_op,
     cdiv,
@@ -44,9 +46,9 @@ from triton_transformer.utils import (
     seed_or_draw,
 )
 
-# Elements per program and warps: BLOCK / 8 Philox calls per program, eight elements each.
-# Not yet tuned on the H200 for this kernel: `benchmarks/bench_dropout.py --sweep` does it.
-BLOCK = 4096
+# Tile of one program (BLOCK_M x BLOCK_N elements of the flat order; BLOCK_N a multiple of
+# 8), and warps. Not yet tuned on the H200: `benchmarks/bench_dropout.py --sweep` does it.
+BLOCK_M, BLOCK_N = 8, 512
 NUM_WARPS = 4
 # Dims a strided input may have after merging adjacent dims (more: copied first).
 MAX_STRIDED_DIMS = 4
@@ -65,46 +67,28 @@ def _strided_offsets(idx, size1, size2, size3, stride0, stride1, stride2, stride
 
 
 @triton.jit
-def _masked_scale(
-    X, Y, offs, r, n_elements, threshold, scale, size1, size2, size3,
-    stride0, stride1, stride2, stride3, STRIDED: tl.constexpr,
-):  # fmt: skip
-    mask = offs < n_elements
-    src = offs
-    if STRIDED:
-        src = _strided_offsets(offs, size1, size2, size3, stride0, stride1, stride2, stride3)
-    x = tl.load(X + src, mask=mask).to(tl.float32)
-    # r is uniform on [0, 2**16): P(keep) = P(r >= threshold) = 1 - threshold / 2**16.
-    y = tl.where(r >= threshold, x * scale, 0.0)
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _dropout_kernel(
     X, SEED, Y, n_elements, threshold, scale, size1, size2, size3,
     stride0, stride1, stride2, stride3,
-    STRIDED: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
+    STRIDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64: tl.constexpr,
 ):  # fmt: skip
-    # One Philox call yields 4 x 32 bits = 8 x 16-bit uniforms: counter pid * Q + j drives
-    # elements pid * BLOCK + k * Q + j, k = 0..7 (word k // 2, half k % 2), so each element
-    # has its own (counter, k) pair and every slab of Q elements is contiguous in memory.
-    Q: tl.constexpr = BLOCK // 8
+    """Y (contiguous) = X · keep / (1 - p) over the flat order, seen as rows of BLOCK_N
+    elements: program pid owns rows [pid·BLOCK_M, (pid + 1)·BLOCK_M)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     scale = tl.cast(scale, tl.float32)
     pid = tl.program_id(0)
     if INT64:  # >= 2**31 elements: 64-bit offsets (and the Philox counter's high word)
         pid = pid.to(tl.int64)
-    seed = tl.load(SEED)
-    idx = tl.arange(0, Q)
-    w0, w1, w2, w3 = tl.randint4x(seed, pid * Q + idx)
-    offs = pid * BLOCK + idx
-    for k in tl.static_range(8):
-        w = w0 if k // 2 == 0 else (w1 if k // 2 == 1 else (w2 if k // 2 == 2 else w3))
-        r = (w & 0xFFFF) if k % 2 == 0 else ((w >> 16) & 0xFFFF)  # 64-bit words < 3.4
-        _masked_scale(
-            X, Y, offs + k * Q, r.to(tl.int32), n_elements, threshold, scale, size1, size2,
-            size3, stride0, stride1, stride2, stride3, STRIDED,
-        )  # fmt: skip
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    keep = dropout_keep_tile(tl.load(SEED), rows, 0, BLOCK_N, threshold, BLOCK_N, INT64)
+    mask = offs < n_elements
+    src = offs
+    if STRIDED:
+        src = _strided_offsets(offs, size1, size2, size3, stride0, stride1, stride2, stride3)
+    x = tl.load(X + src, mask=mask).to(tl.float32)
+    y = tl.where(keep != 0, x * scale, 0.0)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _strided_layout(x: torch.Tensor) -> tuple[list[int], list[int]] | None:
@@ -142,12 +126,13 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x.numel()
     # 64-bit offsets once an index (padded to whole blocks) or a strided address passes 2**31.
+    block = BLOCK_M * BLOCK_N
     span = sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
-    int64 = max(n + BLOCK, span + 1) >= 2**31
+    int64 = max(n + block, span + 1) >= 2**31
     if n:
-        launcher(_dropout_kernel)[(cdiv(n, BLOCK),)](
+        launcher(_dropout_kernel)[(cdiv(n, block),)](
             x, seed, out, n, dropout_threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
-            STRIDED=layout is not None, BLOCK=BLOCK, INT64=int64,
+            STRIDED=layout is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INT64=int64,
             num_warps=NUM_WARPS,
         )  # fmt: skip
     return out

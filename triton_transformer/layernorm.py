@@ -16,7 +16,9 @@ in-place ops on it work.
 The kernels here are shared with the fused residual + LayerNorm op
 (`triton_transformer/residual_layernorm.py`): with RESIDUAL the forward first forms
 x = h + dropout(branch), writes it, and normalises it; the backward adds the downstream
-gradient of that sum and writes the masked branch gradient too.
+gradient of that sum and writes the masked branch gradient too. The mask is the package's one
+scheme (`_jit_helpers.dropout_keep_tile`, keyed by (seed, row, column) of the (M, N) branch,
+as `dropout.py`'s, attention's and the matmul epilogue's), regenerated in the backward.
 
 Triton design (e = bytes per element; "per row" = per row of N elements):
 - Forward: each program normalises BLOCK_M rows held as a (BLOCK_M, BLOCK_N) tile (several
@@ -72,12 +74,14 @@ import triton.language as tl
 from torch import nn
 from torch.library import triton_op
 
+from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.utils import (
     as_rows,
     call_op,
     cdiv,
     check_dropout_p,
     check_triton_tensor,
+    dropout_threshold,
     exists,
     first_order_only,
     launcher,
@@ -187,33 +191,29 @@ _COLSUM_WARPS = 8
 
 
 @triton.jit
-def _keep_mask(SEED, rows, cols, N, p, INT64_IDX: tl.constexpr):
-    """Dropout keep mask of a tile: Philox uniform of the row-major index (row * N + col) >= p.
-
-    A pure function of (seed, index), so the backward regenerates the forward's mask.
-    """
-    seed = tl.load(SEED)
-    if INT64_IDX:
-        idx = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    else:
-        idx = rows[:, None] * N + cols[None, :]
-    return tl.rand(seed, idx) >= p
+def _keep_mask(SEED, rows, col0, N, threshold, BLOCK_N: tl.constexpr, INT64_IDX: tl.constexpr):
+    """Dropout keep mask (bool) of the tile `rows` x [col0, col0 + BLOCK_N) of the (M, N)
+    branch: the package's one mask scheme (`_jit_helpers.dropout_keep_tile`), a pure function
+    of (seed, row, column), so the backward regenerates the forward's mask."""
+    return dropout_keep_tile(tl.load(SEED), rows, col0, N, threshold, BLOCK_N, INT64_IDX) != 0
 
 
 @triton.jit
 def _load_x(
-    X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
+    X, H, BR, SEED, rows, col0, mask, N, stride_x, stride_h, stride_br, threshold, drop_scale,
     RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
-    STORE_X: tl.constexpr,
+    STORE_X: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The fp32 tile of x: loaded from X, or (RESIDUAL) formed as h + dropout(branch),
-    rounded to X's dtype exactly as the stored sum is (and stored into X when STORE_X)."""
+    """The fp32 tile of x at `rows` x [col0, col0 + BLOCK_N): loaded from X, or (RESIDUAL)
+    formed as h + dropout(branch), rounded to X's dtype exactly as the stored sum is (and
+    stored into X when STORE_X)."""
     r64 = rows.to(tl.int64)[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)
     if RESIDUAL:
         h = tl.load(H + r64 * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         br = tl.load(BR + r64 * stride_br + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
-            keep = _keep_mask(SEED, rows, cols, N, p, INT64_IDX)
+            keep = _keep_mask(SEED, rows, col0, N, threshold, BLOCK_N, INT64_IDX)
             br = tl.where(keep, br * drop_scale, 0.0)
         xs = (h + br).to(X.dtype.element_ty)
         if STORE_X:
@@ -227,7 +227,7 @@ def _load_x(
 @triton.jit
 def _layernorm_fwd_kernel(
     X, W, B, Y, Stats, H, BR, SEED,
-    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, clamp, p, drop_scale,
+    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, clamp, threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -237,7 +237,7 @@ def _layernorm_fwd_kernel(
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
     clamp = tl.cast(clamp, tl.float32)
-    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
@@ -248,8 +248,8 @@ def _layernorm_fwd_kernel(
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_x(
-            X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
-            RESIDUAL, DROPOUT, INT64_IDX, True,
+            X, H, BR, SEED, rows, 0, mask, N, stride_x, stride_h, stride_br, threshold,
+            drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
         )  # fmt: skip
         if STABLE:
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), clamp)
@@ -273,8 +273,8 @@ def _layernorm_fwd_kernel(
             for off in range(0, N, BLOCK_N):
                 mask = row_mask[:, None] & (off + cols < N)[None, :]
                 x = _load_x(
-                    X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
-                    p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+                    X, H, BR, SEED, rows, off, mask, N, stride_x, stride_h, stride_br,
+                    threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False, BLOCK_N,
                 )  # fmt: skip
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
             scale = tl.maximum(amax, clamp)
@@ -285,8 +285,8 @@ def _layernorm_fwd_kernel(
         for off in range(0, N, BLOCK_N):
             mask = row_mask[:, None] & (off + cols < N)[None, :]
             x = _load_x(
-                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
-                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+                X, H, BR, SEED, rows, off, mask, N, stride_x, stride_h, stride_br,
+                threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False, BLOCK_N,
             )  # fmt: skip
             if STABLE:
                 x = x * (1.0 / scale)[:, None]
@@ -302,8 +302,8 @@ def _layernorm_fwd_kernel(
             col_mask = off + cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_x(
-                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
-                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True,
+                X, H, BR, SEED, rows, off, mask, N, stride_x, stride_h, stride_br,
+                threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
             )  # fmt: skip
             if STABLE:
                 x = x * (1.0 / scale)[:, None]
@@ -344,20 +344,22 @@ def _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE: tl.constexpr
 
 @triton.jit
 def _store_dx(
-    DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr, p,
+    DX, DHN, DBR, SEED, dx, rows, col0, mask, N, stride_dx, stride_dhn, stride_dbr, threshold,
     drop_scale,
     HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
-    INT64_IDX: tl.constexpr,
+    INT64_IDX: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Store dx (+ the downstream gradient of the residual sum) and the branch gradient."""
+    """Store dx of the tile `rows` x [col0, col0 + BLOCK_N) (+ the downstream gradient of the
+    residual sum) and the branch gradient."""
     r64 = rows.to(tl.int64)[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)
     if HAS_DHN:
         dx += tl.load(DHN + r64 * stride_dhn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if WRITE_DBR:
         dbr = dx
         if DROPOUT:
-            keep = _keep_mask(SEED, rows, cols, N, p, INT64_IDX)
+            keep = _keep_mask(SEED, rows, col0, N, threshold, BLOCK_N, INT64_IDX)
             dbr = tl.where(keep, dx * drop_scale, 0.0)
         tl.store(DBR + r64 * stride_dbr + cols[None, :], dbr.to(DBR.dtype.element_ty), mask=mask)
 
@@ -422,7 +424,7 @@ def _load_stats(Stats, rows, row_mask, M, STABLE: tl.constexpr):
 def _layernorm_bwd_kernel(
     X, W, DY, DX, Partial, Stats, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
-    eps, p, drop_scale,
+    eps, threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
     INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -432,7 +434,7 @@ def _layernorm_bwd_kernel(
     dweight/dbias column sums as row pid of Partial (dbias's rows follow dweight's)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
-    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     pid = tl.program_id(0)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, M)
@@ -473,8 +475,8 @@ def _layernorm_bwd_kernel(
                 tie_grad = -N * c1 * eps * rstd * rstd / scale / tl.maximum(count, 1.0)
             dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
             _store_dx(
-                DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
-                p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                DX, DHN, DBR, SEED, dx, rows, 0, mask, N, stride_dx, stride_dhn, stride_dbr,
+                threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX, BLOCK_N,
             )  # fmt: skip
             dw_acc += dy * xhat
             if HAS_BIAS:
@@ -506,8 +508,9 @@ def _layernorm_bwd_kernel(
                 xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
                 dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
                 _store_dx(
-                    DX, DHN, DBR, SEED, dx, rows, off + cols, mask, N, stride_dx, stride_dhn,
-                    stride_dbr, p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                    DX, DHN, DBR, SEED, dx, rows, off, mask, N, stride_dx, stride_dhn,
+                    stride_dbr, threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                    BLOCK_N,
                 )  # fmt: skip
                 pmask = col_mask & not_first
                 dw = tl.load(dw_out + off + cols, mask=pmask, other=0.0)
@@ -541,7 +544,8 @@ def _layernorm_bwd_rowsum_kernel(
 @triton.jit(do_not_specialize=["rows_per_prog"])
 def _layernorm_bwd_cols_kernel(
     X, W, DY, DX, Partial, Stats, RowSums, DHN, DBR, SEED,
-    M, N, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr, p, drop_scale,
+    M, N, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr, threshold,
+    drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, HAS_DHN: tl.constexpr,
     WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -549,8 +553,9 @@ def _layernorm_bwd_cols_kernel(
     """The "split" backward's kernel 2: program (j, k) owns column tile j and the k-th range of
     rows_per_prog rows. It writes their dx from the row sums of kernel 1, and its dweight/dbias
     column sums into row k of Partial (dbias's rows follow dweight's)."""
-    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    col0 = tl.program_id(0) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     group = tl.program_id(1)
     row_start = group * rows_per_prog
@@ -583,8 +588,8 @@ def _layernorm_bwd_cols_kernel(
         xhat, g = _ln_xhat_g(x, dy, w, mask, mean, rstd, scale, STABLE)
         dx = _ln_dx(xhat, g, x, mask, c1, c2, tie_grad, rstd, scale, STABLE)
         _store_dx(
-            DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
-            p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+            DX, DHN, DBR, SEED, dx, rows, col0, mask, N, stride_dx, stride_dhn, stride_dbr,
+            threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX, BLOCK_N,
         )  # fmt: skip
         dw_acc += dy * xhat
         if HAS_BIAS:
@@ -733,7 +738,7 @@ def launch_layernorm_fwd(
         h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
         h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
-        eps, STABLE_CLAMP, p, 1.0 / (1.0 - p) if dropout else 1.0,
+        eps, STABLE_CLAMP, dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0,
         HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single, RESIDUAL=residual,
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -780,7 +785,7 @@ def launch_layernorm_bwd(
     dbr2_ = dbr2 if exists(dbr2) else dx2
     seed_ = seed if dropout else stats
     strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2_.stride(0), dbr2_.stride(0))
-    drop_scale = 1.0 / (1.0 - p) if dropout else 1.0
+    threshold, drop_scale = (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
     flags = dict(HAS_BIAS=has_bias, STABLE=stable, HAS_DHN=exists(dhn2), WRITE_DBR=exists(dbr2),
                  DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
@@ -789,12 +794,12 @@ def launch_layernorm_bwd(
         launch_layernorm_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
         launcher(_layernorm_bwd_cols_kernel)[(col_tiles, groups)](
             x2, weight, dy2, dx2, partial, stats, rowsums, dhn2_, dbr2_, seed_,
-            M, N, rows_per_prog, *strides, p, drop_scale, **flags,
+            M, N, rows_per_prog, *strides, threshold, drop_scale, **flags,
         )  # fmt: skip
     else:
         launcher(_layernorm_bwd_kernel)[(groups,)](
             x2, weight, dy2, dx2, partial, stats, dhn2_, dbr2_, seed_,
-            M, N, 1.0 / N, rows_per_prog, *strides, eps, p, drop_scale,
+            M, N, 1.0 / N, rows_per_prog, *strides, eps, threshold, drop_scale,
             SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
     launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](

@@ -14,8 +14,10 @@ agree: no extra write), plus dweight/dbias through the deterministic partial-sum
 `layernorm.py` (whose kernels this op shares).
 
 Dropout draws its mask in the kernel from Philox, keyed by a seed that is a 0-dim device
-tensor from torch's generator (`utils.draw_seed`) and by the row-major element index; the
-backward regenerates the mask from the saved seed (the mask is never stored). So CUDA graph
+tensor from torch's generator (`utils.draw_seed`) and by the (row, column) of the element: the
+package's one scheme (`_jit_helpers.dropout_keep_tile`, the mask `dropout.dropout` draws for
+the same (rows, N) tensor). The backward regenerates the mask from the saved seed (the mask is
+never stored). So CUDA graph
 replays draw fresh masks, `torch.manual_seed` reproduces them, and torch.compile sees no
 `.item()`. The Triton mask is not the one `F.dropout` draws (different generators).
 
@@ -53,9 +55,9 @@ from triton_transformer.layernorm import (
 from triton_transformer.utils import (
     as_rows,
     call_op,
-    draw_seed,
     exists,
     first_order_only,
+    seed_or_draw,
 )
 
 
@@ -169,6 +171,7 @@ def residual_layernorm(
     stable: bool = False,
     use_triton: bool = False,
     out_dtype: torch.dtype | None = None,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h_new, y): h_new = h + dropout(branch), y = layernorm(h_new) over the last dim.
 
@@ -181,6 +184,8 @@ def residual_layernorm(
         use_triton: one fused Triton kernel each way instead of the PyTorch reference.
         out_dtype: y's float dtype (None: h_new's), e.g. bf16 under autocast for the matmul
             that reads y, while h_new keeps the fp32 residual stream.
+        seed: Triton only: the 0-dim int64 device tensor the dropout mask is drawn from (the
+            package's one scheme, `dropout.dropout`'s); None draws one. F.dropout ignores it.
 
     Returns:
         (h_new, y), new tensors shaped like h; h_new in the promoted dtype of (h, branch).
@@ -193,7 +198,7 @@ def residual_layernorm(
         return h_new, _layernorm_reference(h_new, weight, bias, eps, stable, out_dtype)
     # The seed tensor is drawn only when there is dropout (no RNG advance, no launch otherwise);
     # the op needs a tensor argument either way, and weight stands in (never read).
-    seed = draw_seed(h.device) if p > 0.0 else weight
+    seed = seed_or_draw(seed, h.device) if p > 0.0 else weight
     h_new, y, _ = call_op(
         residual_layernorm_op, h, branch, weight, bias, float(eps), bool(stable), p, seed,
         out_dtype,

@@ -18,8 +18,8 @@ first-order only (`utils.first_order_only`). Outputs are fresh tensors, never vi
 
 The kernels follow `layernorm.py` (whose device helpers `_load_x`, `_store_dx`, `_load_x_dy`
 and `_layernorm_bwd_colsum_kernel` they import: the residual sum, the dropout mask regenerated
-from the seed and the row-index keyed Philox stream are the same functions, so the masks match
-LayerNorm's):
+from the seed by the package's one scheme, `_jit_helpers.dropout_keep_tile`, are the same
+functions, so the masks match LayerNorm's):
 
 - Forward: BLOCK_M rows per program as a (BLOCK_M, BLOCK_N) tile. BLOCK_N >= N: one read of x,
   one write of y (2·N·e bytes per row, the floor). BLOCK_N < N: a pass for sum(x²) and a pass
@@ -77,6 +77,7 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     draw_seed,
+    dropout_threshold,
     first_order_only,
     launcher,
 )
@@ -109,13 +110,13 @@ _COLSUM_WARPS = 8
 @triton.jit
 def _rmsnorm_fwd_kernel(
     X, W, Y, Rstd, H, BR, SEED,
-    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, p, drop_scale,
+    M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, threshold, drop_scale,
     SINGLE: tl.constexpr, RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr,
     INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
-    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
@@ -124,8 +125,8 @@ def _rmsnorm_fwd_kernel(
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_x(
-            X, H, BR, SEED, rows, cols, mask, N, stride_x, stride_h, stride_br, p, drop_scale,
-            RESIDUAL, DROPOUT, INT64_IDX, True,
+            X, H, BR, SEED, rows, 0, mask, N, stride_x, stride_h, stride_br, threshold,
+            drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
         )  # fmt: skip
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -137,8 +138,8 @@ def _rmsnorm_fwd_kernel(
         for off in range(0, N, BLOCK_N):
             mask = row_mask[:, None] & (off + cols < N)[None, :]
             x = _load_x(
-                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
-                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False,
+                X, H, BR, SEED, rows, off, mask, N, stride_x, stride_h, stride_br,
+                threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, False, BLOCK_N,
             )  # fmt: skip
             ss += tl.sum(x * x, axis=1)
         rstd = tl.rsqrt(ss * inv_n + eps)
@@ -146,8 +147,8 @@ def _rmsnorm_fwd_kernel(
             col_mask = off + cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_x(
-                X, H, BR, SEED, rows, off + cols, mask, N, stride_x, stride_h, stride_br,
-                p, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True,
+                X, H, BR, SEED, rows, off, mask, N, stride_x, stride_h, stride_br,
+                threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
             )  # fmt: skip
             w = tl.load(W + off + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
@@ -159,7 +160,7 @@ def _rmsnorm_fwd_kernel(
 def _rmsnorm_bwd_kernel(
     X, W, DY, DX, Partial, Rstd, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
-    p, drop_scale,
+    threshold, drop_scale,
     SINGLE: tl.constexpr, HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr,
     DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -167,7 +168,7 @@ def _rmsnorm_bwd_kernel(
     """The "row" (SINGLE) and "loop" backward: dx of rows [pid * rows_per_prog, ...) and their
     dweight column sums as row pid of Partial."""
     inv_n = tl.cast(inv_n, tl.float32)
-    p, drop_scale = tl.cast(p, tl.float32), tl.cast(drop_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     pid = tl.program_id(0)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, M)
@@ -198,8 +199,8 @@ def _rmsnorm_bwd_kernel(
             c = tl.sum(xhat * g, axis=1) * inv_n
             dx = (g - xhat * c[:, None]) * rstd[:, None]
             _store_dx(
-                DX, DHN, DBR, SEED, dx, rows, cols, mask, N, stride_dx, stride_dhn, stride_dbr,
-                p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                DX, DHN, DBR, SEED, dx, rows, 0, mask, N, stride_dx, stride_dhn, stride_dbr,
+                threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX, BLOCK_N,
             )  # fmt: skip
             dw_acc += dy * xhat
         tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -233,8 +234,9 @@ def _rmsnorm_bwd_kernel(
                 dy = dy.to(tl.float32)
                 dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
                 _store_dx(
-                    DX, DHN, DBR, SEED, dx, rows, off + cols, mask, N, stride_dx, stride_dhn,
-                    stride_dbr, p, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                    DX, DHN, DBR, SEED, dx, rows, off, mask, N, stride_dx, stride_dhn,
+                    stride_dbr, threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX,
+                    BLOCK_N,
                 )  # fmt: skip
                 dw = tl.load(dw_out + off + cols, mask=col_mask & not_first, other=0.0)
                 tl.store(dw_out + off + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
@@ -288,7 +290,7 @@ def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, s
         seed if dropout else rstd,
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
         h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
-        eps, p, 1.0 / (1.0 - p) if dropout else 1.0,
+        eps, dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0,
         SINGLE=single, RESIDUAL=residual, DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
@@ -319,7 +321,8 @@ def launch_rmsnorm_bwd(
     launcher(_rmsnorm_bwd_kernel)[(groups,)](
         x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed if dropout else rstd,
         M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
-        dhn2_.stride(0), dbr2_.stride(0), p, 1.0 / (1.0 - p) if dropout else 1.0,
+        dhn2_.stride(0), dbr2_.stride(0), dropout_threshold(p),
+        1.0 / (1.0 - p) if dropout else 1.0,
         SINGLE=cfg.kind == "row", HAS_DHN=dhn2 is not None, WRITE_DBR=dbr2 is not None,
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
