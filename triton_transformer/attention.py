@@ -94,6 +94,7 @@ from triton_transformer.utils import (
     seed_or_draw,
     sm_count,
     tma_scratch,
+    widened_for_interpreter,
 )
 
 __all__ = ["HEAD_DIMS", "attention", "attention_cached", "attention_naive", "attention_packed"]
@@ -154,7 +155,7 @@ def _fwd_block(
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi). MASKED: mask keys >= n_k and, if CAUSAL, keys
@@ -183,8 +184,6 @@ def _fwd_block(
             )  # fmt: skip
         else:
             k = tl.load(k_base + rows_n[None, :] * skn + offs_d[:, None] * skd)
-        if UPCAST:
-            k = k.to(tl.float32)
         qk = _mm(q, k, None, IEEE)  # (BLOCK_M, BLOCK_N)
         if FOLD_SCALE:
             row_scale = qk_scale
@@ -227,8 +226,6 @@ def _fwd_block(
             )  # fmt: skip
         else:
             v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd)
-        if UPCAST:
-            v = v.to(tl.float32)
         acc = _mm(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
     return acc, l_i, m_i
@@ -244,7 +241,7 @@ def _attention_fwd_kernel(
     BH, H, N_Q, N_K, qk_scale, threshold, out_scale, SPLIT_LEN, N_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-    DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -283,8 +280,6 @@ def _attention_fwd_kernel(
         mask=q_mask,
         other=0.0,
     )
-    if UPCAST:
-        q = q.to(tl.float32)
     if GROUP == 1:  # noqa: SIM108
         h_kv = h
     else:
@@ -325,13 +320,13 @@ def _attention_fwd_kernel(
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, lo, mid, N_K, causal_off, qk_scale, seed, threshold,
-        BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
+        BLOCK_N, HEAD_DIM, PAD_D, False, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm_n,
         offs_m, offs_d, mid2, end, N_K, causal_off, qk_scale, seed, threshold,
-        BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64, UPCAST,
+        BLOCK_N, HEAD_DIM, PAD_D, True, CAUSAL, HAS_KPM, DROPOUT, DROP_INT64,
         INT64_ROWS, IEEE, FOLD_SCALE,
     )  # fmt: skip
 
@@ -457,7 +452,7 @@ def _bwd_dkdv_block(
     sqn, sqd, sdon, sdod,
     n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-    MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
     DQ_TMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
@@ -486,11 +481,7 @@ def _bwd_dkdv_block(
             do = tl.load(
                 do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=mask, other=0.0
             )
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        else:
-            do = do.to(q.dtype)
+        do = do.to(q.dtype)
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         qkT = _mm(k, tl.trans(q), None, IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
@@ -527,7 +518,7 @@ def _bwd_dq_block(
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
-    UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block over key blocks [lo, hi). Keys >= n_k load as zero rows, so they
     add nothing to dQ = dS K; MASKED applies the causal diagonal."""
@@ -548,9 +539,6 @@ def _bwd_dq_block(
             v = tl.load(
                 v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=mask, other=0.0
             )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         qk = _mm(q, tl.trans(k), None, IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk - lse[:, None])
         if MASKED:
@@ -574,7 +562,7 @@ def _bwd_dkdv_head(
     n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-    DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
+    DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
     DQ_TMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
@@ -610,7 +598,7 @@ def _bwd_dkdv_head(
             dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
             sqn, sqd, sdon, sdod,
             n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64, UPCAST,
+            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64,
             INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
         )  # fmt: skip
     else:
@@ -619,7 +607,7 @@ def _bwd_dkdv_head(
         dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
         sqn, sqd, sdon, sdod,
         n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-        drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64, UPCAST,
+        drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64,
         INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
     )  # fmt: skip
     return dk, dv
@@ -635,7 +623,7 @@ def _attention_bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
-    DROP_INT64: tl.constexpr, UPCAST: tl.constexpr, INT64_ROWS: tl.constexpr,
+    DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
     GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr,
 ):  # fmt: skip
@@ -702,9 +690,6 @@ def _attention_bwd_kernel(
         kv_mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
         k = tl.load(k_base + rows_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         if GROUP == 1:
@@ -712,7 +697,7 @@ def _attention_bwd_kernel(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, DQ_ACC, kpm_base, bh,
                 sqn, sqd, sdon, sdod, skpm_n,
                 n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
-                BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64, UPCAST,
+                BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64,
                 INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
             )  # fmt: skip
         else:
@@ -731,7 +716,7 @@ def _attention_bwd_kernel(
                     kpm_base, bh_g, sqn, sqd, sdon, sdod, skpm_n,
                     n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed_g, threshold,
                     drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT,
-                    DROP_INT64, UPCAST, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+                    DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
                 )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -761,11 +746,7 @@ def _attention_bwd_kernel(
         do = tl.load(
             do_base + rows_m[:, None] * sdon + offs_d[None, :] * sdod, mask=q_mask, other=0.0
         )
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        else:
-            do = do.to(q.dtype)
+        do = do.to(q.dtype)
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         dq = tl.zeros([BLOCK_M2, BLOCK_D], tl.float32)
@@ -787,7 +768,7 @@ def _attention_bwd_kernel(
                 dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
                 offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
-                UPCAST, INT64_ROWS, IEEE, TMA,
+                INT64_ROWS, IEEE, TMA,
             )  # fmt: skip
         else:
             full_end = N_K
@@ -795,7 +776,7 @@ def _attention_bwd_kernel(
             dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
             offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
-            UPCAST, INT64_ROWS, IEEE, TMA,
+            INT64_ROWS, IEEE, TMA,
         )  # fmt: skip
         dq = dq * sm_scale
         b_dq = DQ + off_dq + b * sdqb + h * sdqh + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
@@ -909,10 +890,9 @@ def _dtype_meta(d: int, dtype: torch.dtype) -> dict:
     return {
         "interpret": interpret,
         "BLOCK_D": max(16, next_power_of_2(d)),
-        # Interpreter: no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
-        "UPCAST": interpret and dtype == torch.bfloat16,
-        # exact fp32 products for fp32 inputs (tf32 would cost ~1e-3)
-        "IEEE": fp32 or (interpret and dtype == torch.bfloat16),
+        # exact fp32 products for fp32 inputs (tf32 would cost ~1e-3); the interpreter gets
+        # bf16 inputs as fp32 copies (`utils.widened_for_interpreter`), hence this path too
+        "IEEE": fp32,
     }
 
 
@@ -1019,6 +999,8 @@ def launch_attention_fwd(
     lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
+    if interpreter_enabled():
+        q, k, v = widened_for_interpreter(q, k, v)
     meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
@@ -1050,7 +1032,7 @@ def launch_attention_fwd(
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
-        UPCAST=meta["UPCAST"], INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
+        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
         GROUP=_group(q, k),
     )  # fmt: skip
@@ -1113,6 +1095,8 @@ def launch_attention_bwd(
         return
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if interpreter_enabled():
+        dout, q, k, v = widened_for_interpreter(dout, q, k, v)
     meta = _launch_meta(q, k, v)
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
     # slower than the two-program kernel there). Under torch.compile (fake tensors) the
@@ -1147,7 +1131,7 @@ def launch_attention_bwd(
     )  # fmt: skip
     consts = dict(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
-        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], UPCAST=meta["UPCAST"],
+        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
         DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
         GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,

@@ -310,6 +310,15 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
 
 
+def widened_for_interpreter(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' input tensors as Triton's interpreter must get them: it has no bf16
+    arithmetic (and rounds conversions to bf16 by truncation), so bf16 inputs are passed as
+    fp32 copies there and the kernel runs its fp32 path; the kernels themselves carry no
+    interpreter flag. Outputs keep their dtype (a store rounds into it). Call only where
+    `interpreter_enabled()`: compiled launches take the tensors as they are."""
+    return tuple(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)
+
+
 @functools.cache
 def row_block_size(n_cols: int, max_block: int) -> int:
     """Power-of-two block for rows of `n_cols` elements, capped at `max_block`.
