@@ -45,7 +45,7 @@ def compile_sm90(kernel, pointers, floats, constants) -> None:
 
 bf16 = "*bf16"
 common = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True, HAS_KPM=False, DROPOUT=True,
-              DROP_INT64=False, UPCAST=False, INT64_ROWS=False, IEEE=False, GROUP=1)  # fmt: skip
+              DROP_INT64=False, INT64_ROWS=False, IEEE=False, GROUP=1)  # fmt: skip
 fwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, Out=bf16, LSE="*fp32", KPM=bf16, SEED="*i64",
                 KV_LEN="*i64", PART_ACC="*fp32", PART_ML="*fp32")  # fmt: skip
 compile_sm90(
