@@ -33,6 +33,8 @@ import common
 
 from triton_transformer.cuda_graph import capturable_train_step
 
+KERNELS_KEPT = 25  # the longest kernels of each step, kept in the JSON (where the GPU time goes)
+
 
 def ms_per_step(step, steps: int = 10) -> float:
     torch.cuda.synchronize()
@@ -62,7 +64,8 @@ def measure(preset: str, provider: str) -> dict:
             ms = statistics.median(ms_per_step(step) for _ in range(5))
         row["ms_worker_thread" if threaded else "ms_calling_thread"] = ms
     row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
-    row["gpu_ms"] = common.gpu_time_per_step(step)[0]
+    row["gpu_ms"], kernels = common.gpu_time_per_step(step)
+    row["kernels"] = kernels[:KERNELS_KEPT]
     row["gpu_busy_worker_thread"] = min(1.0, row["gpu_ms"] / row["ms_worker_thread"])
 
     def infer():
@@ -89,7 +92,8 @@ def main() -> None:
     for preset in args.presets:
         for provider in ("torch", "triton", "triton-nographs"):
             results[f"{preset}/{provider}"] = row = measure(preset, provider)
-            print(args.label, preset, provider, {k: round(v, 2) for k, v in row.items()})
+            scalars = {k: round(v, 2) for k, v in row.items() if k != "kernels"}
+            print(args.label, preset, provider, scalars)
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,23 @@ def liger_cases() -> dict:
     }
 
 
+def profile_calls(fn, calls: int, top: int = 30) -> None:
+    """cProfile of `calls` calls of fn with autograd's backward on the calling thread (where
+    cProfile sees it): the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    with torch.autograd.set_multithreading_enabled(False):
+        fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def per_call_us(fn, calls: int) -> float:
     for _ in range(10):
         fn()
@@ -88,6 +105,12 @@ def main() -> None:
         "--torch", action="store_true", help="time the PyTorch references (use_triton=False)"
     )
     ap.add_argument("--liger", action="store_true", help="time Liger-Kernel's ops (if installed)")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="OP",
+        help="print a cProfile of OP's forward+backward (calling thread)",
+    )
     args = ap.parse_args()
 
     import triton_transformer.attention as attention_mod
@@ -119,6 +142,12 @@ def main() -> None:
             row = {"op": name, "fwd_us": per_call_us(fwd, args.calls)}
             row["fwd_no_grad_us"] = per_call_us(fwd_no_grad, args.calls)  # inference
             row["fwd+bwd_us"] = per_call_us(fwd_bwd, args.calls // 3)
+            # the same with autograd's backward on the calling thread (the trainer's setting):
+            # the difference is what handing the backward to autograd's device thread costs
+            with torch.autograd.set_multithreading_enabled(False):
+                row["fwd+bwd_calling_thread_us"] = per_call_us(fwd_bwd, args.calls // 3)
+            if name == args.profile:
+                profile_calls(fwd_bwd, args.calls // 3)
         except Exception as e:  # an op the old checkout lacks must not stop the rest
             row = {"op": name, "error": repr(e)[:200]}
         rows.append(row)
