@@ -21,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+import common  # benchmarks/ is the script's directory, first on sys.path
 import torch
 
 
@@ -66,23 +67,6 @@ def liger_cases() -> dict:
         "linear relu²": lambda: lf.liger_relu_squared(x @ wl.t()),
         "cross_entropy": lambda: lf.liger_cross_entropy(logits, labels),
     }
-
-
-def profile_calls(fn, calls: int, top: int = 30) -> None:
-    """cProfile of `calls` calls of fn with autograd's backward on the calling thread (where
-    cProfile sees it): the functions with the most own time."""
-    import cProfile
-    import pstats
-
-    with torch.autograd.set_multithreading_enabled(False):
-        fn()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -146,8 +130,9 @@ def main() -> None:
             # the difference is what handing the backward to autograd's device thread costs
             with torch.autograd.set_multithreading_enabled(False):
                 row["fwd+bwd_calling_thread_us"] = per_call_us(fwd_bwd, args.calls // 3)
-            if name == args.profile:
-                profile_calls(fwd_bwd, args.calls // 3)
+            if name == args.profile:  # on the calling thread, where cProfile sees it
+                with torch.autograd.set_multithreading_enabled(False):
+                    common.host_profile(fwd_bwd, args.calls // 3, 30, f"{name} fwd+bwd")
         except Exception as e:  # an op the old checkout lacks must not stop the rest
             row = {"op": name, "error": repr(e)[:200]}
         rows.append(row)

@@ -240,6 +240,26 @@ def _plot(path: Path, rows: list[dict], *, x: str, y: str, group: Sequence[str],
     plt.close(fig)
 
 
+def host_profile(fn: Callable[[], object], calls: int, top: int, title: str) -> None:
+    """Print a cProfile of `calls` calls of fn (after one warm-up call), the functions with
+    the most own and the most cumulative time: where an eager call's host time goes."""
+    import cProfile
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    print(f"=== {title}: {stats.total_tt / calls * 1e3:.2f} ms of profiled host time per call")
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(top)
+
+
 def gpu_time_per_step(step, n: int = 5) -> tuple[float, list[dict]]:
     """GPU kernel time per step (ms) from torch.profiler, and the kernels behind it: name,
     µs per step and launches per step, longest first."""

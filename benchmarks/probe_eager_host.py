@@ -6,8 +6,6 @@ functions with the most own time and the most cumulative time.
 """
 
 import argparse
-import cProfile
-import pstats
 import sys
 from pathlib import Path
 
@@ -16,23 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_step
+import common
 
 from triton_transformer.cuda_graph import capturable_train_step
-
-
-def profile(fn, calls: int, top: int, title: str) -> None:
-    fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    print(f"=== {title}: {stats.total_tt / calls * 1e3:.2f} ms of profiled host time per call")
-    for key in ("tottime", "cumulative"):
-        stats.sort_stats(key).print_stats(top)
 
 
 def main() -> None:
@@ -54,9 +38,9 @@ def main() -> None:
 
     for _ in range(3):
         infer()
-    profile(infer, 10, args.top, "inference forward")
+    common.host_profile(infer, 10, args.top, "inference forward")
     with torch.autograd.set_multithreading_enabled(False):
-        profile(step, 5, args.top, "training step (backward on the calling thread)")
+        common.host_profile(step, 5, args.top, "training step (backward on the calling thread)")
 
 
 if __name__ == "__main__":
