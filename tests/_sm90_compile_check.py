@@ -151,14 +151,14 @@ for ptr, cfg in (
     compile_sm90(
         matmul_kernels._mm_ptr_kernel, dict(mm_ptrs, A=ptr, B=ptr, C=ptr, R=ptr, AUX=ptr),
         {"drop_scale"},
-        dict(swiglu, DOT_PRECISION="ieee" if ptr == "*fp32" else "tf32", UPCAST=False,
+        dict(swiglu, DOT_PRECISION="ieee" if ptr == "*fp32" else "tf32",
              BLOCK_M=cfg[0], BLOCK_N=cfg[1], BLOCK_K=cfg[2], GROUP_M=8),
     )  # fmt: skip
 print("pointer matmul, SwiGLU epilogue: ok")
 compile_sm90(
     matmul_kernels._mm_ptr_kernel, mm_ptrs, {"drop_scale"},
     dict(RELU_SQUARED=False, HAS_RESIDUAL=False, STORE_AUX=False, DROPOUT=True, SWIGLU=False,
-         DOT_PRECISION="tf32", UPCAST=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+         DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
          RELU2_GRAD=1),
 )  # fmt: skip
 print("pointer matmul, relu² gradient + dropout epilogue: ok")

@@ -67,6 +67,7 @@ from triton_transformer.utils import (
     interpreter_enabled,
     launcher,
     sm_count,
+    widened_for_interpreter,
 )
 
 __all__ = ["ONE_HOT_MAX_VOCAB", "embedding"]
@@ -106,7 +107,7 @@ def _embedding_fwd_kernel(
 @triton.jit
 def _embedding_bwd_partial_kernel(
     DH, IDS, PARTIAL, stride_dh, n_tokens, tokens_per_split, n_vocab, dim,
-    SPLIT_FP32: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_FP32: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """PARTIAL[s] (V, D) fp32 = onehot(ids)ᵀ g over token split s (grid dim 2), one
@@ -137,8 +138,6 @@ def _embedding_bwd_partial_kernel(
             acc = tl.dot(onehot, g1, acc)
             acc = tl.dot(onehot, g2, acc)
             acc = tl.dot(onehot, g3, acc)
-        elif UPCAST:  # the interpreter: no bf16 arithmetic, exact fp32 products
-            acc = tl.dot(hit.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
         else:  # bf16/fp16 gradients: 0/1 times g is exact in g's own type
             acc = tl.dot(hit.to(g.dtype), g, acc)
     v_rows = (split * n_vocab + offs_v).to(tl.int64)
@@ -246,14 +245,6 @@ def _n_splits(n_tokens: int, n_vocab: int, dim: int, device: torch.device) -> in
     return max(1, min(want, by_tokens, by_memory))
 
 
-@functools.cache
-def _bwd_flags(dtype: torch.dtype, interpret: bool) -> dict:
-    return {
-        "SPLIT_FP32": dtype == torch.float32 and not interpret,
-        "UPCAST": interpret,
-    }
-
-
 @triton_op("triton_transformer::embedding", mutates_args=())
 def embedding_op(
     ids: torch.Tensor,
@@ -301,6 +292,8 @@ def embedding_backward_op(
     reduce_tile = _EMBEDDING_BWD_REDUCE_INTERP_CONFIG if interpret else _EMBEDDING_BWD_REDUCE_CONFIG
     n_tokens = b * n
     g = as_rows(dh)
+    if interpret:  # no bf16 arithmetic there: it gets the gradient in fp32
+        (g,) = widened_for_interpreter(g)
     flat_ids = ids.reshape(-1).contiguous()
     if scatter:
         tile = _EMBEDDING_BWD_SCATTER_INTERP_CONFIG if interpret else _EMBEDDING_BWD_SCATTER_CONFIG
@@ -326,7 +319,10 @@ def embedding_backward_op(
             grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
             launcher(_embedding_bwd_partial_kernel)[grid](
                 g, flat_ids, partial, g.stride(0), n_tokens, per_split,
-                n_vocab, dim, **_bwd_flags(g.dtype, interpret), **tile,
+                n_vocab, dim,
+                # the split exists for the GPU's tf32 products; the interpreter's fp32 ones
+                # are exact, and it rounds casts to bf16 by truncation
+                SPLIT_FP32=g.dtype == torch.float32 and not interpret, **tile,
             )  # fmt: skip
         reduce_vocab = n_vocab
     # dW from the partials (one-hot path) and dP; the scatter path's dP alone, with g as the

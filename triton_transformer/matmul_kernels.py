@@ -3,7 +3,8 @@
 
 - `_mm_ptr_kernel`: the pointer-based (strided, batched) matmul, one program per output tile:
   other GPUs, fp32, batched products, decode-sized problems, layouts TMA cannot describe,
-  and the interpreter (small tiles, bf16 multiplied in fp32: `UPCAST`, `_round_bf16`).
+  and the interpreter (small tiles; `launch_mm_ptr` hands it bf16 operands and outputs as
+  fp32 buffers, so the kernel carries no interpreter flag).
 - `_mm_tma_kernel`: the persistent Hopper matmul, tiles loaded through device-side tensor
   descriptors, a transposed operand transposed in shared memory; `_mm_tma_tuned` is it
   autotuned over `_tma_configs()` per `_TMA_KEY`. With split K its fp32 partials are summed
@@ -56,15 +57,6 @@ def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16(x):
-    """Interpreter only: round fp32 to the nearest bf16 (ties to even), as GPUs do when they
-    cast; the interpreter truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _relu2_slope(s, drop_scale, FROM_SQUARE: tl.constexpr, DROPOUT: tl.constexpr):
     """2·relu(pre) in fp32 from a tile s of what the forward kept: relu(pre) itself, or with
     FROM_SQUARE its output y = relu(pre)² (· drop_scale where the mask kept it; where it
@@ -96,7 +88,6 @@ def _epilogue(
     RELU_SQUARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_AUX: tl.constexpr,
-    ROUND_AUX: tl.constexpr,
     DROPOUT: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
@@ -112,8 +103,6 @@ def _epilogue(
         acc = tl.maximum(acc, 0.0)
         if STORE_AUX:
             aux = acc
-            if ROUND_AUX:
-                aux = _round_bf16(aux)
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
             tl.store(aux_ptrs, aux.to(AUX.dtype.element_ty), mask=mask)
@@ -129,18 +118,15 @@ def _epilogue(
 
 
 @triton.jit
-def _swiglu_epilogue(g, u, AUX, offs_m, offs_n, M, N, stride_xm, ROUND_AUX: tl.constexpr):
+def _swiglu_epilogue(g, u, AUX, offs_m, offs_n, M, N, stride_xm):
     """silu(g) * u of the fp32 gate and up tiles (rows offs_m, columns offs_n of the (M, N)
     output, int64), the pointer kernel's SWIGLU epilogue; also stores g and u to AUX (M, 2·N;
     row stride stride_xm, unit column stride) in the weight's [gate | up] layout: the
     pre-activations the backward needs."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     aux_ptrs = AUX + offs_m[:, None] * stride_xm + offs_n[None, :]
-    g_aux, u_aux = g, u
-    if ROUND_AUX:
-        g_aux, u_aux = _round_bf16(g), _round_bf16(u)
-    tl.store(aux_ptrs, g_aux.to(AUX.dtype.element_ty), mask=mask)
-    tl.store(aux_ptrs + N, u_aux.to(AUX.dtype.element_ty), mask=mask)
+    tl.store(aux_ptrs, g.to(AUX.dtype.element_ty), mask=mask)
+    tl.store(aux_ptrs + N, u.to(AUX.dtype.element_ty), mask=mask)
     return silu_mul(g, u)
 
 
@@ -175,7 +161,6 @@ def _mm_ptr_kernel(
     DROPOUT: tl.constexpr,
     SWIGLU: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -221,21 +206,16 @@ def _mm_ptr_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if UPCAST:  # interpreter only: no bf16 arithmetic there, so multiply in fp32
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if SWIGLU:
             bu = tl.load(bu_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-            if UPCAST:
-                bu = bu.to(tl.float32)
             acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
             bu_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
     if SWIGLU:
-        acc = _swiglu_epilogue(acc, acc_u, AUX, offs_m, offs_n, M, N, stride_xm, UPCAST)
+        acc = _swiglu_epilogue(acc, acc_u, AUX, offs_m, offs_n, M, N, stride_xm)
     else:
         seed = 0
         if DROPOUT:
@@ -247,10 +227,8 @@ def _mm_ptr_kernel(
         acc = _epilogue(
             acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed, threshold,
             tl.cast(drop_scale, tl.float32), pid_n * BLOCK_N, RELU_SQUARED, HAS_RESIDUAL,
-            STORE_AUX, UPCAST, DROPOUT, BLOCK_N,
+            STORE_AUX, DROPOUT, BLOCK_N,
         )  # fmt: skip
-    if UPCAST and C.dtype.element_ty == tl.bfloat16:
-        acc = _round_bf16(acc)  # as a GPU's cast would (a wider C keeps the fp32 sum)
     c_ptrs = C + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -411,7 +389,7 @@ def _mm_tma_kernel(
                 part = _epilogue(
                     part, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
                     threshold, drop_scale, off_n + h * SUB_N, RELU_SQUARED, HAS_RESIDUAL,
-                    STORE_AUX, False, DROPOUT, SUB_N,
+                    STORE_AUX, DROPOUT, SUB_N,
                 )  # fmt: skip
                 c_desc.store([off_m, off_n + h * SUB_N], part.to(C.dtype.element_ty))
         else:
@@ -421,8 +399,8 @@ def _mm_tma_kernel(
                 acc *= _relu2_slope(s, drop_scale, RELU2_GRAD == 2, DROPOUT)
             acc = _epilogue(
                 acc, R, AUX, offs_m, offs_n, M, N, stride_rm, stride_rn, stride_xm, seed,
-                threshold, drop_scale, off_n, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, False,
-                DROPOUT, BLOCK_N,
+                threshold, drop_scale, off_n, RELU_SQUARED, HAS_RESIDUAL, STORE_AUX, DROPOUT,
+                BLOCK_N,
             )  # fmt: skip
             c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
 

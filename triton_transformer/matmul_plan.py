@@ -105,6 +105,7 @@ from triton_transformer.utils import (
     launcher,
     next_power_of_2,
     tma_scratch,
+    widened_for_interpreter,
 )
 
 # Which GEMM runs a problem on CUDA: "auto" (cuBLAS for whatever it computes whole, relu²
@@ -431,14 +432,18 @@ def launch_mm_ptr(
     has_residual = r is not None
     if grad is not None:  # the epilogue reads s where a residual would be
         r = grad[0]
+    c_out, aux_out = c, aux
+    if interpret:
+        # Triton's interpreter has no bf16 arithmetic and rounds stores to bf16 by truncation:
+        # it gets fp32 operands and writes fp32 buffers, cast here as a GPU's store rounds
+        a, b, r = widened_for_interpreter(a, b, r)
+        c, aux = _fp32_buffer(c), _fp32_buffer(aux)
     batch, M, K = a.shape
     N = c.shape[2]
     block_m, block_n, block_k, group_m, num_warps, num_stages = cfg
-    # Interpreter only: it has no bf16 arithmetic, so bf16 tiles are multiplied in fp32.
-    upcast = interpret and a.dtype == torch.bfloat16
     # ieee: exact fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16 operands
     # ignore the setting and always use tensor cores.
-    precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
     rs = r.stride()[-2:] if r is not None else (0, 0)
     xs = aux.stride(-2) if aux is not None else N
     grid_mn = cdiv(M, block_m) * cdiv(N, block_n)
@@ -453,10 +458,20 @@ def launch_mm_ptr(
             M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], xs,
             *_dropout_args(drop, c_),
             RELU_SQUARED=relu_squared, HAS_RESIDUAL=has_residual, STORE_AUX=aux is not None,
-            DROPOUT=drop is not None, SWIGLU=swiglu, DOT_PRECISION=precision, UPCAST=upcast,
+            DROPOUT=drop is not None, SWIGLU=swiglu, DOT_PRECISION=precision,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             RELU2_GRAD=_relu2_grad_flag(grad), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
+    for out, buffer in ((c_out, c), (aux_out, aux)):
+        if out is not buffer:
+            out.copy_(buffer)
+
+
+def _fp32_buffer(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An fp32 stand-in for a bf16 output of an interpreted launch (t itself otherwise)."""
+    if t is None or t.dtype != torch.bfloat16:
+        return t
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device)
 
 
 def _relu2_grad_flag(grad: tuple[torch.Tensor, bool] | None) -> int:

@@ -310,13 +310,13 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
 
 
-def widened_for_interpreter(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def widened_for_interpreter(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The kernels' input tensors as Triton's interpreter must get them: it has no bf16
     arithmetic (and rounds conversions to bf16 by truncation), so bf16 inputs are passed as
     fp32 copies there and the kernel runs its fp32 path; the kernels themselves carry no
-    interpreter flag. Outputs keep their dtype (a store rounds into it). Call only where
-    `interpreter_enabled()`: compiled launches take the tensors as they are."""
-    return tuple(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)
+    interpreter flag. None passes through. Call only where `interpreter_enabled()`: compiled
+    launches take the tensors as they are."""
+    return tuple(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors)
 
 
 @functools.cache
