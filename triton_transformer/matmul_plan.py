@@ -462,9 +462,10 @@ def launch_mm_ptr(
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             RELU2_GRAD=_relu2_grad_flag(grad), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
-    for out, buffer in ((c_out, c), (aux_out, aux)):
-        if out is not buffer:
-            out.copy_(buffer)
+    if interpret:
+        for out, buffer in ((c_out, c), (aux_out, aux)):
+            if out is not buffer:
+                out.copy_(buffer)  # round to nearest, as a GPU's store does
 
 
 def _fp32_buffer(t: torch.Tensor | None) -> torch.Tensor | None:
