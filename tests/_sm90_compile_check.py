@@ -57,14 +57,17 @@ print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
                 DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32")  # fmt: skip
 # the deterministic two-program kernel, the single pass with dQ added by TMA bulk reductions
-# (Hopper) and by per-element atomics (the interpreter's path)
-# (tile loads through TMA descriptors too, in each); dQ, dK, dV in one packed tensor or three
-for atomic, dq_tma, tma in ((False, False, False), (False, False, True), (True, True, True),
-                            (True, False, False)):  # fmt: skip
+# (Hopper) and by per-element atomics (the interpreter's path), tile loads through pointers or
+# TMA descriptors; dQ, dK, dV in one packed tensor or three. (True, True, False, True) is the
+# single pass as torch.compile traces the model's packed attention (TMA reductions, pointer
+# loads).
+for atomic, dq_tma, tma, packed in ((False, False, False, False), (False, False, True, True),
+                                    (True, True, True, True), (True, False, False, False),
+                                    (True, True, False, True)):  # fmt: skip
     compile_sm90(
         attn._attention_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
         dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic,
-             DQ_TMA=dq_tma, TMA=tma, PACKED_GRADS=tma),
+             DQ_TMA=dq_tma, TMA=tma, PACKED_GRADS=packed),
     )  # fmt: skip
 compile_sm90(
     attn._attention_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},

@@ -660,15 +660,25 @@ def test_gpu_compiles_without_graph_breaks(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("traced_single_pass", [True, False])
 @pytest.mark.parametrize(
     "d, causal, kv_heads", [(64, True, 4), (128, True, 4), (64, False, 4), (64, True, 2)]
 )
-def test_gpu_compiled_gradients_match_eager(d, causal, kv_heads, device, monkeypatch):
-    """Traced launches (pointer loads, the two-program backward) give eager's gradients (the
-    single pass with TMA dQ reductions for causal attention)."""
+def test_gpu_compiled_gradients_match_eager(
+    d, causal, kv_heads, traced_single_pass, device, monkeypatch
+):
+    """Traced launches (pointer loads; the single pass with TMA dQ reductions for causal
+    attention, or the two-program backward with TRACED_SINGLE_PASS off) give eager's
+    gradients (the single pass with TMA tile loads too, for causal attention)."""
     import triton_transformer.attention as attention_module
+    from triton_transformer.utils import compile_tma
 
     torch._dynamo.reset()
+    monkeypatch.setattr(attention_module, "TRACED_SINGLE_PASS", traced_single_pass)
+    # the flag is read while the backward is traced: a graph cached by another test (the
+    # same function with the other flag) would skip the trace
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     passes = []
     single_pass = attention_module._single_pass
 
@@ -692,7 +702,9 @@ def test_gpu_compiled_gradients_match_eager(d, causal, kv_heads, device, monkeyp
 
     want = grads(f)
     got = grads(torch.compile(f))
-    assert passes[0] == causal and not passes[-1]  # eager: the single pass where causal
+    assert len(passes) == 2  # one eager launch, one traced
+    assert passes[0] == causal  # eager: the single pass where causal
+    assert passes[-1] == (causal and traced_single_pass and compile_tma())
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) < 2e-2
 

@@ -36,8 +36,10 @@ kernels (`torch.use_deterministic_algorithms` picks):
 - deterministic (no atomics): key-block programs accumulate dK, dV over the query blocks that
   see them, query-block programs accumulate dQ over the key blocks they see; P is computed
   twice per tile (7 tile products);
-- single pass (default for causal attention, where it measured faster): only key-block
-  programs, each adding its share of dQ to an fp32 sum with one TMA bulk reduction per tile
+- single pass (default for causal attention where it measured faster: eager on Hopper, and
+  compiled where `utils.compile_tma()` says inductor can launch it):
+  only key-block programs, each adding its share of dQ to an fp32 sum with one TMA bulk
+  reduction per tile
   (5 tile products); a last kernel scales and casts dQ. The order of the additions varies
   from run to run, so dQ does in its last bits.
 
@@ -84,6 +86,7 @@ from triton_transformer.utils import (
     call_op,
     check_dropout_p,
     check_triton_tensor,
+    compile_tma,
     dropout_threshold,
     first_order_only,
     interpreter_enabled,
@@ -955,15 +958,25 @@ def _has_tma(device: torch.device) -> bool:
 # against 305), and in the forward slower at every shape tried (d64 causal 264 against 308).
 TMA_LOADS = True
 
+# Whether a traced backward (torch.compile) may take the single pass (its dQ reductions go
+# through a device-side TMA descriptor, its tiles through pointer loads); False keeps the
+# two-program kernel there. Read when the backward is traced: a compiled graph keeps the
+# kernel it was traced with, and so do inductor's FX-graph and AOTAutograd caches, on disk
+# across processes (turn them off, or clear them, after changing it). The compiled enwik8
+# step trains with it (H200, 2026-11-26: 7.67 against 7.83 GPU ms per step,
+# `benchmarks/probe_compile.py`).
+TRACED_SINGLE_PASS = True
+
 
 def _tma_loads(*tensors: torch.Tensor) -> bool:
     """TMA tile loads for these (b, h, n, d) views: unit stride along d, 16-byte aligned
     starts and row / head / batch strides (judged by the storage offset: PyTorch aligns
     storages), 2-byte elements, a Hopper GPU, and no tracing. (Traced with inductor's scratch
     allocator, `utils.compile_tma`, a compiled attention passed its unit test but the compiled
-    enwik8 training step hit an illegal memory access in them on an H200, torch 2.11 / triton
-    3.6, 2026-11-25, where the same step without them trained: attention keeps the pointer
-    loads and the two-program backward under torch.compile until that is understood.)"""
+    enwik8 training step hit an illegal memory access on an H200, torch 2.11 / triton 3.6,
+    2026-11-25, where the same step without TMA trained; the single pass's TMA dQ reductions
+    alone train there (2026-11-26, `TRACED_SINGLE_PASS`), so the tile loads are the suspect:
+    traced launches keep pointer loads until that is understood.)"""
     t0 = tensors[0]
     if not (TMA_LOADS and _has_tma(t0.device)) or is_traced(t0):
         return False
@@ -1099,9 +1112,10 @@ def launch_attention_bwd(
         dout, q, k, v = widened_for_interpreter(dout, q, k, v)
     meta = _launch_meta(q, k, v)
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
-    # slower than the two-program kernel there). Under torch.compile (fake tensors) the
-    # two-program kernel runs: see `_tma_loads` on traced launches.
-    dq_tma = _has_tma(q.device) and not is_traced(q)
+    # slower than the two-program kernel there). Traced (torch.compile), it runs where
+    # inductor sets Triton's scratch allocator (`utils.compile_tma`) and TRACED_SINGLE_PASS
+    # allows it; its tile loads stay pointer loads there (see `_tma_loads`).
+    dq_tma = _has_tma(q.device) and (not is_traced(q) or (TRACED_SINGLE_PASS and compile_tma()))
     atomic = _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
