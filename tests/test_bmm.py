@@ -250,6 +250,62 @@ def test_reuse_weight_casts_shares_one_copy_until_the_weight_changes(device):
     assert bmm_module._weight_casts is None  # copies dropped on exit
 
 
+def test_reuse_weight_casts_with_a_dtype_serve_traced_code(device):
+    # reuse_weight_casts(module, dtype) casts the module's linears at entry and hangs each copy
+    # on its weight, where code torch.compile traces reads it as a graph input: a compiled
+    # module returns the copy itself (not a cast of its own, which would run per call), a new
+    # context's new copies need no recompilation, and without a context it casts again.
+    from torch._dynamo.testing import CompileCounter
+
+    class Reads(torch.nn.Module):  # the model's route: a weight reached through a submodule
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(40, 24, bias=False)
+
+        def forward(self, x):
+            return bmm_module._weight_in(self.lin.weight, x.dtype) * x.sum()
+
+    torch._dynamo.reset()
+    net = Reads().to(device)
+    weight = net.lin.weight
+    counter = CompileCounter()
+    compiled = torch.compile(net, backend=counter)
+    x = torch.ones(2, dtype=torch.bfloat16, device=device)
+    for step in range(2):
+        with bmm_module.reuse_weight_casts(net, torch.bfloat16):
+            copy = getattr(weight, bmm_module.TRACED_CAST)
+            assert copy.dtype == torch.bfloat16
+            assert bmm_module._weight_in(weight, torch.bfloat16) is copy  # eager: the same
+            copy.fill_(7.0 + step)  # only a read of the copy itself returns this
+            assert torch.equal(compiled(x), 2 * copy)
+        assert not hasattr(weight, bmm_module.TRACED_CAST)  # dropped on exit
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled(x), 2 * weight.detach().to(torch.bfloat16))
+    assert counter.frame_count == 2  # no copy: another graph, which casts
+
+
+def test_reuse_weight_casts_hung_copies_leave_with_their_context(device):
+    # A nested context shares the outer one's copies; fresh_weight_casts (block graphs'
+    # captures) takes them off the weights and puts them back; an exception inside the
+    # context still takes them off; a dtype without a module is refused.
+    net = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False)).to(device)
+    weight = net[0].weight
+    with bmm_module.reuse_weight_casts(net, torch.bfloat16):
+        outer = getattr(weight, bmm_module.TRACED_CAST)
+        with bmm_module.reuse_weight_casts(net, torch.bfloat16):
+            assert getattr(weight, bmm_module.TRACED_CAST) is outer
+        with bmm_module.fresh_weight_casts(net):
+            assert not hasattr(weight, bmm_module.TRACED_CAST)
+        assert getattr(weight, bmm_module.TRACED_CAST) is outer
+    with pytest.raises(KeyError), bmm_module.reuse_weight_casts(net, torch.bfloat16):
+        assert hasattr(weight, bmm_module.TRACED_CAST)
+        raise KeyError("inside")
+    assert not hasattr(weight, bmm_module.TRACED_CAST) and bmm_module._weight_casts is None
+    with pytest.raises(ValueError, match="needs the module"):
+        bmm_module.reuse_weight_casts(None, torch.bfloat16).__enter__()
+    assert bmm_module._weight_casts is None
+
+
 class _CountForeachCopies(TorchDispatchMode):
     """Counts `aten._foreach_copy_` calls and the tensors they copy inside the context."""
 

@@ -7,6 +7,7 @@ GPU only: the interpreter cannot run under fake tensors.
 
 import pytest
 import torch
+from helpers import rel_err
 
 from triton_transformer import AutoregressiveWrapper, Transformer
 
@@ -45,3 +46,41 @@ def test_compiled_triton_model_trains_like_eager():
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=2e-2)
     grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_compiled_model_reads_the_steps_weight_casts():
+    # Inside reuse_weight_casts(model, bf16), as a training step opens it, the compiled model
+    # reads the step's bf16 copies of its linears (one foreach cast per step, not one cast
+    # per weight per micro-batch), as the eager model does: its gradients match eager's, and
+    # zeroing the first layer's attention out-projection copy cuts the gradient of that
+    # layer's qkv projection to exactly zero in both. No block graphs: their captures cast
+    # the weights themselves (`bmm.fresh_weight_casts`).
+    from triton_transformer.bmm import TRACED_CAST, reuse_weight_casts
+
+    torch._dynamo.reset()
+    model = Transformer(
+        num_tokens=256, dim=128, depth=2, heads=4, dim_head=32, max_seq_len=128, causal=True,
+        use_triton=True, check_token_ids=False, cuda_graphs=False,
+    )  # fmt: skip
+    model = AutoregressiveWrapper(model).cuda().train()
+    compiled = torch.compile(model)
+    batch = torch.randint(0, 256, (4, 65), device="cuda")
+    names, params = zip(*model.named_parameters(), strict=True)
+    qkv0 = names.index("net.layers.0.0.to_qkv.weight")
+
+    def loss_and_grads(fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(batch)
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    for perturb in (False, True):
+        with reuse_weight_casts(model, torch.bfloat16):
+            if perturb:
+                getattr(model.net.layers[0][0].to_out.weight, TRACED_CAST).zero_()
+            eager_loss, eager_grads = loss_and_grads(model)
+            compiled_loss, compiled_grads = loss_and_grads(compiled)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=2e-2)
+        for name, g, e in zip(names, compiled_grads, eager_grads, strict=True):
+            assert g.dtype == e.dtype and rel_err(g, e) < 3e-2, name
+        for g in (eager_grads[qkv0], compiled_grads[qkv0]):
+            assert (g.abs().max() == 0) == perturb

@@ -406,6 +406,23 @@ class _WeightCasts:
         self.copies: dict[tuple[int, torch.dtype], tuple] = {}
         self.modules = [m for m in modules if m is not None]
         self.batched: set[torch.dtype] = set()
+        self.hung: list[torch.Tensor] = []  # weights carrying a copy for traced code
+        self.hung_dtype: torch.dtype | None = None
+
+    def hang_copies(self, dtype: torch.dtype) -> None:
+        """Set each cast weight's TRACED_CAST attribute to its copy in dtype, for code that
+        torch.compile traces inside the context (`_weight_in`)."""
+        self.hung_dtype = dtype
+        for weight, _, copy in self.copies.values():
+            if copy.dtype == dtype:
+                setattr(weight, TRACED_CAST, copy)
+                self.hung.append(weight)
+
+    def unhang_copies(self) -> None:
+        for weight in self.hung:
+            if hasattr(weight, TRACED_CAST):
+                delattr(weight, TRACED_CAST)
+        self.hung.clear()
 
     def cast_module(self, dtype: torch.dtype) -> None:
         """Cast every nn.Linear weight of the module that is not in dtype, all in one
@@ -431,28 +448,51 @@ class _WeightCasts:
 # The outermost `reuse_weight_casts` context's state (nested ones share it); None outside any.
 _weight_casts: _WeightCasts | None = None
 
+# The attribute on a weight that holds its low-precision copy for traced code, while a
+# `reuse_weight_casts(module, dtype)` context is open: torch.compile cannot consult the eager
+# cache (a global object that changes every step would be a guard failing every step), but
+# reads a tensor attribute of a parameter as one more graph input (a new tensor with the same
+# metadata each step: no recompilation; a model called both inside and outside such contexts
+# compiles one graph for each). Dynamo marks the copy a static input: under
+# mode="reduce-overhead", whose CUDA graphs are recorded per static address, each step's new
+# copies would make inductor re-record them; the default mode (the trainer's) is not affected.
+TRACED_CAST = "_triton_transformer_cast"
+
 
 @contextlib.contextmanager
-def reuse_weight_casts(module: nn.Module | None = None) -> Iterator[None]:
+def reuse_weight_casts(
+    module: nn.Module | None = None, dtype: torch.dtype | None = None
+) -> Iterator[None]:
     """Within this context `linear` casts each wider weight (fp32 under bf16 autocast) to the
     activations' dtype once and reuses that copy: the micro-batches of one optimizer step read
     one bf16 copy per weight instead of casting it again each (the enwik8 config on an H200:
     132 -> 33 cast launches, 379 -> 95 µs per step). A weight changed in place inside the
-    context (its version counter moves) is cast again. Copies are dropped on exit; nested
-    contexts share the outer one's. Not used while torch.compile traces (the compiled graph
-    casts itself).
+    context (its version counter moves) is cast again by eager code. Copies are dropped on
+    exit; nested contexts share the outer one's (their own module and dtype are ignored).
 
     module: the first cast to a dtype inside the context casts every nn.Linear weight of
     `module` at once, one `torch._foreach_copy_` kernel instead of one cast kernel per weight
     (the training steps pass the model).
+    dtype (with module): cast them at entry, and let code that torch.compile traces inside
+    the context read those copies too (it cannot cast lazily: a compiled graph that casts
+    does so on every call, once per micro-batch; see TRACED_CAST). Traced code does not see a
+    weight changed in place inside the context: keep the weights fixed there, as a training
+    step does.
     """
+    if dtype is not None and module is None:
+        raise ValueError("reuse_weight_casts: a dtype needs the module whose weights to cast")
     global _weight_casts
     outer = _weight_casts
-    if outer is None:
-        _weight_casts = _WeightCasts(module)
+    state = _WeightCasts(module) if outer is None else outer
+    _weight_casts = state
     try:
+        if outer is None and dtype is not None:
+            state.cast_module(dtype)
+            state.hang_copies(dtype)
         yield
     finally:
+        if outer is None:
+            state.unhang_copies()
         _weight_casts = outer
 
 
@@ -460,14 +500,20 @@ def reuse_weight_casts(module: nn.Module | None = None) -> Iterator[None]:
 def fresh_weight_casts(*modules: nn.Module) -> Iterator[None]:
     """`reuse_weight_casts(modules)` with a cache of its own, even inside another context: for
     code captured into a CUDA graph, whose replays must cast the weights themselves rather than
-    read an outer context's copies (freed when that context ends)."""
+    read an outer context's copies (freed when that context ends). The outer context's copies
+    for traced code come off the weights meanwhile, for the same reason."""
     global _weight_casts
     outer = _weight_casts
+    hung_dtype = outer.hung_dtype if outer is not None and outer.hung else None
+    if hung_dtype is not None:
+        outer.unhang_copies()
     _weight_casts = _WeightCasts(*modules)
     try:
         yield
     finally:
         _weight_casts = outer
+        if hung_dtype is not None:
+            outer.hang_copies(hung_dtype)
 
 
 def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -476,7 +522,12 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     if weight.dtype == dtype:
         return None
     # is_compiling first: Dynamo then never reads (and guards on) the module global
-    if torch.compiler.is_compiling() or is_traced(weight) or _weight_casts is None:
+    if torch.compiler.is_compiling():
+        copy = getattr(weight, TRACED_CAST, None)  # see TRACED_CAST
+        if copy is not None and copy.dtype == dtype:
+            return copy
+        return weight.detach().to(dtype)
+    if is_traced(weight) or _weight_casts is None:
         return weight.detach().to(dtype)
     casts = _weight_casts
     if casts.modules and dtype not in casts.batched:

@@ -199,6 +199,8 @@ class OptimizerStep:
         is still returned) and the learning-rate schedule (to report the current rate).
     next_batch: returns the next micro-batch (b, n + 1) of token ids, on any device.
     should_stop: asked before every micro-batch after the first (a prompt Ctrl-C).
+    cast_dtype: the autocast dtype the Triton path's weights are cast to, once per step
+        (`bmm.reuse_weight_casts`; compiled code then reads those copies too), or None.
     rng: the streams an interrupted eager step rewinds to.
     """
 
@@ -216,6 +218,7 @@ class OptimizerStep:
         rng: RngStreams,
         autocast: AutocastFactory,
         device: torch.device,
+        cast_dtype: torch.dtype | None = None,
     ) -> None:
         self.train_model = train_model
         self.params_model = params_model
@@ -229,6 +232,7 @@ class OptimizerStep:
         self.rng = rng
         self.autocast = autocast
         self.device = device
+        self.cast_dtype = cast_dtype
         self.phase = "idle"  # see the module docstring
         self.running: int | None = None  # the number of the step `run` was last asked for
         self.rng_at_start: dict | None = None  # the RNG streams before that step's draws
@@ -330,7 +334,7 @@ class OptimizerStep:
         n = self.t.grad_accum_steps
         total = torch.zeros((), device=self.device)
         # the weights are fixed until the optimizer step: one cast of them all, shared
-        with reuse_weight_casts(self.params_model):
+        with reuse_weight_casts(self.params_model, self.cast_dtype):
             for i in range(n):
                 if i and self.should_stop():
                     raise StepInterrupted  # phase stays "forward": the caller discards it
@@ -384,7 +388,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         n = self.t.grad_accum_steps
         batches = self._inputs.device_buffer
-        with reuse_weight_casts(self.params_model):
+        with reuse_weight_casts(self.params_model, self.cast_dtype):
             total = sum(self._micro_batch(batches[i], last=i == n - 1) for i in range(n))
         grad_norm = self._clip()
         self.optimizer.step()

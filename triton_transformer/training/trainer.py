@@ -251,6 +251,7 @@ class Trainer:
             rng=self.rng,
             autocast=self._autocast,
             device=self.device,
+            cast_dtype=self.amp_dtype if m.use_triton else None,
         )
         self.evaluator = Evaluator(
             self.wrapper,  # unwrapped: DDP would add collectives
