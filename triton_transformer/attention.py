@@ -36,10 +36,9 @@ kernels (`torch.use_deterministic_algorithms` picks):
 - deterministic (no atomics): key-block programs accumulate dK, dV over the query blocks that
   see them, query-block programs accumulate dQ over the key blocks they see; P is computed
   twice per tile (7 tile products);
-- single pass (default for causal attention where it measured faster: eager on Hopper, and
-  compiled where `utils.compile_tma()` says inductor can launch it):
-  only key-block programs, each adding its share of dQ to an fp32 sum with one TMA bulk
-  reduction per tile
+- single pass (default for causal attention, where it measured faster: eager on Hopper, and
+  compiled where `utils.compile_tma()` says inductor can launch it): only key-block
+  programs, each adding its share of dQ to an fp32 sum with one TMA bulk reduction per tile
   (5 tile products); a last kernel scales and casts dQ. The order of the additions varies
   from run to run, so dQ does in its last bits.
 
