@@ -10,9 +10,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from triton_transformer import adamw, matmul_kernels
 from triton_transformer import attention as attn
 from triton_transformer import embedding as emb
-from triton_transformer import matmul_kernels
 
 
 def signature(kernel, pointers: dict[str, str], floats: set[str], constants: dict) -> dict:
@@ -184,3 +184,28 @@ compile_sm90(
     dict(HAS_VOCAB=True, HAS_POS=True, BLOCK_R=32, BLOCK_D=128),
 )  # fmt: skip
 print("embedding backward, scatter and positions: ok")
+
+# AdamW over a tensor table (addresses turned into typed pointers in the kernel); eager
+# launches type its float scalars fp32 (it is not traced)
+scalars = dict.fromkeys(
+    ("lr_value", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay",
+     "max_norm", "clip_eps"), "fp32",
+)  # fmt: skip
+for param, grad in (("*fp32", "*fp32"), (bf16, bf16), ("*fp32", bf16)):
+    compile_sm90(
+        adamw._adamw_kernel,
+        dict(scalars, TABLE="*i64", BLOCK_TENSOR="*i32", P0=param, G0=grad, LR="*fp32",
+             CLIP_NORM="*fp32"), set(),
+        dict(LR_ON_DEVICE=True, CLIP=True, BLOCK=4096),
+    )  # fmt: skip
+compile_sm90(
+    adamw._grad_sq_sum_kernel,
+    dict(TABLE="*i64", BLOCK_TENSOR="*i32", G0=bf16, PARTIAL="*fp32"),
+    set(),
+    dict(BLOCK=4096),
+)
+compile_sm90(
+    adamw._write_addresses_kernel,
+    dict(ROWS="*i64", ADDRESSES=("i64",) * adamw.ADDRESSES_PER_LAUNCH), set(), {},
+)
+print("AdamW and the gradient norm over a tensor table: ok")

@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 import torch
 
 from triton_transformer import block_graphs
+from triton_transformer.adamw import AdamW
 from triton_transformer.bmm import reuse_weight_casts
 
 T = TypeVar("T")
@@ -87,16 +88,29 @@ def capture_graph(
 
 
 def capturable_train_step(
-    model: torch.nn.Module, batch: torch.Tensor, lr: float = 1e-3, max_norm: float = 1.0
+    model: torch.nn.Module,
+    batch: torch.Tensor,
+    lr: float = 1e-3,
+    max_norm: float = 1.0,
+    triton_optimizer: bool | None = None,
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A whole training step that obeys the rules above, as a closure for `GraphedStep`: bf16
     autocast forward of `model(batch)` (a loss; the Triton path's bf16 weight copies made by
-    one foreach copy, `bmm.reuse_weight_casts(model)`), backward, global-norm clipping and a fused,
-    capturable AdamW update whose learning rate lives on the device. Returns (loss, grad
-    norm) device tensors. The trainer's own step is `training.step.OptimizerStep`; this
-    minimal one is what the CUDA-graph tests and `benchmarks/bench_step.py` time."""
+    one foreach copy, `bmm.reuse_weight_casts(model)`), backward, global-norm clipping and a
+    capturable AdamW update whose learning rate lives on the device. `triton_optimizer`: the
+    package's `adamw.AdamW` (clip folded into its launch) instead of torch's fused AdamW and
+    `clip_grad_norm_`; None: the package's when the model or a module inside it (a
+    wrapped `Transformer`) has `use_triton` set. Returns (loss, grad norm) device tensors.
+    The trainer's own step is `training.step.OptimizerStep`; this minimal one is what the
+    CUDA-graph tests and `benchmarks/bench_step.py` time."""
+    if triton_optimizer is None:
+        triton_optimizer = any(getattr(m, "use_triton", False) is True for m in model.modules())
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=torch.tensor(lr, device="cuda"), fused=True, capturable=True)
+    lr_tensor = torch.tensor(lr, device="cuda")
+    if triton_optimizer:
+        opt = AdamW(params, lr=lr_tensor, use_triton=True)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr_tensor, fused=True, capturable=True)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         opt.zero_grad(set_to_none=True)  # capture then allocates the grads in its pool
@@ -104,7 +118,10 @@ def capturable_train_step(
         with reuse_weight_casts(model), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(batch)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if triton_optimizer:
+            norm = opt.clip_grad_norm(max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         opt.step()
         return loss.detach(), norm
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from triton_transformer.adamw import AdamW
 from triton_transformer.bmm import reuse_weight_casts
 from triton_transformer.cuda_graph import GraphedStep, StaticInputs
 from triton_transformer.training.config import TrainConfig
@@ -84,21 +85,29 @@ class StepInterrupted(KeyboardInterrupt):
 
 
 def make_optimizer(
-    model: nn.Module, t: TrainConfig, device: torch.device, capturable: bool = False
-) -> torch.optim.AdamW:
+    model: nn.Module,
+    t: TrainConfig,
+    device: torch.device,
+    capturable: bool = False,
+    use_triton: bool = False,
+) -> torch.optim.Optimizer:
     """AdamW that decays matrices and embeddings, not norm weights (nanoGPT's split).
 
-    Fused on CUDA. `capturable` (for a CUDA-graph step) also keeps the learning rate in a
-    device tensor, which the LR scheduler fills in place, so a replayed update reads the
-    current rate instead of the one baked in at capture.
+    `use_triton`: the package's `adamw.AdamW` (one Triton launch per group, the grad-norm
+    clip folded into it; its step counts and a tensor lr live on the device, so it is always
+    capturable). Otherwise torch's, fused on CUDA. `capturable` (for a CUDA-graph step) keeps
+    the learning rate in a device tensor, which the LR scheduler fills in place, so a
+    replayed update reads the current rate instead of the one baked in at capture.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    fused = device.type == "cuda"
     lr = torch.tensor(t.lr, device=device) if capturable else t.lr
+    if use_triton:
+        return AdamW(groups, lr=lr, betas=(t.beta1, t.beta2), use_triton=True)
+    fused = device.type == "cuda"
     return torch.optim.AdamW(
         groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused, capturable=capturable
     )
@@ -358,7 +367,10 @@ class OptimizerStep:
 
     def _clip(self) -> torch.Tensor:
         # the gradients are the mean over all ranks here, so the norm is the same everywhere;
-        # clip_grad_norm_ never reads the norm on the host, so it can be captured
+        # neither clip reads the norm on the host, so both can be captured. The package's
+        # AdamW applies its clip while reading the gradients in `step`.
+        if isinstance(self.optimizer, AdamW):
+            return self.optimizer.clip_grad_norm(self.max_norm)
         return nn.utils.clip_grad_norm_(self.params_model.parameters(), self.max_norm).float()
 
     def _update(self) -> None:

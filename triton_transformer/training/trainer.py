@@ -215,7 +215,9 @@ class Trainer:
             dist=self.dist,
             cuda_graph=cuda_graph,
         )
-        optimizer = make_optimizer(self.model, t, self.device, capturable=cuda_graph)
+        optimizer = make_optimizer(
+            self.model, t, self.device, capturable=cuda_graph, use_triton=m.use_triton
+        )
         if self.dist.rank > 0:
             # from here on each rank needs its own dropout masks (rank 0 keeps the stream a
             # single process would have)
