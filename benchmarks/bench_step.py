@@ -22,6 +22,11 @@ Presets (`PRESETS`): small (alias enwik8: d512, depth 8, seq 512, batch 16, byte
 (GPT-2 small's shape: d768, depth 12, 12 heads, seq 1024, batch 16, vocab 50,304) and large
 (d1024, depth 12, seq 2048, batch 8, bytes). Random tokens from the preset's vocabulary.
 
+`--optimizer auto|torch|both`: the Triton model's optimizer step, the package's AdamW (clip
+folded into its launch; "auto", the default, as `capturable_train_step` picks by `use_triton`)
+or torch's fused AdamW + `clip_grad_norm_` ("torch"); "both" measures each Triton case twice.
+The other providers always run torch's.
+
 `--fused-loss on|off|both` (where `Transformer` has `fused_loss`): the Triton model's loss as
 the fused output projection + cross entropy in chunks, or logits then cross entropy; "both"
 measures each Triton case twice. Default: the model's own default.
@@ -178,14 +183,18 @@ def measure(
     steps: int,
     fused_loss: bool | None = None,
     block: str = "classic",
+    torch_optimizer: bool = False,
 ) -> dict:
-    """One case: tokens/s, wall and GPU time per step, peak memory, MFU, and its kernels."""
+    """One case: tokens/s, wall and GPU time per step, peak memory, MFU, and its kernels.
+    torch_optimizer: torch's fused AdamW even for the Triton model."""
     torch.manual_seed(0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(provider, mode, p, dropout, fused_loss, block)
     batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
-    step = capturable_train_step(model, batch, lr=3e-4)
+    step = capturable_train_step(
+        model, batch, lr=3e-4, triton_optimizer=provider == "triton" and not torch_optimizer
+    )
     if mode in ("graph", "compile-graph"):
         step = GraphedStep(step, warmup_steps=3)
     for _ in range(5 if mode.startswith("compile") else 4):  # compile / capture / autotune
@@ -204,6 +213,7 @@ def measure(
         "mode": mode,
         "dropout": dropout,
         "fused loss": fused_loss_of(model, provider),
+        "optimizer": optimizer_label(provider, torch_optimizer),
         "tokens/s": tok_s,
         "ms/step": wall_ms,
         "gpu ms/step": gpu_ms,
@@ -245,8 +255,9 @@ CATEGORIES = (
 # Attention comes before matmul (cuDNN's and FlashAttention's names hold "sm90", "cutlass"),
 # and the optimizer before layernorm (the grad-norm clip's "LpNorm" is not a layer norm).
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # fused AdamW and the foreach grad-norm clip: multi_tensor_apply kernels, lpnorm_cleanup
-    ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm")),
+    # fused AdamW and the foreach grad-norm clip: multi_tensor_apply kernels, lpnorm_cleanup;
+    # ours: _adamw_kernel, _grad_sq_sum_kernel
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm", "_grad_sq_sum")),
     # ours (_attention_fwd/_bwd/_dq/_delta/_combine kernels); PyTorch's SDPA: FlashAttention
     # (flash_fwd/bwd), cuDNN (cudnn_generated_..._sdpa_..._fprop/bprop), mem-efficient (fmha)
     ("attention", ("_attn_", "flash", "fmha", "cudnn", "sdpa", "_attention")),
@@ -309,6 +320,8 @@ def breakdown_tables(rows: list[dict]) -> str:
         title = f"{r['provider']} {r['mode']}, dropout {r['dropout']}"
         if r.get("fused loss", "-") != "-":
             title += f", fused loss {r['fused loss']}"
+        if r["provider"] == "triton":
+            title += f", optimizer {r.get('optimizer', 'torch')}"
         other = f"sdpa-gpt {ref['mode']}" if ref else "sdpa-gpt (not measured)"
         lines += [f"## {title} vs {other}", "", "| category | ours ms | sdpa-gpt ms | ratio |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -339,6 +352,17 @@ def fused_loss_of(model: nn.Module, provider: str) -> str:
     return fused_label(None if provider != "triton" else fused)
 
 
+def optimizer_label(provider: str, torch_optimizer: bool) -> str:
+    return "ours" if provider == "triton" and not torch_optimizer else "torch"
+
+
+def optimizer_settings(arg: str, provider: str) -> list[bool]:
+    """The torch_optimizer values to measure a provider with, for --optimizer."""
+    if provider != "triton" or arg == "auto":
+        return [False]
+    return [True] if arg == "torch" else [False, True]
+
+
 def fused_settings(arg: str | None, provider: str) -> list[bool | None]:
     """The fused_loss values a case runs with: `--fused-loss` applies to the Triton
     Transformer only (the PyTorch path never fuses the loss), and only where it exists."""
@@ -357,6 +381,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="kernels listed per case")
     ap.add_argument("--fused-loss", choices=("on", "off", "both"), default=None,
                     help="the Triton model's fused_loss (default: the model's own)")  # fmt: skip
+    ap.add_argument("--optimizer", choices=("auto", "torch", "both"), default="auto",
+                    help="the Triton model's optimizer (auto: the package's AdamW)")  # fmt: skip
     ap.add_argument("--loss-chunk-rows", type=int, default=None,
                     help="rows per chunk of the fused loss (default: the module's)")  # fmt: skip
     ap.add_argument("--block", choices=list(BLOCKS), default="classic",
@@ -377,19 +403,23 @@ def main() -> None:
     for dropout in args.dropout:
         for provider, mode in cases:
             for fused in fused_settings(args.fused_loss, provider):
-                try:
-                    row = measure(provider, mode, p, dropout, args.steps, fused, args.block)
-                except Exception as e:  # one failing configuration must not hide the others
-                    row = {
-                        "provider": provider,
-                        "mode": mode,
-                        "dropout": dropout,
-                        "fused loss": fused_label(fused),
-                        "error": repr(e)[:300],
-                    }
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-                torch._dynamo.reset()
+                for torch_opt in optimizer_settings(args.optimizer, provider):
+                    try:
+                        row = measure(
+                            provider, mode, p, dropout, args.steps, fused, args.block, torch_opt
+                        )
+                    except Exception as e:  # one failing configuration must not hide others
+                        row = {
+                            "provider": provider,
+                            "mode": mode,
+                            "dropout": dropout,
+                            "fused loss": fused_label(fused),
+                            "optimizer": optimizer_label(provider, torch_opt),
+                            "error": repr(e)[:300],
+                        }
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+                    torch._dynamo.reset()
     for r in rows:
         if "kernels" in r:
             r["breakdown ms"] = breakdown(r["kernels"])
@@ -399,14 +429,15 @@ def main() -> None:
             {"env": common.env_info(), "preset": p, "ceilings": ceil, "rows": rows}, indent=1
         )
     )
-    keys = ["provider", "mode", "dropout", "fused loss", "tokens/s", "ms/step", "gpu ms/step",
-            "gpu busy", "peak MiB", "MFU", "loss"]  # fmt: skip
+    keys = ["provider", "mode", "dropout", "fused loss", "optimizer", "tokens/s", "ms/step",
+            "gpu ms/step", "gpu busy", "peak MiB", "MFU", "loss"]  # fmt: skip
     env = common.env_info()
     lines = [
         f"# Training step, preset {args.preset}, {args.block} block: {p}",
         "",
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
-        f"bf16 autocast, fused AdamW; measured bf16 peak {ceil['bf16_tflops']:.0f} TFLOP/s; "
+        "bf16 autocast; optimizer: torch's fused AdamW or ours (column); "
+        f"measured bf16 peak {ceil['bf16_tflops']:.0f} TFLOP/s; "
         f"{flops_per_token(p) / 1e9:.2f} GFLOP per token (`flops_per_token`). "
         "ratio = tokens/s over sdpa-gpt (compile, reduce-overhead) at the same dropout.",
         "",

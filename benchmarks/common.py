@@ -290,6 +290,8 @@ def kernel_tables(rows: list[dict], top: int) -> str:
             what += f", dropout {r['dropout']}"
         if r.get("fused loss", "-") != "-":
             what += f", fused loss {r['fused loss']}"
+        if "optimizer" in r:
+            what += f", optimizer {r['optimizer']}"
         lines += [
             f"## {what}: "
             f"{r['gpu ms/step']:.2f} ms, {sum(k['calls/step'] for k in r['kernels']):.0f} "
