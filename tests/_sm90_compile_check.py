@@ -206,6 +206,8 @@ compile_sm90(
 )
 compile_sm90(
     adamw._write_addresses_kernel,
-    dict(ROWS="*i64", ADDRESSES=("i64",) * adamw.ADDRESSES_PER_LAUNCH), set(), {},
+    dict(ROWS="*i64", ADDRESSES=("i64",) * adamw.ADDRESSES_PER_LAUNCH),
+    set(),
+    {},
 )
 print("AdamW and the gradient norm over a tensor table: ok")

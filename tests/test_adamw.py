@@ -166,6 +166,25 @@ def test_params_without_gradient_are_skipped(device):
     assert float(opt.state[a]["step"]) == 1
 
 
+def test_a_gradient_that_comes_and_goes(device):
+    """The cached launch lists (every parameter with a gradient) are left as soon as one
+    gradient is missing, and taken up again: each step updates exactly the parameters that
+    have a gradient, as the reference optimizer does."""
+    params = [off_centre((n,), torch.float32, device).requires_grad_() for n in (5, 6, 7)]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ours = AdamW(params, lr=1e-2, use_triton=True)
+    ref = AdamW(twins, lr=1e-2, use_triton=False)
+    for present in ((0, 1, 2), (0, 2), (0, 1, 2), (1,), (0, 1)):
+        for i, (p, q) in enumerate(zip(params, twins, strict=True)):
+            g = off_centre(p.shape, torch.float32, device) if i in present else None
+            p.grad, q.grad = g, None if g is None else g.clone()
+        ours.step()
+        ref.step()
+        for p, q in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert [float(ours.state[p]["step"]) for p in params] == [4.0, 4.0, 3.0]
+
+
 def test_mixed_dtypes_and_non_contiguous_params(device):
     """fp32 and bf16 parameters in one group take one launch each; a transposed parameter
     (its state transposed too) takes the reference update; all as float64 says."""

@@ -175,6 +175,7 @@ class TensorTable:
         self, tensors: Sequence[Sequence[torch.Tensor]], key: tuple, like: TensorTable | None = None
     ) -> None:
         params = tensors[0]
+        check_triton_tensor(params[0], "a parameter")  # on CUDA (or the interpreter)
         device = params[0].device
         self.key, self.block = key, BLOCK
         self.numels = tuple(p.numel() for p in params)
@@ -210,9 +211,10 @@ class TensorTable:
 
 
 def table_key(tensors: Sequence[Sequence[torch.Tensor]]) -> tuple:
-    """What a table depends on: every address and element count (a few hundred ns per
-    tensor on the host)."""
-    return tuple(t.data_ptr() for ts in tensors for t in ts) + tuple(p.numel() for p in tensors[0])
+    """What tells a table's tensors apart from one step to the next: the addresses of the
+    parameters and of the gradients (the moments and step counts are the optimizer's own,
+    and move only when a state dict is loaded, which drops the tables)."""
+    return tuple(p.data_ptr() for p in tensors[0]) + tuple(g.data_ptr() for g in tensors[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +359,6 @@ def adamw_(
         else:
             _reference_update(p, g, m, v, s, lr, beta1, beta2, eps, weight_decay, scale)
     for lists in kernel_lists.values():
-        check_triton_tensor(lists[0][0], "a parameter")  # on CUDA (or the interpreter)
         use = table if table is not None and len(kernel_lists) == 1 else None
         if use is None or len(use.rows) != len(lists[0]):
             use = TensorTable(lists, table_key(lists))
@@ -454,6 +455,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.use_triton = use_triton
         self._tables: dict[int, TensorTable] = {}  # per group: the last table used
+        # per group with one launch: (its params list, the last lists, the table)
+        self._last: dict[int, tuple[list, list[list[torch.Tensor]], TensorTable]] = {}
         self._captured: list[TensorTable] = []  # tables a CUDA graph may replay: kept alive
         self._clip: tuple[torch.Tensor, float] | None = None
 
@@ -500,6 +503,38 @@ class AdamW(torch.optim.Optimizer):
                 self._captured.append(table)
         return table
 
+    def _launch_lists(
+        self, index: int, group: dict
+    ) -> tuple[list[list[torch.Tensor]], TensorTable | None]:
+        """(lists, table) for group `index`: `_group_tensors`' lists and `_table`'s table.
+
+        The hot path of an eager loop: when every parameter of the group has a gradient
+        and the group's last call made a table (one launch), only the gradients are read
+        anew, and the table is reused while the parameters' and gradients' addresses hold:
+        a few attribute reads per parameter on the host."""
+        last = self._last.get(index)
+        if last is not None and last[0] is group["params"]:
+            lists, table = last[1], last[2]
+            grads = [p.grad for p in lists[0]]
+            grad_dtype = table.grad0.dtype
+            if all(g is not None and g.dtype == grad_dtype and g.is_contiguous() for g in grads):
+                lists = [lists[0], grads, *lists[2:]]
+                key = table_key(lists)
+                if key != table.key:
+                    table = self._tables[index] = TensorTable(lists, key, like=table)
+                    if _capturing():
+                        self._captured.append(table)
+                self._last[index] = (group["params"], lists, table)
+                return lists, table
+        lists = self._group_tensors(group)
+        table = self._table(index, lists) if self.use_triton and lists[0] else None
+        complete = len(lists[0]) == len(group["params"])
+        if table is not None and complete:
+            self._last[index] = (group["params"], lists, table)
+        else:
+            self._last.pop(index, None)
+        return lists, table
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of every gradient (a 0-dim fp32 device tensor, not read on
@@ -508,15 +543,13 @@ class AdamW(torch.optim.Optimizer):
         max_norm = float(max_norm)
         if not max_norm > 0.0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
-        groups = [self._group_tensors(g) for g in self.param_groups]
-        grads = [g for lists in groups for g in lists[1]]
+        prepared = [self._launch_lists(i, g) for i, g in enumerate(self.param_groups)]
+        grads = [g for lists, _ in prepared for g in lists[1]]
         if not grads:
             raise ValueError("clip_grad_norm: no parameter has a gradient")
-        tables = None
-        if self.use_triton:
-            found = [self._table(i, lists) for i, lists in enumerate(groups) if lists[0]]
-            if all(t is not None for t in found):
-                tables = found
+        tables = [table for lists, table in prepared if lists[0]]
+        if not all(t is not None for t in tables):
+            tables = None
         norm = grad_norm(grads, use_triton=self.use_triton, tables=tables)
         self._clip = (norm, max_norm)
         return norm
@@ -530,16 +563,17 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            lists = self._group_tensors(group)
+            lists, table = self._launch_lists(index, group)
             if not lists[0]:
                 continue
             beta1, beta2 = group["betas"]
-            adamw_(
-                *lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], clip=self._clip,
-                use_triton=self.use_triton,
-                table=self._table(index, lists) if self.use_triton else None,
-            )  # fmt: skip
+            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], clip=self._clip)  # fmt: skip
+            if table is None:
+                adamw_(*lists, use_triton=self.use_triton, **hyper)
+            else:  # checked when the table was made: one launch, no per-tensor checks
+                torch._foreach_add_(lists[4], 1)
+                launch_adamw(table, **hyper)
         self._clip = None
         return loss
 
@@ -552,3 +586,4 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._tables.clear()  # new state tensors: new addresses
+        self._last.clear()
