@@ -584,6 +584,28 @@ def test_config_lookup(tables):
     assert ln_mod._layernorm_bwd_config(30000, 64) == split._replace(block_n=64, sum_block_n=64)
 
 
+def test_config_lookup_residual(monkeypatch, device):
+    # the residual form of a plain LayerNorm takes its own entry where the width class has
+    # one (768 is in the 1024 class); other classes, and the stable norm's residual form,
+    # keep the plain table's
+    big = ln_mod.MAX_BLOCK_N
+    residual = ln_mod._LAYERNORM_BWD_RESIDUAL
+    assert ln_mod._layernorm_bwd_config(768, big, False, True) == residual[1024]
+    assert ln_mod._layernorm_bwd_config(512, big, True, True) == residual[512]
+    assert (
+        ln_mod._layernorm_bwd_config(2048, big, False, True) == ln_mod._LAYERNORM_BWD_CONFIGS[2048]
+    )
+    seen = []
+    real = ln_mod._layernorm_bwd_config
+    monkeypatch.setattr(ln_mod, "_layernorm_bwd_config", lambda *a: seen.append(a) or real(*a))
+    for stable in (False, True):
+        x, w, b = _inputs((4, 100), device=device)
+        _, stats = ln_mod.layernorm_op(x, w, b, 1e-5, stable)
+        dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+        ln_mod.launch_layernorm_bwd(x, x, w, stats, dx, dw, db, 1e-5, stable, dhn2=x)
+    assert [a[3] for a in seen] == [True, False]
+
+
 def test_config_lookup_many_rows():
     # 512-wide plain rows from 32K rows on take the many-rows entry; fewer rows, stable
     # LayerNorm and other widths keep the width class's

@@ -180,6 +180,16 @@ _LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
 _LAYERNORM_BWD_MANY_ROWS: dict[int, tuple[int, BwdConfig]] = {
     512: (32768, BwdConfig("row", 8, 512, 8, 2, prefetch=True)),
 }
+# Backward entries of the residual form (`residual_layernorm`: the downstream gradient of the
+# sum added, the branch gradient written), plain LayerNorm. In the model the residual stream
+# is fp32: 20 bytes per element read and written, against the 6 of the bf16 op the table
+# above was tuned on. H200, `benchmarks/probe_residual_ln_bwd.py` (2026-11-27; 96 "row"
+# configurations; kernel µs, the entry above -> this one): 8192 x 512 28.9 -> 24.6,
+# 16384 x 768 68.3 -> 62.4, 16384 x 1024 79.1 -> 74.5.
+_LAYERNORM_BWD_RESIDUAL: dict[int, BwdConfig] = {
+    512: BwdConfig("row", 4, 512, 2, 4, prefetch=True),
+    1024: BwdConfig("row", 1, 1024, 8, 4, prefetch=True),
+}
 # Column-sum kernel: columns per program, partial rows per step (one step covers up to 256
 # backward programs, so the few column programs are not latency-bound loops) and warps.
 _COLSUM_BLOCK_C = 32
@@ -650,15 +660,21 @@ def _layernorm_fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, b
 
 
 @functools.cache
-def _layernorm_bwd_config(n_cols: int, max_block: int, many_rows: bool = False) -> BwdConfig:
+def _layernorm_bwd_config(
+    n_cols: int, max_block: int, many_rows: bool = False, residual: bool = False
+) -> BwdConfig:
     """The backward configuration for rows of `n_cols`: the `_LAYERNORM_BWD_CONFIGS` entry with
     its blocks capped at the width class and at max_block. A "row" entry whose row no longer fits
     its block (max_block, or a wider class than the entry's) loops over blocks instead.
-    many_rows: the `_LAYERNORM_BWD_MANY_ROWS` entry of the class, where it has one."""
+    many_rows: the `_LAYERNORM_BWD_MANY_ROWS` entry of the class, where it has one; residual
+    (a plain LayerNorm's residual form): the `_LAYERNORM_BWD_RESIDUAL` entry, where it has
+    one."""
     width = width_class(n_cols)
     cfg = _nearest(_LAYERNORM_BWD_CONFIGS, width)
     if many_rows and width in _LAYERNORM_BWD_MANY_ROWS:
         cfg = _LAYERNORM_BWD_MANY_ROWS[width][1]
+    if residual and width in _LAYERNORM_BWD_RESIDUAL:
+        cfg = _LAYERNORM_BWD_RESIDUAL[width]
     block_n = min(cfg.block_n, width, max_block)
     if cfg.kind == "row" and block_n < n_cols:
         return BwdConfig("loop", 1, block_n, cfg.num_warps, cfg.per_sm)
@@ -773,7 +789,8 @@ def launch_layernorm_bwd(
         if exists(dbias):
             dbias.zero_()
         return
-    cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N, _many_rows(M, N, stable))
+    residual = exists(dhn2) and not stable
+    cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N, _many_rows(M, N, stable), residual)
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
