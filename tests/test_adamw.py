@@ -251,6 +251,23 @@ def test_rebuilt_table_equals_a_fresh_one(device):
     assert torch.equal(rebuilt.block_tensor, fresh.block_tensor)
 
 
+def test_no_gradient_outlives_zero_grad(device):
+    """The optimizer keeps no reference to a gradient between steps: zero_grad(set_to_none)
+    frees them (a cached one would hold a whole gradient set through the next backward)."""
+    import weakref
+
+    params = [off_centre((n,), torch.float32, device).requires_grad_() for n in (5, 6)]
+    opt = AdamW(params, lr=1e-2, use_triton=True)
+    for _ in range(3):  # the first step takes the slow path, the later ones the cached lists
+        for p in params:
+            p.grad = off_centre(p.shape, torch.float32, device)
+        refs = [weakref.ref(p.grad) for p in params]
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in refs)
+
+
 def test_zero_grad_drops_an_unused_clip(device):
     p = off_centre((10,), torch.float32, device).requires_grad_()
     twin = p.detach().clone().requires_grad_()

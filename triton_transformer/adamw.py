@@ -455,7 +455,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.use_triton = use_triton
         self._tables: dict[int, TensorTable] = {}  # per group: the last table used
-        # per group with one launch: (its params list, the last lists, the table)
+        # per group with one launch: (its params list, its lists without the gradients, the
+        # table)
         self._last: dict[int, tuple[list, list[list[torch.Tensor]], TensorTable]] = {}
         self._captured: list[TensorTable] = []  # tables a CUDA graph may replay: kept alive
         self._clip: tuple[torch.Tensor, float] | None = None
@@ -524,13 +525,14 @@ class AdamW(torch.optim.Optimizer):
                     table = self._tables[index] = TensorTable(lists, key, like=table)
                     if _capturing():
                         self._captured.append(table)
-                self._last[index] = (group["params"], lists, table)
+                    self._last[index] = (group["params"], last[1], table)
                 return lists, table
         lists = self._group_tensors(group)
         table = self._table(index, lists) if self.use_triton and lists[0] else None
         complete = len(lists[0]) == len(group["params"])
         if table is not None and complete:
-            self._last[index] = (group["params"], lists, table)
+            # no gradients kept: zero_grad(set_to_none=True) must free them
+            self._last[index] = (group["params"], [lists[0], [], *lists[2:]], table)
         else:
             self._last.pop(index, None)
         return lists, table
