@@ -2,7 +2,8 @@
 Triton ops.
 
 For each preset (enwik8, GPT-2 and large shapes, `bench_step.PRESETS`) and provider, the
-training step of `cuda_graph.capturable_train_step` (bf16 autocast, fused AdamW) runs eagerly
+training step of `cuda_graph.capturable_train_step` (bf16 autocast; torch's fused AdamW for
+PyTorch ops, the package's `adamw.AdamW` for Triton ops) runs eagerly
 with autograd's backward on its device worker thread (PyTorch's default) and on the calling
 thread (`torch.autograd.set_multithreading_enabled(False)`, what the trainer does); ms per step
 is the median of 5 x 10 steps. Providers: "torch" (use_triton=False), "triton" (the default:

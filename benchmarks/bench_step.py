@@ -1,7 +1,8 @@
 """End-to-end training steps: tokens/s, peak memory, GPU-busy fraction and MFU, side by side.
 
 One optimizer step = forward + backward of a (batch, seq) batch of random bytes, global
-grad-norm clipping and a fused AdamW update, under bf16 autocast. Providers:
+grad-norm clipping and an AdamW update (torch's fused one; the package's `adamw.AdamW` for
+the Triton model, see --optimizer), under bf16 autocast. Providers:
 
 - `torch` / `triton`: this project's Transformer with PyTorch ops / the Triton kernels, each
   - `eager`: a plain Python step;
