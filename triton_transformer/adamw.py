@@ -11,14 +11,14 @@ parameter p with gradient g, moments m, v and step count t (after this step's in
 
 `adamw_(..., use_triton=False)` runs exactly that with torch ops and defines the semantics;
 `AdamW` is a drop-in `torch.optim.Optimizer` (same hyperparameters, same state keys, so state
-dicts load both ways) whose `step` calls it.
+dicts load both ways) whose `step` runs the Triton form of it, one launch per group.
 
-Why a kernel of our own. torch's fused AdamW is a `multi_tensor_apply` kernel that reaches
-about 60% of copy bandwidth (GPT-2 124M step on an H200: 1.38 ms for 28 bytes per parameter),
-and `clip_grad_norm_` adds a norm pass and an in-place scaling pass over every gradient. Here
-the norm is one pass (`clip_grad_norm`), and the update reads the factor c on the device: the
-gradients are scaled as they are read, never rewritten. (So after `step` the `.grad` tensors
-are the unclipped ones; the update is the clipped one.)
+Why a kernel of our own. torch's fused AdamW reaches 83% of copy bandwidth at the GPT-2
+preset on an H200, but `clip_grad_norm_` adds a norm pass and an in-place scaling pass over
+every gradient: clip and update together run at 66% (1.85 ms for 163 M parameters). Here the
+norm is one pass (`clip_grad_norm`), and the update reads the factor c on the device: the
+gradients are scaled as they are read, never rewritten (1.27 ms, 96%). So after `step` the
+`.grad` tensors are the unclipped ones; the update is the clipped one.
 
 The tensor table. One launch updates every tensor of a group: a device int64 table holds, per
 tensor, the addresses of p, g, m, v and the step count and its element count; an int32 block
@@ -514,7 +514,8 @@ class AdamW(torch.optim.Optimizer):
         anew, and the table is reused while the parameters' and gradients' addresses hold:
         a few attribute reads per parameter on the host."""
         last = self._last.get(index)
-        if last is not None and last[0] is group["params"]:
+        params = group["params"]
+        if last is not None and last[0] is params and len(last[1][0]) == len(params):
             lists, table = last[1], last[2]
             grads = [p.grad for p in lists[0]]
             grad_dtype = table.grad0.dtype
