@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -96,15 +95,6 @@ def providers(params, compile_too: bool) -> dict:
     return out
 
 
-def wall_us(fn, iters: int = 50) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
-
-
 def bench(presets, compile_too: bool) -> list[dict]:
     ceil = common.ceilings()
     rows = []
@@ -116,7 +106,7 @@ def bench(presets, compile_too: bool) -> list[dict]:
                 for _ in range(3):  # state creation, compilation
                     fn()
                 ms = common.kernel_ms(fn)
-                host = wall_us(fn)
+                host = common.wall_us(fn)
             except Exception as e:  # one provider failing must not hide the others
                 print(f"{name} {provider}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

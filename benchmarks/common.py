@@ -102,13 +102,17 @@ def time_op(fn: Callable[[], Any], wall_iters: int = 50) -> dict[str, float]:
     host time per call in a synchronised loop (launch overhead shows when kernels are short)}.
     """
     event_ms = triton.testing.do_bench(fn, return_mode="median")
+    return {"ms": kernel_ms(fn), "event_ms": event_ms, "wall_us": wall_us(fn, wall_iters)}
+
+
+def wall_us(fn: Callable[[], Any], iters: int = 50) -> float:
+    """Host wall time per call of `fn` in a loop synchronised at both ends (µs)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(wall_iters):
+    for _ in range(iters):
         fn()
     torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - start) / wall_iters * 1e6
-    return {"ms": kernel_ms(fn), "event_ms": event_ms, "wall_us": wall_us}
+    return (time.perf_counter() - start) / iters * 1e6
 
 
 def liger() -> Any | None:

@@ -499,9 +499,17 @@ class AdamW(torch.optim.Optimizer):
         key = table_key(lists)
         table = self._tables.get(index)
         if table is None or table.key != key:
-            table = self._tables[index] = TensorTable(lists, key, like=table)
-            if _capturing():
-                self._captured.append(table)
+            table = self._new_table(index, lists, key, table)
+        return table
+
+    def _new_table(
+        self, index: int, lists: list[list[torch.Tensor]], key: tuple, like: TensorTable | None
+    ) -> TensorTable:
+        """A new table for group `index`, cached; kept alive while the optimizer lives when
+        a CUDA graph capture made it (its replays read it)."""
+        table = self._tables[index] = TensorTable(lists, key, like=like)
+        if _capturing():
+            self._captured.append(table)
         return table
 
     def _launch_lists(
@@ -523,9 +531,7 @@ class AdamW(torch.optim.Optimizer):
                 lists = [lists[0], grads, *lists[2:]]
                 key = table_key(lists)
                 if key != table.key:
-                    table = self._tables[index] = TensorTable(lists, key, like=table)
-                    if _capturing():
-                        self._captured.append(table)
+                    table = self._new_table(index, lists, key, table)
                     self._last[index] = (group["params"], last[1], table)
                 return lists, table
         lists = self._group_tensors(group)
