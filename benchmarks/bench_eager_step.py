@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,12 +37,7 @@ KERNELS_KEPT = 25  # the longest kernels of each step, kept in the JSON (where t
 
 
 def ms_per_step(step, steps: int = 10) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
+    return common.wall_us(step, steps) / 1e3
 
 
 def measure(preset: str, provider: str) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import common  # benchmarks/ is the script's directory, first on sys.path
@@ -72,12 +71,7 @@ def liger_cases() -> dict:
 def per_call_us(fn, calls: int) -> float:
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return common.wall_us(fn, calls)
 
 
 def main() -> None:
