@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.util
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +114,24 @@ def wall_us(fn: Callable[[], Any], iters: int = 50) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters * 1e6
+
+
+def module_copy(source: Path, name: str, folder: Path, edits=()) -> Any:
+    """`source` (one of the package's op modules, or a saved copy of one) with `edits`, pairs of
+    (text, replacement) each found exactly once, imported as a module of its own: probes time
+    variants of a kernel, or the shipped one against a change, in one process. Its
+    torch.library ops are renamed into the namespace `probe_<name>`, so both register."""
+    src = Path(source).read_text()
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise RuntimeError(f"{name}: the text to replace occurs {src.count(old)} times")
+        src = src.replace(old, new)
+    path = Path(folder) / f"{name}.py"
+    path.write_text(src.replace('"triton_transformer::', f'"probe_{name}::'))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def liger() -> Any | None:
