@@ -155,6 +155,28 @@ def test_minus_inf_logits(device):
     assert rel_err(grad, ref_grad) <= 1e-5
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "inplace"])
+def test_looped_rows_edge_cases(inplace, device, monkeypatch):
+    # The looped forward (each block loaded one iteration ahead): rows rising block after
+    # block (the running max replaced every time), falling, -inf before and after finite
+    # entries, and a NaN in a later block, which must reach its row's loss (and only its).
+    monkeypatch.setattr(ce_mod, "FWD_MAX_BLOCK", 64)
+    monkeypatch.setattr(ce_mod, "INPLACE_LOOP_BLOCK", 32)
+    V = 200
+    ramp = torch.linspace(-4.0, 6.0, V, dtype=torch.float64, device=device)
+    logits = torch.stack([ramp, ramp.flip(0), make_logits((V,), torch.float64, device)])
+    logits[2, :70] = float("-inf")
+    logits[2, 150:] = float("-inf")
+    labels = torch.tensor([3, 190, 100], device=device)
+    check_against_reference(logits.float(), labels, None, inplace_backward=inplace)
+    logits = torch.cat([logits, make_logits((1, V), torch.float64, device)])
+    logits[3, 130] = float("nan")
+    loss, grad = run(logits.float(), torch.tensor([3, 190, 100, 5], device=device), None, True,
+                     inplace_backward=inplace)  # fmt: skip
+    assert torch.isnan(loss)
+    assert torch.isnan(grad[3]).all() and torch.isfinite(grad[:3]).all()
+
+
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_all_ignored_gives_zero(use_triton, device):
     logits = make_logits((4, 37), device=device)
@@ -429,7 +451,9 @@ def test_gpu_lm_batch_3d(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(8192, 256), (4096, 32000), (512, 131072)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(8192, 256), (4096, 32000), (4096, 50304), (512, 131072)], ids=str
+)
 def test_gpu_realistic_inplace(shape, dtype, device):
     logits = make_logits(shape, dtype, device)
     labels = make_labels(shape[:-1], shape[-1], -100, device)

@@ -69,13 +69,14 @@ from triton_transformer.utils import (
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 ROW_TILE = 4096
-# Rows longer than FWD_MAX_BLOCK: a forward that also writes the gradient (in place, the
-# model's loss path) reads each row twice and writes it once, looping over blocks of
-# INPLACE_LOOP_BLOCK. Looped kernels run LOOP_NUM_WARPS warps. From the H200 sweep (8192
-# rows, 2026-11-22): the in-place forward takes 1.57 ms at V = 128256 (with 16384-element
-# blocks and 32 warps, Liger-Kernel's H100 choice: 1.93; Liger's fwd+bwd: 1.41) and 0.40 ms
-# at V = 32000 (0.56); 8 warps beat 16 and 32 at every looped block size tried.
-INPLACE_LOOP_BLOCK = 4096
+# Rows longer than FWD_MAX_BLOCK loop over blocks on LOOP_NUM_WARPS warps, each loop loading
+# the block after the one it works on (two blocks per program in flight). A forward that also
+# writes the gradient (in place, the model's loss path) reads each row twice and writes it
+# once, in blocks of INPLACE_LOOP_BLOCK. Loading ahead, with 8192-element blocks: 1.20x the
+# one-block loop of 4096 at 4096 and 16384 rows of GPT-2's 50,304 classes, 1.28x at 8192 x
+# 32000, 1.02x at 8192 x 128256 (H100, 2026-11-27, `benchmarks/probe_ce_inplace.py`: 76-83%
+# of the copy bandwidth counting one read and one write); 8 warps beat 4 and 16 there.
+INPLACE_LOOP_BLOCK = 8192
 LOOP_NUM_WARPS = 8
 # Warps per program; None: derived from the tile (benchmarks sweep these).
 FWD_NUM_WARPS: int | None = None
@@ -151,21 +152,27 @@ def _cross_entropy_fwd_kernel(
             g = tl.where(valid, (p - tl.where(cols == label, 1.0, 0.0)) * grad_scale, 0.0)
             tl.store(x_row + cols, g.to(LOGITS.dtype.element_ty), mask=row_ok & (cols < n_cols))
     else:
+        # Each loop loads the block after the one it works on (the last such load is masked
+        # off: no memory traffic).
         m = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_M, 1], tl.float32)
         n_read = tl.max(tl.where(valid, n_cols, 0))  # 0 for an ignored row: no loop at all
+        x_next = tl.load(x_row + cols, mask=valid & (cols < n_cols), other=float("-inf"))
         for start in range(0, n_read, BLOCK_N):
-            c = start + cols
-            x = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf")).to(tl.float32)
+            x = x_next.to(tl.float32)
+            c = start + BLOCK_N + cols
+            x_next = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf"))
             m, s = online_lse_update(m, s, x)
         lse = lse_from_stats(m, s) + poison
         if WRITE_GRAD:
             lse_g = tl.where(valid, lse, 0.0)  # ignored rows: exp(-inf - 0) = 0, not NaN
-            # The second read of the row mostly hits L2.
+            # The second read of the row may hit L2.
+            x_next = tl.load(x_row + cols, mask=valid & (cols < n_cols), other=float("-inf"))
             for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
-                x = tl.load(x_row + c, mask=valid & (c < n_cols), other=float("-inf")).to(
-                    tl.float32
+                x = x_next.to(tl.float32)
+                x_next = tl.load(
+                    x_row + c + BLOCK_N, mask=valid & (c + BLOCK_N < n_cols), other=float("-inf")
                 )
                 p = tl.exp(x - lse_g)
                 g = tl.where(valid, (p - tl.where(c == label, 1.0, 0.0)) * grad_scale, 0.0)
