@@ -2,8 +2,9 @@
 the gradient written over the logits) on rows longer than one register block.
 
 That kernel reads each row twice (log-sum-exp, then the gradient) and writes it once, looping
-over blocks. This sweeps the block (`INPLACE_LOOP_BLOCK`) and the warps (`LOOP_NUM_WARPS`) at
-the fused loss's chunk (4,096 rows of GPT-2's 50,304 classes) and the unfused loss's shapes.
+over blocks. This sweeps the block (`INPLACE_LOOP_BLOCK`) and the warps
+(`INPLACE_LOOP_WARPS`) at the fused loss's chunk (4,096 rows of GPT-2's 50,304 classes) and
+the unfused loss's shapes; the picks per GPU model are `cross_entropy._INPLACE_LOOP_TUNED`.
 Kernel time, L2 flushed; GB/s count one read and one write of the logits, against the copy
 ceiling of the same run.
 
@@ -36,11 +37,15 @@ SHAPES = ((4096, 50304), (16384, 50304), (8192, 32000), (8192, 128256))  # rows,
 BLOCKS = (2048, 4096, 8192, 16384)
 WARPS = (4, 8, 16)
 BASELINE = ((4096, 8), (8192, 8))  # the copy's settings: the one-block loop's, this one's
-SETTINGS = ("FWD_MAX_BLOCK", "INPLACE_LOOP_BLOCK", "LOOP_NUM_WARPS")
+SETTINGS = ("FWD_MAX_BLOCK", "INPLACE_LOOP_BLOCK", "INPLACE_LOOP_WARPS", "LOOP_NUM_WARPS")
 
 
 def _set(mod, block: int, warps: int) -> None:
-    mod.FWD_MAX_BLOCK, mod.INPLACE_LOOP_BLOCK, mod.LOOP_NUM_WARPS = 16384, block, warps
+    mod.FWD_MAX_BLOCK, mod.INPLACE_LOOP_BLOCK = 16384, block
+    if hasattr(mod, "INPLACE_LOOP_WARPS"):
+        mod.INPLACE_LOOP_WARPS = warps
+    else:  # before the in-place forward had warps of its own
+        mod.LOOP_NUM_WARPS = warps
 
 
 def _time(mod, version: str, cfg: tuple, logits, labels, ref, scratch) -> dict:

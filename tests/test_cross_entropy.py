@@ -317,6 +317,22 @@ def test_looped_reductions(inplace, device, monkeypatch):
     check_against_reference(logits, labels, None, inplace_backward=inplace)
 
 
+def test_inplace_loop_settings(monkeypatch):
+    # The looped in-place forward's (block, warps): the GPU model's tuned pair, the default
+    # elsewhere (the interpreter too), and the module's settings over both where given.
+    monkeypatch.setattr(ce_mod.torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    tuned = ce_mod._INPLACE_LOOP_TUNED["NVIDIA H200"]
+    assert ce_mod._inplace_loop_tuned.__wrapped__(torch.device("cuda", 0)) == tuned
+    monkeypatch.setattr(ce_mod.torch.cuda, "get_device_name", lambda device: "Some GPU")
+    default = ce_mod._INPLACE_LOOP_DEFAULT
+    assert ce_mod._inplace_loop_tuned.__wrapped__(torch.device("cuda", 0)) == default
+    assert ce_mod._inplace_loop(torch.device("cpu")) == ce_mod._INPLACE_LOOP_DEFAULT
+    monkeypatch.setattr(ce_mod, "INPLACE_LOOP_BLOCK", 1024)
+    assert ce_mod._inplace_loop(torch.device("cpu")) == (1024, ce_mod._INPLACE_LOOP_DEFAULT[1])
+    monkeypatch.setattr(ce_mod, "INPLACE_LOOP_WARPS", 2)
+    assert ce_mod._inplace_loop(torch.device("cpu")) == (1024, 2)
+
+
 def test_inplace_gradient_aliases_the_logits(device):
     # The gradient handed to the producer of the logits is the logits' own storage.
     h = make_logits((6, 5), device=device).requires_grad_()

@@ -38,6 +38,7 @@ mean reduction would give NaN = 0/0).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -72,12 +73,19 @@ ROW_TILE = 4096
 # Rows longer than FWD_MAX_BLOCK loop over blocks on LOOP_NUM_WARPS warps, each loop loading
 # the block after the one it works on (two blocks per program in flight). A forward that also
 # writes the gradient (in place, the model's loss path) reads each row twice and writes it
-# once, in blocks of INPLACE_LOOP_BLOCK. Loading ahead, with 8192-element blocks: 1.20x the
-# one-block loop of 4096 at 4096 and 16384 rows of GPT-2's 50,304 classes, 1.28x at 8192 x
-# 32000, 1.02x at 8192 x 128256 (H100, 2026-11-27, `benchmarks/probe_ce_inplace.py`: 76-83%
-# of the copy bandwidth counting one read and one write); 8 warps beat 4 and 16 there.
-INPLACE_LOOP_BLOCK = 8192
+# once, in blocks of INPLACE_LOOP_BLOCK on INPLACE_LOOP_WARPS warps; None (the default): the
+# tuned pair of this GPU model in `_INPLACE_LOOP_TUNED`, else `_INPLACE_LOOP_DEFAULT`.
+INPLACE_LOOP_BLOCK: int | None = None
+INPLACE_LOOP_WARPS: int | None = None
 LOOP_NUM_WARPS = 8
+# `benchmarks/probe_ce_inplace.py`, 2026-11-27, kernel time at 4096 and 16384 rows of GPT-2's
+# 50,304 classes, 8192 x 32000 and 8192 x 128256, against the one-block loop at (4096, 8):
+# - H100: (8192, 8) 1.20x, 1.20x, 1.28x, 1.02x (76-83% of the copy bandwidth counting one
+#   read and one write); 4 and 16 warps slower;
+# - H200: (2048, 4) 1.01x, 1.01x, 0.99x, 1.00x: loading ahead gains nothing there, and
+#   (8192, 8) is 0.86-0.90x.
+_INPLACE_LOOP_TUNED = {"NVIDIA H100 80GB HBM3": (8192, 8), "NVIDIA H200": (2048, 4)}
+_INPLACE_LOOP_DEFAULT = (8192, 8)
 # Warps per program; None: derived from the tile (benchmarks sweep these).
 FWD_NUM_WARPS: int | None = None
 BWD_NUM_WARPS: int | None = None
@@ -270,10 +278,27 @@ def _cross_entropy_fwd_reduce_kernel(
 
 # The vocabulary size picks the constexpr block sizes, so it is made concrete (int(): under
 # torch.compile's dynamic shapes, one compiled kernel per vocabulary size; rows stay symbolic).
-def _cross_entropy_fwd_config(n_cols: int, write_grad: bool = False) -> tuple[int, int, bool, int]:
+def _cross_entropy_fwd_config(
+    n_cols: int, write_grad: bool, device: torch.device
+) -> tuple[int, int, bool, int]:
     n_cols = int(n_cols)
-    max_block = INPLACE_LOOP_BLOCK if write_grad and n_cols > FWD_MAX_BLOCK else FWD_MAX_BLOCK
-    return row_launch_params(n_cols, max_block, ROW_TILE, FWD_NUM_WARPS, LOOP_NUM_WARPS)
+    if write_grad and n_cols > FWD_MAX_BLOCK:
+        block, warps = _inplace_loop(device)
+        return row_launch_params(n_cols, block, ROW_TILE, FWD_NUM_WARPS, warps)
+    return row_launch_params(n_cols, FWD_MAX_BLOCK, ROW_TILE, FWD_NUM_WARPS, LOOP_NUM_WARPS)
+
+
+def _inplace_loop(device: torch.device) -> tuple[int, int]:
+    """(block, warps) of the looped in-place forward on `device`: the module's settings where
+    given, else the GPU model's tuned pair."""
+    tuned = _inplace_loop_tuned(device) if device.type == "cuda" else _INPLACE_LOOP_DEFAULT
+    block = INPLACE_LOOP_BLOCK if INPLACE_LOOP_BLOCK is not None else tuned[0]
+    return block, INPLACE_LOOP_WARPS if INPLACE_LOOP_WARPS is not None else tuned[1]
+
+
+@functools.cache
+def _inplace_loop_tuned(device: torch.device) -> tuple[int, int]:
+    return _INPLACE_LOOP_TUNED.get(torch.cuda.get_device_name(device), _INPLACE_LOOP_DEFAULT)
 
 
 def _cross_entropy_bwd_config(n_cols: int) -> tuple[int, int, bool, int]:
@@ -290,7 +315,9 @@ def launch_cross_entropy_fwd(
 ):
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
-    block_m, block_n, single_pass, num_warps = _cross_entropy_fwd_config(n_cols, write_grad)
+    block_m, block_n, single_pass, num_warps = _cross_entropy_fwd_config(
+        n_cols, write_grad, logits.device
+    )
     launcher(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
         logits, labels, n_valid, loss_rows, lse,
         *_strides_2level(logits), *_strides_2level(labels),
