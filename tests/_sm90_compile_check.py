@@ -12,6 +12,7 @@ from triton.compiler import ASTSource
 
 from triton_transformer import adamw, matmul_kernels
 from triton_transformer import attention as attn
+from triton_transformer import cross_entropy as ce
 from triton_transformer import embedding as emb
 
 
@@ -211,3 +212,14 @@ compile_sm90(
     {},
 )
 print("AdamW and the gradient norm over a tensor table: ok")
+
+# The cross-entropy forward's looped path (each block loaded one iteration ahead), pure and in
+# place (the gradient written over bf16 logits), with ignore_index
+for write_grad in (False, True):
+    compile_sm90(
+        ce._cross_entropy_fwd_kernel,
+        dict(LOGITS=bf16, LABELS="*i64", N_VALID="*fp32", LOSS="*fp32", LSE="*fp32"), set(),
+        dict(HAS_IGNORE=True, WRITE_GRAD=write_grad, NORMALIZE_GRAD=write_grad,
+             SINGLE_PASS=False, BLOCK_M=1, BLOCK_N=8192),
+    )  # fmt: skip
+print("cross-entropy forward, looped: ok")

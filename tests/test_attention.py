@@ -721,6 +721,7 @@ def test_kernels_compile_for_sm90_as_torch_compile_launches_them():
     assert proc.stdout.split("\n")[:2] == ["attention forward: ok", "attention backward: ok"]
     assert "attention over a KV cache whose length is on the device: ok" in proc.stdout
     assert "embedding backward, scatter and positions: ok" in proc.stdout  # dW fp32, dP bf16
+    assert "cross-entropy forward, looped: ok" in proc.stdout
 
 
 def test_dropout_explicit_seed(device):
