@@ -116,6 +116,19 @@ def wall_us(fn: Callable[[], Any], iters: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def parse_out(doc: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None):
+    """A probe's command line: --out DIR (made if missing) plus what `add_args` adds; returns
+    (args, the output folder). `doc`: the probe's docstring, whose first line is the help."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    if add_args is not None:
+        add_args(ap)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out
+
+
 def module_copy(source: Path, name: str, folder: Path, edits=()) -> Any:
     """`source` (one of the package's op modules, or a saved copy of one) with `edits`, pairs of
     (text, replacement) each found exactly once, imported as a module of its own: probes time

@@ -17,19 +17,17 @@ shapes, against cuDNN's backward in the same run. Kernel time, L2 flushed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
+from probe_attention_bwd_tiles import cudnn_bwd
 
 SOURCE = Path(__file__).resolve().parents[1] / "triton_transformer" / "attention.py"
 SHAPES = {"enwik8": (16, 512, 8), "gpt2": (16, 1024, 12), "large": (8, 2048, 16)}  # b, n, h
@@ -80,23 +78,8 @@ def backward(mod, b: int, n: int, h: int):
     return run, dqkv
 
 
-def cudnn(b: int, n: int, h: int):
-    q, k, v = (
-        torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _, out_dir = common.parse_out(__doc__)
     env = common.env_info()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +99,7 @@ def main() -> None:
                 err = ((grads.float() - ref_grads.float()).norm() / ref_grads.float().norm()).item()
                 row[name] = common.kernel_ms(run) * 1e3
                 row[f"{name}_rel_err"] = err
-            row["cudnn"] = common.kernel_ms(cudnn(b, n, h)) * 1e3
+            row["cudnn"] = common.kernel_ms(cudnn_bwd(b, n, h, 0.0)) * 1e3
             rows.append(row)
             print(row, flush=True)
     names = list(VARIANTS)

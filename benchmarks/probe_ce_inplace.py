@@ -17,7 +17,6 @@ this sweep's best settings, in the same run.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -89,12 +88,10 @@ def _table(rows: list[dict], copy_gbps: float, n: int, v: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--baseline", default=None, help="a saved copy of cross_entropy.py")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = common.parse_out(
+        __doc__,
+        lambda ap: ap.add_argument("--baseline", help="a saved copy of cross_entropy.py"),
+    )
     env = common.env_info()
     copy_gbps = common.ceilings()["copy_gbps"]
     mods = [("this", ce, list(itertools.product(BLOCKS, WARPS)))]

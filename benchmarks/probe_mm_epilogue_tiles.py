@@ -14,7 +14,6 @@ planner's alternative).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -73,11 +72,7 @@ def measure(call, ref: torch.Tensor, c: torch.Tensor, path, configs) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    _, out = common.parse_out(__doc__)
     env = common.env_info()
     configs = kernels._tma_configs()
     rows = []
