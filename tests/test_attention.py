@@ -332,6 +332,22 @@ def test_64_bit_offsets_and_grid_spill(device, monkeypatch):
     assert all(rel_err(t.grad, rt.grad) < 1e-5 for t, rt in zip((q, k, v), r, strict=True))
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["single-pass", "deterministic"])
+@pytest.mark.parametrize("heads_per_group", [1, 3])
+def test_longest_first_head_groups(heads_per_group, deterministic, device, monkeypatch):
+    # Causal launches deal their programs block-major over groups of heads
+    # (`_longest_first`). An L2 budget of three heads' streamed tensors (4·n·d bytes each:
+    # the same n for queries and keys here) splits b·h = 8 into groups 3, 3, 2, so the last
+    # group is ragged; a budget of one head is the identity order. Every (block, head) must
+    # still be computed exactly once: forward and all three gradients against float64.
+    import triton_transformer.attention as A
+
+    n, d = 37, 16
+    monkeypatch.setattr(A, "LONGEST_FIRST_BYTES", heads_per_group * 4 * n * d)
+    with deterministic_algorithms(deterministic):
+        check_attention(*make_qkv(2, 4, n, n, d, torch.float32, device), causal=True)
+
+
 # --- the registered ops ----------------------------------------------------------------------
 
 

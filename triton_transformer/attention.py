@@ -119,6 +119,29 @@ def _bh_index():
 
 
 @triton.jit
+def _longest_first(pid, bh, BH, head_bytes, L2_BYTES: tl.constexpr):
+    """(block, batch·head) that program (pid, bh) of a causal launch takes, so that the grid
+    runs its longest programs first across heads, not only within each.
+
+    The GPU starts programs in grid order, dim 0 fastest, and a causal head's first blocks
+    carry the most work (the launches order them so). In head-major order the last wave
+    still holds the long blocks of the last heads, while SMs that finished sit idle: at
+    GPT-2's shape that tail is several percent of the kernel. So position L = bh·P + pid
+    (P programs per head) is dealt block-major over groups of g heads: group L // (g·P),
+    block L % (g·P) // g', head L % (g·P) % g' (g' = g, fewer in the last group). A group's
+    streamed tensors (head_bytes per head) fit L2_BYTES, so its blocks still read them from
+    L2; L2_BYTES = 0 gives g = 1, the identity."""
+    n_prog = tl.num_programs(0)
+    heads = tl.maximum(tl.minimum(L2_BYTES // head_bytes, BH), 1)
+    lin = bh.to(tl.int64) * n_prog + pid
+    group = lin // (heads * n_prog)
+    first = group * heads
+    in_group = tl.minimum(heads, BH - first)
+    rank = lin - first * n_prog
+    return (rank // in_group).to(tl.int32), (first + rank % in_group).to(tl.int32)
+
+
+@triton.jit
 def _mm(a, b, acc, IEEE: tl.constexpr):
     """a @ b (+ acc) with fp32 accumulation; IEEE: exact products for fp32 operands (else the
     default, tf32, which fp16/bf16 operands ignore)."""
@@ -246,9 +269,12 @@ def _attention_fwd_kernel(
     DROP_INT64: tl.constexpr, WRITE_LSE: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, FOLD_SCALE: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
+    LPT_BYTES: tl.constexpr,
 ):  # fmt: skip
     """GROUP: query heads per key/value head (grouped-query attention): query head h reads
-    K and V of head h // GROUP; 1 (multi-head) compiles to the plain indexing."""
+    K and V of head h // GROUP; 1 (multi-head) compiles to the plain indexing. LPT_BYTES:
+    causal launches run longest first across heads in groups whose K and V fit this many
+    bytes (`_longest_first`)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
     if HAS_KV_LEN:
@@ -261,6 +287,8 @@ def _attention_fwd_kernel(
         return
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
     pid_m = tl.program_id(0)
+    if CAUSAL and not SPLIT_K:  # each program streams its head's K and V
+        pid_m, bh = _longest_first(pid_m, bh, BH, N_K.to(tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     split = 0
     if SPLIT_K:  # grid dim 0 holds (split, query block) pairs
         split = pid_m // n_blocks
@@ -627,7 +655,7 @@ def _attention_bwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
-    GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr,
+    GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr, LPT_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
     query block. Each output element is written by exactly one program: no atomics. dQ, dK
@@ -654,6 +682,9 @@ def _attention_bwd_kernel(
     bh = _bh_index()
     if bh >= BH:
         return
+    pid = tl.program_id(0)
+    if CAUSAL:  # each program streams its head's q and dO (dQ programs: k and v)
+        pid, bh = _longest_first(pid, bh, BH, N_Q.to(tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     if GROUP == 1:  # noqa: SIM108
@@ -673,7 +704,6 @@ def _attention_bwd_kernel(
         seed = tl.load(SEED) + (bh.to(tl.int64) << 32)
     causal_off = N_K - N_Q  # query i sees keys j <= i + causal_off
     n_kblocks = tl.cdiv(N_K, BLOCK_N1)
-    pid = tl.program_id(0)
     if GROUP == 1:
         n_kprog = n_kblocks
         kb = pid
@@ -967,6 +997,12 @@ TMA_LOADS = True
 TRACED_SINGLE_PASS = True
 
 
+# Causal launches run their longest programs first across heads, in groups of heads whose
+# streamed tensors (the backward's q and dO, the forward's K and V) fit this many bytes of L2
+# (`_longest_first`); 0 keeps head-major order.
+LONGEST_FIRST_BYTES = 16 * 2**20
+
+
 def _tma_loads(*tensors: torch.Tensor) -> bool:
     """TMA tile loads for these (b, h, n, d) views: unit stride along d, 16-byte aligned
     starts and row / head / batch strides (judged by the storage offset: PyTorch aligns
@@ -1046,7 +1082,7 @@ def launch_attention_fwd(
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"], WRITE_LSE=need_lse,
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"],
         FOLD_SCALE=scale > 0, HAS_KV_LEN=kv_len is not None, SPLIT_K=n_splits > 1,
-        GROUP=_group(q, k),
+        GROUP=_group(q, k), LPT_BYTES=LONGEST_FIRST_BYTES,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
     _launch_fitting(_attention_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
@@ -1148,6 +1184,7 @@ def launch_attention_bwd(
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
         DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
         GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
+        LPT_BYTES=LONGEST_FIRST_BYTES,
     )  # fmt: skip
     if config is None and meta["interpret"]:
         config = _INTERP_BWD
