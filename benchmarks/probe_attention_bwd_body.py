@@ -10,7 +10,8 @@ shapes, against cuDNN's backward in the same run. Kernel time, L2 flushed.
 - dq_store: dQ's tile stored by TMA instead of added (wrong results): the reduction's cost
   over a plain store;
 - dq_first: dQ's product and reduction issued before the dV and dK products, so the bulk
-  reduction overlaps them (correct results; checked against the shipped kernel).
+  reduction overlaps them (correct results; checked against the shipped kernel);
+- dp_first: dO Vᵀ issued before Q Kᵀ, so that the exponentials may overlap its product.
 
     python3 benchmarks/probe_attention_bwd_body.py --out DIR
 """
@@ -50,11 +51,16 @@ _DS_ONLY = """        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
 _DV_DK_AFTER = """        dv = _mm(pdT.to(do.dtype), do, dv, IEEE)
         dk = _mm(dsT, q, dk, IEEE)
 """
+_QK = """        qkT = _mm(k, tl.trans(q), None, IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
+"""
+_DP = """        dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
+"""
 VARIANTS = {
     "shipped": [],
     "no_dq": [(_DQ_BLOCK, "")],
     "dq_store": [("dq_acc.atomic_add([start_m, 0], dq)", "dq_acc.store([start_m, 0], dq)")],
     "dq_first": [(_DV_DK + _DQ_BLOCK, _DS_ONLY + _DQ_BLOCK + _DV_DK_AFTER)],
+    "dp_first": [(_DP, ""), (_QK, _DP + _QK)],
 }
 
 
