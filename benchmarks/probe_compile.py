@@ -1,8 +1,10 @@
 """`train.py --use-triton --compile` against `--use-triton` (whole-step CUDA graphs on in both),
 with the traced attention backward as the single pass or the two-program kernel
-(`attention.TRACED_SINGLE_PASS`) and inductor's combo kernels (horizontal fusion of small
-independent kernels) on or off. Each variant trains the enwik8 config through
-`bench_train.run_mode` (tokens/s, GPU ms per step, peak memory, the longest kernels).
+(`attention.TRACED_SINGLE_PASS`), inductor's combo kernels (horizontal fusion of small
+independent kernels) on or off, and the micro-batches' weight gradients accumulated in the
+products (`bmm.accumulate_grads_in_place`) or added by autograd ("triton-add-grads"). Each
+variant trains the enwik8 config through `bench_train.run_mode` (tokens/s, GPU ms per step,
+peak memory, the longest kernels).
 
 Usage: python3 benchmarks/probe_compile.py --out DIR [--steps 100] [--variants NAME ...]
 Writes DIR/compile_probe.json, compile_probe.md and compile_probe_kernels.md.
@@ -24,14 +26,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_train  # noqa: E402
 import common  # noqa: E402
 
-from triton_transformer import attention  # noqa: E402
+from triton_transformer import attention, bmm  # noqa: E402
 
-# name -> (bench_train mode, traced single pass, inductor combo kernels)
+# name -> (bench_train mode, traced single pass, inductor combo kernels, micro-batches'
+# weight gradients accumulated in place: `bmm.ACCUMULATE_IN_PLACE`)
 VARIANTS = {
-    "triton": ("triton", True, False),
-    "triton-compile-twoprog": ("triton-compile", False, False),
-    "triton-compile": ("triton-compile", True, False),
-    "triton-compile-combo": ("triton-compile", True, True),
+    "triton": ("triton", True, False, True),
+    "triton-add-grads": ("triton", True, False, False),
+    "triton-compile-twoprog": ("triton-compile", False, False, True),
+    "triton-compile": ("triton-compile", True, False, True),
+    "triton-compile-combo": ("triton-compile", True, True, True),
 }
 
 
@@ -50,8 +54,9 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
     rows = []
     for name in args.variants:
-        mode, single_pass, combo = VARIANTS[name]
+        mode, single_pass, combo, in_place = VARIANTS[name]
         attention.TRACED_SINGLE_PASS = single_pass
+        bmm.ACCUMULATE_IN_PLACE = in_place
         torch._inductor.config.combo_kernels = combo
         try:
             row = {**bench_train.run_mode(mode, args, out / "runs" / name), "mode": name}

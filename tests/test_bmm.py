@@ -4,6 +4,7 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles, so sizes 
 (37, 45, 29) already cover ragged edges in M, N and K, and K > BLOCK_K (the K loop).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -378,6 +379,89 @@ def test_fresh_weight_casts_ignore_an_outer_context(device):
         assert (foreach.calls, foreach.tensors) == (1, 2)
         assert bmm_module._weight_casts is outer and len(outer.copies) == 1
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _CountAdds(TorchDispatchMode):
+    """Counts the adds (`aten.add` / `aten.add_`) whose output is shaped `shape`."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.adds += tuple(out.shape) == self.shape
+        return out
+
+
+def accumulated_grads(activation, in_place: bool, uses: int, device, micro_batches: int = 3):
+    """Gradients of an fp32 weight used `uses` times per micro-batch (one or two linears),
+    summed over micro-batches by `loss.backward()` under bf16 autocast, with or without
+    `accumulate_grads_in_place`; the address of `.grad` after each backward (addresses, not
+    tensors: a reference held to `.grad` would make autograd store a copy); and the number
+    of separate adds into weight-shaped tensors."""
+    torch.manual_seed(0)
+    n_out = 2 * 29 if activation == "swiglu" else 29
+    w = rand((n_out, 45), torch.float32, device, mean=0.01, std=45**-0.5).requires_grad_()
+    x = rand((micro_batches, 21, 45), torch.bfloat16, device, mean=0.2)
+    x = x.requires_grad_()
+    seen = []
+    context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
+    with context, _CountAdds(w.shape) as adds:
+        for i in range(micro_batches):
+            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+                loss = (linear(x[i], w, activation, use_triton=True).float() * (0.5 + i)).sum()
+                if uses == 2:
+                    y2 = linear(x[i].flip(0), w, activation, use_triton=True)
+                    loss = loss + (y2.float() ** 2).sum()
+            loss.backward()
+            seen.append(w.grad.data_ptr())
+    return w.grad, x.grad, seen, adds.adds
+
+
+@pytest.mark.parametrize("uses", [1, 2])
+@pytest.mark.parametrize("activation", [None, "relu_squared", "swiglu"])
+def test_accumulate_grads_in_place(activation, uses, device, monkeypatch):
+    # Inside the context each backward after the first adds its dW into the existing .grad
+    # (one GEMM with the gradient as C) and autograd keeps that tensor: the sums are the
+    # ones autograd's own accumulation gives. With one use per micro-batch .grad stays one
+    # tensor throughout; with two, one use folds the running sum in and the other's plain
+    # dW joins it in autograd's buffer (a new tensor, the same sum).
+    want_w, want_x, _, want_adds = accumulated_grads(activation, False, uses, device)
+    got_w, got_x, seen, got_adds = accumulated_grads(activation, True, uses, device)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=0)
+    assert got_w.dtype == torch.float32
+    # autograd adds a second use's dW to the first's (3 micro-batches: 3 adds) and each
+    # later micro-batch's gradient to .grad (2 adds), each in a kernel of its own; in place
+    # only the uses' sums are left
+    assert want_adds == 3 * (uses - 1) + 2
+    assert got_adds == 3 * (uses - 1)
+    if uses == 1:  # the later micro-batches write into the first one's tensor
+        assert len(set(seen)) == 1
+    # switched off, the context changes nothing (bit for bit)
+    monkeypatch.setattr(bmm_module, "ACCUMULATE_IN_PLACE", False)
+    off_w, _, _, _ = accumulated_grads(activation, True, uses, device)
+    torch.testing.assert_close(off_w, want_w, rtol=0, atol=0)
+
+
+def test_accumulate_grads_in_place_leaves_other_callers_alone(device):
+    # a forward outside the context, whose backward runs inside it, adds its dW the usual
+    # way; a non-leaf weight (w·1) never folds; autograd.grad outside the context returns
+    # one backward's gradient only
+    w = rand((29, 45), torch.float32, device, mean=0.01).requires_grad_()
+    x = rand((21, 45), torch.float32, device, mean=0.2)
+    linear(x, w, use_triton=True).sum().backward()
+    first = w.grad.clone()
+    y = linear(x, w, use_triton=True)
+    with bmm_module.accumulate_grads_in_place():
+        y.sum().backward()
+        linear(x, w * 1.0, use_triton=True).sum().backward()
+    torch.testing.assert_close(w.grad, 3 * first, rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(linear(x, w, use_triton=True).sum(), w)
+    torch.testing.assert_close(g, first, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
-from triton_transformer import matmul_plan
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
     _check_labels_in_range,
@@ -49,13 +48,12 @@ from triton_transformer.cross_entropy import (
     launch_cross_entropy_fwd,
     launch_cross_entropy_fwd_reduce,
 )
-from triton_transformer.matmul_plan import _mm2d_into
+from triton_transformer.matmul_plan import _mm2d_into, accumulate_mm
 from triton_transformer.utils import (
     call_op,
     cdiv,
     check_triton_tensor,
     first_order_only,
-    is_traced,
     launcher,
     refuse_second_backward,
 )
@@ -77,11 +75,6 @@ CHUNK_BYTES = 2**29
 # minimum, not int64's: torch.compile's launcher passes the scalar as a 32-bit int.
 _NO_LABEL = -(2**31)
 
-# Whether torch.addmm(..., out_dtype=float32) accepts an fp32 accumulator with fp16/bf16
-# factors on this torch (None: not tried yet). Without it the Triton GEMM's residual epilogue
-# accumulates.
-_addmm_out_dtype_ok: bool | None = None
-
 
 def default_chunk_rows(M: int, V: int, itemsize: int) -> int:
     """Rows per chunk for M rows: as few equal chunks as keep each one's logits within
@@ -89,27 +82,6 @@ def default_chunk_rows(M: int, V: int, itemsize: int) -> int:
     cap = max(128, CHUNK_BYTES // max(1, V * itemsize) // 128 * 128)
     chunks = max(1, cdiv(M, cap))
     return max(128, cdiv(cdiv(M, chunks), 128) * 128)
-
-
-def _accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """c += a @ b for 2-D a (M, K), b (K, N) and a fp32 c (M, N), in place."""
-    global _addmm_out_dtype_ok
-    if c.numel() == 0:
-        return
-    if c.device.type == "cuda" and not is_traced(c) and matmul_plan.matmul_impl != "triton":
-        if a.dtype == c.dtype:
-            torch.addmm(c, a, b, out=c)
-            return
-        if _addmm_out_dtype_ok is not False:
-            try:  # cuBLAS with an fp32 C; older torch requires C in the factors' dtype
-                torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-                _addmm_out_dtype_ok = True
-                return
-            except (RuntimeError, TypeError, NotImplementedError):
-                _addmm_out_dtype_ok = False
-    # Each program reads its residual tile before storing the same tile, so residual and
-    # output may alias.
-    _mm2d_into(a, b, c, residual=c)
 
 
 @triton_op("triton_transformer::linear_cross_entropy", mutates_args=())
@@ -160,7 +132,7 @@ def linear_cross_entropy_op(
             if start == 0:
                 _mm2d_into(z.t(), x_c, dw)
             else:
-                _accumulate(dw, z.t(), x_c)
+                accumulate_mm(dw, z.t(), x_c)
     launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, True, False)
     return loss, dx, dw, n_valid
 

@@ -611,6 +611,34 @@ def launch_relu2_grad(
     )  # fmt: skip
 
 
+# Whether torch.addmm(..., out_dtype=float32) accepts an fp32 accumulator with fp16/bf16
+# factors on this torch (None: not tried yet). Without it the Triton GEMM's residual epilogue
+# accumulates.
+_addmm_out_dtype_ok: bool | None = None
+
+
+def accumulate_mm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b in place, for 2-D a (M, K), b (K, N) and c (M, N) in a's dtype or fp32 (a
+    weight's gradient summed over chunks or micro-batches): cuBLAS with c as its own C input
+    (beta = 1) where it can, else our kernel's residual epilogue (each program reads its
+    residual tile before it stores the same tile, so the two may alias)."""
+    global _addmm_out_dtype_ok
+    if c.numel() == 0:
+        return
+    if c.device.type == "cuda" and not is_traced(c) and matmul_impl != "triton":
+        if a.dtype == c.dtype:
+            torch.addmm(c, a, b, out=c)
+            return
+        if _addmm_out_dtype_ok is not False:
+            try:  # cuBLAS with an fp32 C; older torch requires C in the factors' dtype
+                torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+                _addmm_out_dtype_ok = True
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                _addmm_out_dtype_ok = False
+    _mm2d_into(a, b, c, residual=c)
+
+
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """c[i] = a[i] @ b[i] for 3-D views of any strides: torch.bmm on CUDA (unless
     `matmul_impl` is "triton" or a path is forced), else the pointer kernel; batch 1 is 2-D."""

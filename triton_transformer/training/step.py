@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from triton_transformer.adamw import AdamW
-from triton_transformer.bmm import reuse_weight_casts
+from triton_transformer.bmm import accumulate_grads_in_place, reuse_weight_casts
 from triton_transformer.cuda_graph import GraphedStep, StaticInputs
 from triton_transformer.training.config import TrainConfig
 from triton_transformer.training.distributed import DistInfo, all_reduce_sum
@@ -342,8 +342,9 @@ class OptimizerStep:
         gradient norm before clipping), 0-dim float32 device tensors, no host sync."""
         n = self.t.grad_accum_steps
         total = torch.zeros((), device=self.device)
-        # the weights are fixed until the optimizer step: one cast of them all, shared
-        with reuse_weight_casts(self.params_model, self.cast_dtype):
+        # the weights are fixed until the optimizer step: one cast of them all, shared; the
+        # micro-batches' weight gradients add up inside the weight-gradient products
+        with reuse_weight_casts(self.params_model, self.cast_dtype), accumulate_grads_in_place():
             for i in range(n):
                 if i and self.should_stop():
                     raise StepInterrupted  # phase stays "forward": the caller discards it
@@ -400,7 +401,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         n = self.t.grad_accum_steps
         batches = self._inputs.device_buffer
-        with reuse_weight_casts(self.params_model, self.cast_dtype):
+        with reuse_weight_casts(self.params_model, self.cast_dtype), accumulate_grads_in_place():
             total = sum(self._micro_batch(batches[i], last=i == n - 1) for i in range(n))
         grad_norm = self._clip()
         self.optimizer.step()
