@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import deterministic_algorithms
+from helpers import deterministic_algorithms, kernel_analysis_failures
 
 from triton_transformer.attention import (
     attention,
@@ -659,6 +659,23 @@ def test_gpu_cuda_graph_capture(device):
     assert not torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_compile_traces_and_kernel_analysis_cpu():
+    # Dynamo (fullgraph) and AOTAutograd's joint trace of attention (causal; dropout with key
+    # padding; grouped-query; packed qkv), static and dynamic shapes, on CPU, with torch's
+    # analysis of which arguments each kernel writes required to succeed. A subprocess:
+    # the kernels must be JITFunctions (TRITON_INTERPRET=0); no kernel runs.
+    script = Path(__file__).with_name("_compile_trace_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script), "attention"], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.gpu
 def test_gpu_compiles_without_graph_breaks(device):
     def f(qkv, q, k, v):
@@ -671,7 +688,12 @@ def test_gpu_compiles_without_graph_breaks(device):
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 64, 100, 64, torch.bfloat16, device))
     explanation = torch._dynamo.explain(f)(qkv, q, k, v)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    torch.compile(f)(qkv, q, k, v).backward()
+    torch._dynamo.reset()
+    # torch reads which arguments each kernel writes from its Triton IR: that must succeed,
+    # or inductor copies every view the kernels read
+    with kernel_analysis_failures() as failures:
+        torch.compile(f)(qkv, q, k, v).backward()
+    assert not failures, failures
     assert all(torch.isfinite(t.grad).all() for t in (qkv, q, k, v))
 
 

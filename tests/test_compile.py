@@ -7,7 +7,7 @@ GPU only: the interpreter cannot run under fake tensors.
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import kernel_analysis_failures, rel_err
 
 from triton_transformer import AutoregressiveWrapper, Transformer
 
@@ -37,14 +37,17 @@ def test_triton_model_traces_without_graph_breaks():
 
 def test_compiled_triton_model_trains_like_eager():
     # dropout off: compiled and eager code draw their seeds differently
+    # torch's analysis of which arguments each kernel writes (from its Triton IR) must
+    # succeed for every kernel the step launches, or inductor copies every view they read
     model = make_model(use_triton=True, dropout=0.0)
     compiled = torch.compile(model)
     batch = torch.randint(0, 256, (4, 65), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16), kernel_analysis_failures() as failures:
         eager_loss = model(batch)
         compiled_loss = compiled(batch)
+        grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
+    assert not failures, failures
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=2e-2)
-    grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
     assert all(torch.isfinite(g).all() for g in grads)
 
 

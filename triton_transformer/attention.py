@@ -288,7 +288,7 @@ def _attention_fwd_kernel(
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
     pid_m = tl.program_id(0)
     if CAUSAL and not SPLIT_K:  # each program streams its head's K and V
-        pid_m, bh = _longest_first(pid_m, bh, BH, N_K.to(tl.int64) * HEAD_DIM * 4, LPT_BYTES)
+        pid_m, bh = _longest_first(pid_m, bh, BH, tl.cast(N_K, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     split = 0
     if SPLIT_K:  # grid dim 0 holds (split, query block) pairs
         split = pid_m // n_blocks
@@ -684,7 +684,7 @@ def _attention_bwd_kernel(
         return
     pid = tl.program_id(0)
     if CAUSAL:  # each program streams its head's q and dO (dQ programs: k and v)
-        pid, bh = _longest_first(pid, bh, BH, N_Q.to(tl.int64) * HEAD_DIM * 4, LPT_BYTES)
+        pid, bh = _longest_first(pid, bh, BH, tl.cast(N_Q, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     if GROUP == 1:  # noqa: SIM108
