@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from triton_transformer.training.config import Config, apply_overrides
 
@@ -55,6 +56,22 @@ def kernel_analysis_failures() -> Iterator[list[str]]:
         yield handler.failures
     finally:
         logger.removeHandler(handler)
+
+
+class CountAdds(TorchDispatchMode):
+    """Counts the adds (`aten.add` / `aten.add_`) whose output is shaped `shape` inside the
+    context: autograd's accumulation of a weight's gradient into `.grad` is one."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+        self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.adds += tuple(out.shape) == self.shape
+        return out
 
 
 # Norm-wise relative error allowed against float64 (fp32 uses ieee products, not tf32).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOL, pretend_gpu, rel_err
+from helpers import TOL, CountAdds, pretend_gpu, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
@@ -381,21 +381,6 @@ def test_fresh_weight_casts_ignore_an_outer_context(device):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-class _CountAdds(TorchDispatchMode):
-    """Counts the adds (`aten.add` / `aten.add_`) whose output is shaped `shape`."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.shape = tuple(shape)
-        self.adds = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_):
-            self.adds += tuple(out.shape) == self.shape
-        return out
-
-
 def accumulated_grads(activation, in_place: bool, uses: int, device, micro_batches: int = 3):
     """Gradients of an fp32 weight used `uses` times per micro-batch (one or two linears),
     summed over micro-batches by `loss.backward()` under bf16 autocast, with or without
@@ -409,7 +394,7 @@ def accumulated_grads(activation, in_place: bool, uses: int, device, micro_batch
     x = x.requires_grad_()
     seen = []
     context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
-    with context, _CountAdds(w.shape) as adds:
+    with context, CountAdds(w.shape) as adds:
         for i in range(micro_batches):
             with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
                 loss = (linear(x[i], w, activation, use_triton=True).float() * (0.5 + i)).sum()

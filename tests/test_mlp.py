@@ -5,9 +5,11 @@ On the CPU the kernels run in Triton's interpreter with 32-wide tiles: M = 37, D
 cover ragged tiles in every dimension and K loops longer than one step.
 """
 
+import contextlib
+
 import pytest
 import torch
-from helpers import TOL, pretend_gpu, rel_err
+from helpers import TOL, CountAdds, pretend_gpu, rel_err
 
 import triton_transformer.matmul_plan as plan_module
 import triton_transformer.mlp as mlp_module
@@ -261,3 +263,34 @@ def test_relu2_mlp_compiled_gpu(compile_tma, device, monkeypatch):
     want = [ref, *torch.autograd.grad(ref, (x, w_in, w_out), dout)]
     for g, r in zip(got, want, strict=True):
         assert rel_err(g, r) < 1e-2
+
+
+def test_accumulate_grads_in_place(device, monkeypatch):
+    # The op's two weight gradients, inside `bmm.accumulate_grads_in_place` (the trainer's
+    # micro-batches): each backward after the first adds dW_in and dW_out into the weights'
+    # .grad in its product, with no separate add, and the sums equal autograd's own.
+    import triton_transformer.bmm as bmm_module
+
+    def run(in_place: bool):
+        torch.manual_seed(0)
+        w_in = (0.1 * torch.randn(48, 32, device=device)).requires_grad_()
+        w_out = (0.1 * torch.randn(32, 48, device=device)).requires_grad_()
+        x = rand((3, 19, 32), torch.bfloat16, device)
+        context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
+        with context, CountAdds(w_in.shape) as adds_in, CountAdds(w_out.shape) as adds_out:
+            for i in range(3):
+                with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+                    y = relu2_mlp(x[i], w_in, w_out, use_triton=True)
+                (y.float() * (1.0 + i)).sum().backward()
+        return w_in.grad, w_out.grad, adds_in.adds + adds_out.adds
+
+    want_in, want_out, want_adds = run(False)
+    got_in, got_out, got_adds = run(True)
+    torch.testing.assert_close(got_in, want_in, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    assert got_in.dtype == got_out.dtype == torch.float32
+    assert (want_adds, got_adds) == (4, 0)  # two later micro-batches x two weights
+    monkeypatch.setattr(bmm_module, "ACCUMULATE_IN_PLACE", False)
+    off_in, _, off_adds = run(True)
+    torch.testing.assert_close(off_in, want_in, rtol=0, atol=0)
+    assert off_adds == 4

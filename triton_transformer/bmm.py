@@ -284,24 +284,27 @@ def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
     return weight if weight.is_leaf and weight.requires_grad else None
 
 
-def _weight_grad(ctx, dpre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW = d(pre)ᵀ X in the weight's own dtype; added into the weight's `.grad` in place
-    when the forward ran inside `accumulate_grads_in_place` and that gradient can take it (a
-    dense tensor of the weight's dtype and shape, row-major, on x's device)."""
-    home = ctx.grad_home
+def weight_grad(
+    home: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A weight's gradient a @ b (the transposed output gradient times the input) in the
+    weight's dtype. `home`: what `_grad_home` gave the forward; when that weight has a
+    `.grad` that can take the sum (a dense tensor of that dtype and shape, row-major, on a's
+    device), the product is added into it in place and it is returned as the gradient, with
+    `.grad` set to None (see `accumulate_grads_in_place`)."""
     acc = None if home is None else home.grad
     if (
         acc is not None
-        and acc.dtype == ctx.weight_dtype
+        and acc.dtype == dtype
         and acc.shape == home.shape
         and acc.layout == torch.strided
         and acc.is_contiguous()
-        and acc.device == x.device
+        and acc.device == a.device
     ):
-        accumulate_mm(acc, dpre.t(), x)
+        accumulate_mm(acc, a, b)
         home.grad = None  # autograd now stores acc as the gradient, rather than adding to it
         return acc
-    return call_op(bmm_op, dpre.t(), x, ctx.weight_dtype)
+    return call_op(bmm_op, a, b, dtype)
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
@@ -371,7 +374,7 @@ def _linear_grads(ctx, dy: torch.Tensor):
     if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
         dx = call_op(bmm_op, dpre, w)
     if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
-        dw = _weight_grad(ctx, dpre, x)
+        dw = weight_grad(ctx.grad_home, dpre.t(), x, ctx.weight_dtype)
     if ctx.residual_dtype is not None and ctx.needs_input_grad[2]:
         dres = dy.to(ctx.residual_dtype)
     return dx, dw, dres

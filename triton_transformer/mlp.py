@@ -36,7 +36,15 @@ import math
 import torch
 from torch.library import triton_op
 
-from triton_transformer.bmm import _check_epilogue_dropout, _check_pair, _weight_in, bmm_op, linear
+from triton_transformer.bmm import (
+    _check_epilogue_dropout,
+    _check_pair,
+    _grad_home,
+    _weight_in,
+    bmm_op,
+    linear,
+    weight_grad,
+)
 from triton_transformer.matmul_plan import _mm2d_into
 from triton_transformer.utils import (
     call_op,
@@ -96,6 +104,7 @@ def relu2_mlp_op(
 def _relu2_mlp_setup_context(ctx, inputs, output) -> None:
     x, w_in, w_out, ctx.p, seed, w_in_lp, w_out_lp = inputs
     ctx.w_dtypes = (w_in.dtype, w_out.dtype)
+    ctx.grad_homes = (_grad_home(w_in), _grad_home(w_out))  # see bmm.accumulate_grads_in_place
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # h gets no gradient: no M×H zero tensor for it
     ctx.save_for_backward(
@@ -112,13 +121,13 @@ def _relu2_mlp_backward(ctx, dout: torch.Tensor | None, _dh: torch.Tensor | None
     dout = dout.to(x.dtype)
     dx = dw_in = dw_out = None
     if ctx.needs_input_grad[2]:  # dW_out = dout^T @ h, in W_out's own dtype
-        dw_out = call_op(bmm_op, dout.t(), h, ctx.w_dtypes[1])
+        dw_out = weight_grad(ctx.grad_homes[1], dout.t(), h, ctx.w_dtypes[1])
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
         dpre = call_op(mm_relu2_grad_op, dout, w_out, h, True, ctx.p, seed)
         if ctx.needs_input_grad[0]:  # dX = d(pre) @ W_in
             dx = call_op(bmm_op, dpre, w_in)
         if ctx.needs_input_grad[1]:  # dW_in = d(pre)^T @ X
-            dw_in = call_op(bmm_op, dpre.t(), x, ctx.w_dtypes[0])
+            dw_in = weight_grad(ctx.grad_homes[0], dpre.t(), x, ctx.w_dtypes[0])
     return dx, dw_in, dw_out, None, None, None, None
 
 
