@@ -98,7 +98,7 @@ def fwd_tiles(out_dir: Path, env: dict) -> None:
         print(row, flush=True)
     names = [str(t) for t in FWD_TILES]
     lines = [f"# Causal attention forward tiles ({env})", ""]
-    lines += ["µs per call, kernel time (L2 flushed), bf16, causal, with log-sum-exp; tiles as", ""]
+    lines += ["µs per call, kernel time (L2 flushed), bf16, causal, with log-sum-exp; tiles as"]
     lines += ["(BLOCK_M, BLOCK_N, warps, stages), the first shipped", ""]
     lines += ["| preset | " + " | ".join(names) + " | cuDNN |", "|---|" + "---|" * (len(names) + 1)]
     for r in rows:
@@ -133,7 +133,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     lines = [f"# Causal attention program order ({env})", ""]
-    lines += ["µs per call, kernel time (L2 flushed), packed qkv, bf16, causal; the budget is", ""]
+    lines += ["µs per call, kernel time (L2 flushed), packed qkv, bf16, causal; the budget is"]
     lines += ["`attention.LONGEST_FIRST_BYTES` (head-major: 0, the previous order)", ""]
     for part in ("fwd", "bwd"):
         names = list(BUDGETS)

@@ -433,20 +433,24 @@ def test_accumulate_grads_in_place(activation, uses, device, monkeypatch):
 
 
 def test_accumulate_grads_in_place_leaves_other_callers_alone(device):
-    # a forward outside the context, whose backward runs inside it, adds its dW the usual
-    # way; a non-leaf weight (w·1) never folds; autograd.grad outside the context returns
-    # one backward's gradient only
+    # Where the engine will not store into w.grad, the backward returns its own dW and
+    # leaves w.grad as it was: torch.autograd.grad (over w, or over x only) and
+    # backward(inputs=[x]) inside the context. A forward outside the context, whose backward
+    # runs inside it, adds its dW the usual way; a non-leaf weight (w·1) never folds.
     w = rand((29, 45), torch.float32, device, mean=0.01).requires_grad_()
-    x = rand((21, 45), torch.float32, device, mean=0.2)
+    x = rand((21, 45), torch.float32, device, mean=0.2).requires_grad_()
     linear(x, w, use_triton=True).sum().backward()
     first = w.grad.clone()
     y = linear(x, w, use_triton=True)
     with bmm_module.accumulate_grads_in_place():
+        (g,) = torch.autograd.grad(linear(x, w, use_triton=True).sum(), w)
+        torch.testing.assert_close(g, first, rtol=1e-5, atol=1e-6)
+        torch.autograd.grad(linear(x, w, use_triton=True).sum(), x)
+        linear(x, w, use_triton=True).sum().backward(inputs=[x])
+        torch.testing.assert_close(w.grad, first, rtol=0, atol=0)  # untouched so far
         y.sum().backward()
         linear(x, w * 1.0, use_triton=True).sum().backward()
     torch.testing.assert_close(w.grad, 3 * first, rtol=1e-5, atol=1e-6)
-    (g,) = torch.autograd.grad(linear(x, w, use_triton=True).sum(), w)
-    torch.testing.assert_close(g, first, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

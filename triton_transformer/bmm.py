@@ -250,24 +250,24 @@ ACCUMULATE_IN_PLACE = True
 
 @contextlib.contextmanager
 def accumulate_grads_in_place() -> Iterator[None]:
-    """Inside, a linear's backward adds its weight's gradient into the weight's `.grad`, when
-    it has one, by the product itself: dW += d(pre)ᵀ X, cuBLAS with the fp32 gradient as its
-    C input (beta = 1). It then hands that tensor to autograd and sets `.grad` to None, so
-    that autograd stores it as the new `.grad` instead of adding a fresh dW to it.
+    """Inside, a linear's backward (and the relu² feed-forward's, `mlp.relu2_mlp`) adds its
+    weight's gradient into the weight's `.grad`, when it has one, by the product itself:
+    dW += d(pre)ᵀ X, cuBLAS with the fp32 gradient as its C input (beta = 1). It then hands
+    that tensor to autograd and sets `.grad` to None, so that autograd stores it as the new
+    `.grad` instead of adding a fresh dW to it.
 
     Why: a step of k micro-batches otherwise writes each weight's fp32 dW k times and adds
     it k - 1 times in separate kernels (read two, write one). At the enwik8 config (4
-    micro-batches) those adds were 403 µs of a 7.35 ms step (163 launches, H200).
+    micro-batches, H200) those adds took 406 µs of a 7.07 ms step (163 launches); in place,
+    `train.py --use-triton` trains 1.05x faster (`benchmarks/RESULTS.md`, fourteenth session).
 
     For loops that accumulate with `loss.backward()` (the trainer's micro-batches); the
-    choice is made when the forward runs, so its backward may run anywhere. Inside, a
-    weight's `.grad` is a running sum as before, but:
-    - `torch.autograd.grad` of a loss over such a weight would return the sum so far, not
-      this backward's gradient: use it outside the context;
-    - hooks registered on a weight tensor (`register_hook`) see the running sum; hooks
-      that run after accumulation (`register_post_accumulate_grad_hook`, DDP's) see what
-      they always see.
-    Traced code (torch.compile) and weights that are not leaves are not affected."""
+    choice is made when the forward runs, so its backward may run on any thread. A backward
+    that will not store into that `.grad` (`torch.autograd.grad`, or `backward(inputs=...)`
+    without the weight) computes dW as usual. Hooks registered on a weight tensor
+    (`register_hook`) see the running sum rather than this backward's dW; hooks that run
+    after accumulation (`register_post_accumulate_grad_hook`, DDP's) see what they always
+    see. Traced code (torch.compile) and weights that are not leaves are not affected."""
     global _in_place_depth
     _in_place_depth += 1
     try:
@@ -282,6 +282,17 @@ def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
     if not (_in_place_depth and ACCUMULATE_IN_PLACE) or is_traced(weight):
         return None
     return weight if weight.is_leaf and weight.requires_grad else None
+
+
+def _stores_grad(weight: torch.Tensor) -> bool:
+    """Whether the running backward will store a gradient into the leaf `weight`'s `.grad`
+    (its AccumulateGrad node runs): not under `torch.autograd.grad` (where the engine refuses
+    the question for leaves it returns gradients of), nor `backward(inputs=...)` without it."""
+    try:
+        node = torch.autograd.graph.get_gradient_edge(weight).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 def weight_grad(
@@ -300,6 +311,7 @@ def weight_grad(
         and acc.layout == torch.strided
         and acc.is_contiguous()
         and acc.device == a.device
+        and _stores_grad(home)
     ):
         accumulate_mm(acc, a, b)
         home.grad = None  # autograd now stores acc as the gradient, rather than adding to it
