@@ -356,6 +356,29 @@ def test_two_ranks_match_one_process_with_the_union_batch(tmp_path, corpus_file)
     assert r0["tokens_per_s"] > 0
 
 
+def test_two_ranks_triton_path_accumulating_in_place(tmp_path, corpus_file):
+    """The Triton path (Triton's interpreter on CPU) under DDP with 2 micro-batches per step:
+    the second micro-batch's weight gradients are added inside their products
+    (`bmm.accumulate_grads_in_place`) and handed to autograd, whose AccumulateGrad nodes
+    DDP's all-reduce hooks on. The ranks stay in sync, and losses and gradient norms equal
+    one process's on the union batch."""
+    values = tiny_overrides(
+        tmp_path / "ddp", corpus_file, data__shard_global_batch=True, train__max_steps=3,
+        model__use_triton=True, model__attn_dropout=0.0, model__ff_dropout=0.0,
+    )  # fmt: skip
+    launch = Launch(tmp_path, "launch", {"config": values})
+    single = train(
+        make_config({**values, "log.run_dir": str(tmp_path / "single"), "train.batch_size": 4})
+    )
+    records = launch.results()
+    for step, loss in single.losses.items():
+        assert records[0]["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    norms = [r["grad_norm"] for r in read_jsonl(tmp_path / "ddp" / "metrics.jsonl")]
+    single_norms = [r["grad_norm"] for r in read_jsonl(single.run_dir / "metrics.jsonl")]
+    assert norms == pytest.approx(single_norms, rel=1e-5)
+    _check_in_sync(records, [1, 2, 3])
+
+
 def test_ctrl_c_on_one_rank_and_exact_resume_with_torchrun(tmp_path, corpus_file):
     """Own data streams per rank, dropout on: a SIGINT to rank 1 alone stops both ranks after
     the same step with a checkpoint; `torchrun ... train.py --resume` from the step-2
