@@ -48,6 +48,12 @@ V are never expanded. A key/value head's key blocks are dealt round its GROUP qu
 grid rows, and each key-block program sums dK, dV over the group's query heads in registers,
 in a fixed order (deterministic in both variants; the single pass still adds dQ per query head).
 
+Program order: a causal head's blocks differ in work (the forward's last query block and the
+backward's first key block see the whole head), and each launch orders a head's blocks longest
+first. Across heads the grid is dealt block-major over groups of heads whose streamed tensors
+fit `LONGEST_FIRST_BYTES` of L2 (`_longest_first`), so the last wave holds short blocks, not
+the long ones of the last heads (the backward at GPT-2's shape: 355.8 -> 340.3 µs on an H200).
+
 Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
 long KV cache, so the keys may be split among programs whose partial results
 `_attention_fwd_combine_kernel` merges (FlashDecoding). `attention_cached` runs the same forward
