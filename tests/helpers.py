@@ -49,8 +49,10 @@ def kernel_analysis_failures() -> Iterator[list[str]]:
     copies each view the kernel reads: no error, a slower compiled step (the enwik8 step:
     20% on an H200, when the attention kernels called `.to` on a size argument that torch
     2.11 passes there as a Python int)."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
     handler = _KernelAnalysisFailures()
-    logger = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+    logger = triton_kernel_wrap.log  # the logger it warns on ("torch._dynamo" in torch 2.13)
     logger.addHandler(handler)
     try:
         yield handler.failures

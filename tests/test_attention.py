@@ -333,19 +333,32 @@ def test_64_bit_offsets_and_grid_spill(device, monkeypatch):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["single-pass", "deterministic"])
-@pytest.mark.parametrize("heads_per_group", [1, 3])
-def test_longest_first_head_groups(heads_per_group, deterministic, device, monkeypatch):
+@pytest.mark.parametrize(
+    "heads_per_group, kv_heads, grid_y",
+    [(1, 4, None), (3, 4, None), (3, 2, None), (3, 4, 3)],
+    ids=["identity", "ragged", "grouped-query", "grid-spill"],
+)
+def test_longest_first_head_groups(
+    heads_per_group, kv_heads, grid_y, deterministic, device, monkeypatch
+):
     # Causal launches deal their programs block-major over groups of heads
     # (`_longest_first`). An L2 budget of three heads' streamed tensors (4·n·d bytes each:
     # the same n for queries and keys here) splits b·h = 8 into groups 3, 3, 2, so the last
-    # group is ragged; a budget of one head is the identity order. Every (block, head) must
-    # still be computed exactly once: forward and all three gradients against float64.
+    # group is ragged; a budget of one head is the identity order. Also with grouped-query
+    # attention (key blocks dealt round each group's query heads) and with batch·head
+    # spilling into grid dim 2 (programs past b·h return before the remap). n = 200 gives
+    # several blocks per head for the interpreter's tiles and the GPU's. Every (block, head)
+    # must be computed exactly once: forward and all three gradients against float64.
+    from test_gqa import check_gqa, make_gqa
+
     import triton_transformer.attention as A
 
-    n, d = 37, 16
+    n, d = 200, 16
     monkeypatch.setattr(A, "LONGEST_FIRST_BYTES", heads_per_group * 4 * n * d)
-    with deterministic_algorithms(deterministic):
-        check_attention(*make_qkv(2, 4, n, n, d, torch.float32, device), causal=True)
+    if grid_y is not None:
+        monkeypatch.setattr(A, "_MAX_GRID_Y", grid_y)  # b·h = 8 -> a (.., 3, 3) grid
+    q, k, v = make_gqa(2, 4, kv_heads, n, n, d, torch.float32, device)
+    check_gqa(q, k, v, deterministic=deterministic, causal=True)
 
 
 # --- the registered ops ----------------------------------------------------------------------

@@ -436,7 +436,7 @@ def test_accumulate_grads_in_place_leaves_other_callers_alone(device):
     # Where the engine will not store into w.grad, the backward returns its own dW and
     # leaves w.grad as it was: torch.autograd.grad (over w, or over x only) and
     # backward(inputs=[x]) inside the context. A forward outside the context, whose backward
-    # runs inside it, adds its dW the usual way; a non-leaf weight (w·1) never folds.
+    # runs inside it, and a non-leaf weight (w·1) leave the sum to autograd's add.
     w = rand((29, 45), torch.float32, device, mean=0.01).requires_grad_()
     x = rand((21, 45), torch.float32, device, mean=0.2).requires_grad_()
     linear(x, w, use_triton=True).sum().backward()
@@ -444,13 +444,39 @@ def test_accumulate_grads_in_place_leaves_other_callers_alone(device):
     y = linear(x, w, use_triton=True)
     with bmm_module.accumulate_grads_in_place():
         (g,) = torch.autograd.grad(linear(x, w, use_triton=True).sum(), w)
-        torch.testing.assert_close(g, first, rtol=1e-5, atol=1e-6)
         torch.autograd.grad(linear(x, w, use_triton=True).sum(), x)
         linear(x, w, use_triton=True).sum().backward(inputs=[x])
+        torch.testing.assert_close(g, first, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(w.grad, first, rtol=0, atol=0)  # untouched so far
-        y.sum().backward()
-        linear(x, w * 1.0, use_triton=True).sum().backward()
+        with CountAdds(w.shape) as adds:  # autograd's add into w.grad, once each
+            y.sum().backward()
+            linear(x, w * 1.0, use_triton=True).sum().backward()
+    assert adds.adds == 2
     torch.testing.assert_close(w.grad, 3 * first, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("holder", ["reference", "hook"])
+def test_accumulate_grads_in_place_yields_to_holders_and_hooks(holder, device):
+    # A tensor kept from w.grad must keep seeing every micro-batch (autograd adds in place
+    # into it; stored elsewhere, it would go stale), and a hook on w must see one backward's
+    # dW, not the running sum: both turn the in-place path off for w.
+    w = rand((29, 45), torch.float32, device, mean=0.01).requires_grad_()
+    x = rand((21, 45), torch.float32, device, mean=0.2)
+    seen = []
+    if holder == "hook":
+        w.register_hook(lambda g: seen.append(g.clone()))
+    with bmm_module.accumulate_grads_in_place():
+        linear(x, w, use_triton=True).sum().backward()
+        held = w.grad
+        for _ in range(2):
+            linear(x, w, use_triton=True).sum().backward()
+    assert held is w.grad  # autograd added into the held tensor each time
+    (dw,) = torch.autograd.grad(linear(x, w, use_triton=True).sum(), w)
+    torch.testing.assert_close(w.grad, 3 * dw, rtol=1e-5, atol=1e-6)
+    if holder == "hook":  # dW alone each time
+        assert len(seen) == 4  # (the last from autograd.grad)
+        for g in seen:
+            torch.testing.assert_close(g, dw, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -42,9 +42,10 @@ def test_compiled_triton_model_trains_like_eager():
     model = make_model(use_triton=True, dropout=0.0)
     compiled = torch.compile(model)
     batch = torch.randint(0, 256, (4, 65), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16), kernel_analysis_failures() as failures:
-        eager_loss = model(batch)
-        compiled_loss = compiled(batch)
+    with kernel_analysis_failures() as failures:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager_loss = model(batch)
+            compiled_loss = compiled(batch)
         grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
     assert not failures, failures
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=2e-2)

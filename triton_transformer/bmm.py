@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 import types
 from collections.abc import Iterator
 
@@ -242,9 +243,9 @@ def relu2_grad_op(
 # Gradient accumulation in place
 # ---------------------------------------------------------------------------------------------
 
-# > 0 inside `accumulate_grads_in_place()`; ACCUMULATE_IN_PLACE = False turns the context
-# into a no-op (benchmarks compare).
-_in_place_depth = 0
+# The context's depth on this thread (its forwards record the choice); ACCUMULATE_IN_PLACE =
+# False turns the context into a no-op (benchmarks compare).
+_in_place = threading.local()
 ACCUMULATE_IN_PLACE = True
 
 
@@ -259,29 +260,56 @@ def accumulate_grads_in_place() -> Iterator[None]:
     Why: a step of k micro-batches otherwise writes each weight's fp32 dW k times and adds
     it k - 1 times in separate kernels (read two, write one). At the enwik8 config (4
     micro-batches, H200) those adds took 406 µs of a 7.07 ms step (163 launches); in place,
-    `train.py --use-triton` trains 1.05x faster (`benchmarks/RESULTS.md`, fourteenth session).
+    `train.py --use-triton` trains 1.04-1.05x faster (`benchmarks/RESULTS.md`, fourteenth
+    session).
 
-    For loops that accumulate with `loss.backward()` (the trainer's micro-batches); the
-    choice is made when the forward runs, so its backward may run on any thread. A backward
-    that will not store into that `.grad` (`torch.autograd.grad`, or `backward(inputs=...)`
-    without the weight) computes dW as usual. Hooks registered on a weight tensor
-    (`register_hook`) see the running sum rather than this backward's dW; hooks that run
-    after accumulation (`register_post_accumulate_grad_hook`, DDP's) see what they always
-    see. Traced code (torch.compile) and weights that are not leaves are not affected."""
-    global _in_place_depth
-    _in_place_depth += 1
+    For one thread's loop that accumulates with `loss.backward()` (the trainer's
+    micro-batches): forwards run inside record the choice, on the thread that opened the
+    context. A weight's gradient is computed as usual (and added by autograd) where:
+    - the backward will not store into its `.grad` (`torch.autograd.grad`, or
+      `backward(inputs=...)` without it);
+    - something else references that `.grad` tensor (a tensor kept from `p.grad`, DDP's
+      bucket views): autograd would store a copy, and the holder would stop seeing later
+      micro-batches;
+    - it has hooks of its own (`register_hook`), which must see one backward's dW;
+    - the backward is traced (torch.compile, compiled autograd), or the weight is not a
+      leaf.
+    Hooks that run after accumulation (`register_post_accumulate_grad_hook`, DDP's) see what
+    they always see. A backward that raises partway leaves the weights it had reached with
+    `.grad` None (their running sums dropped): discard such a step, as the trainer does."""
+    depth = getattr(_in_place, "depth", 0)
+    _in_place.depth = depth + 1
     try:
         yield
     finally:
-        _in_place_depth -= 1
+        _in_place.depth = depth
 
 
 def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
     """The leaf weight whose `.grad` this forward's backward may accumulate into (inside
     `accumulate_grads_in_place`), or None."""
-    if not (_in_place_depth and ACCUMULATE_IN_PLACE) or is_traced(weight):
+    if not (getattr(_in_place, "depth", 0) and ACCUMULATE_IN_PLACE) or is_traced(weight):
         return None
     return weight if weight.is_leaf and weight.requires_grad else None
+
+
+def _grad_references(home: torch.Tensor) -> tuple[int, int]:
+    """(Python references, C++ owners) of home.grad, counted in this frame (C++ owners as 0
+    on a torch without `Tensor._use_count`)."""
+    grad = home.grad
+    refs = sys.getrefcount(grad)
+    use_count = getattr(grad, "_use_count", None)
+    return refs, use_count() if use_count is not None else 0
+
+
+def _unshared_references() -> tuple[int, int]:
+    """What `_grad_references` counts for a gradient nothing else holds."""
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.zeros(1)
+    return _grad_references(probe)
+
+
+_UNSHARED = _unshared_references()
 
 
 def _stores_grad(weight: torch.Tensor) -> bool:
@@ -295,24 +323,35 @@ def _stores_grad(weight: torch.Tensor) -> bool:
         return False
 
 
+def _foldable(home: torch.Tensor | None, dtype: torch.dtype, a: torch.Tensor) -> bool:
+    """Whether this backward may add the weight's gradient into home.grad in place (see
+    `accumulate_grads_in_place` for when it may not)."""
+    if home is None or home.grad is None or home._backward_hooks:
+        return False
+    if is_traced(a) or torch.compiler.is_compiling():
+        return False
+    if _grad_references(home) != _UNSHARED:  # autograd would copy it rather than store it
+        return False
+    grad = home.grad
+    return (
+        grad.dtype == dtype
+        and grad.shape == home.shape
+        and grad.layout == torch.strided
+        and grad.is_contiguous()
+        and grad.device == a.device
+        and _stores_grad(home)
+    )
+
+
 def weight_grad(
     home: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """A weight's gradient a @ b (the transposed output gradient times the input) in the
-    weight's dtype. `home`: what `_grad_home` gave the forward; when that weight has a
-    `.grad` that can take the sum (a dense tensor of that dtype and shape, row-major, on a's
-    device), the product is added into it in place and it is returned as the gradient, with
-    `.grad` set to None (see `accumulate_grads_in_place`)."""
-    acc = None if home is None else home.grad
-    if (
-        acc is not None
-        and acc.dtype == dtype
-        and acc.shape == home.shape
-        and acc.layout == torch.strided
-        and acc.is_contiguous()
-        and acc.device == a.device
-        and _stores_grad(home)
-    ):
+    weight's dtype. `home`: what `_grad_home` gave the forward; where `_foldable`, the product
+    is added into home.grad in place, which is returned as the gradient with `.grad` set to
+    None (see `accumulate_grads_in_place`)."""
+    if _foldable(home, dtype, a):
+        acc = home.grad
         accumulate_mm(acc, a, b)
         home.grad = None  # autograd now stores acc as the gradient, rather than adding to it
         return acc
@@ -385,10 +424,12 @@ def _linear_grads(ctx, dy: torch.Tensor):
     dx = dw = dres = None
     if ctx.needs_input_grad[0]:  # dX = d(pre) @ W
         dx = call_op(bmm_op, dpre, w)
-    if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
-        dw = weight_grad(ctx.grad_home, dpre.t(), x, ctx.weight_dtype)
     if ctx.residual_dtype is not None and ctx.needs_input_grad[2]:
         dres = dy.to(ctx.residual_dtype)
+    # dW last: added in place into .grad (`accumulate_grads_in_place`), nothing after it may
+    # fail and drop the running sum
+    if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
+        dw = weight_grad(ctx.grad_home, dpre.t(), x, ctx.weight_dtype)
     return dx, dw, dres
 
 

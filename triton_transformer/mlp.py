@@ -119,15 +119,17 @@ def _relu2_mlp_backward(ctx, dout: torch.Tensor | None, _dh: torch.Tensor | None
         return (None,) * 7
     x, w_in, w_out, h, seed = ctx.saved_tensors  # the weights as the products read them
     dout = dout.to(x.dtype)
-    dx = dw_in = dw_out = None
-    if ctx.needs_input_grad[2]:  # dW_out = dout^T @ h, in W_out's own dtype
-        dw_out = weight_grad(ctx.grad_homes[1], dout.t(), h, ctx.w_dtypes[1])
+    dx = dw_in = dw_out = dpre = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
         dpre = call_op(mm_relu2_grad_op, dout, w_out, h, True, ctx.p, seed)
         if ctx.needs_input_grad[0]:  # dX = d(pre) @ W_in
             dx = call_op(bmm_op, dpre, w_in)
-        if ctx.needs_input_grad[1]:  # dW_in = d(pre)^T @ X
-            dw_in = weight_grad(ctx.grad_homes[0], dpre.t(), x, ctx.w_dtypes[0])
+    # the weight gradients last: added in place into .grad (`bmm.accumulate_grads_in_place`),
+    # nothing after them may fail and drop the running sums
+    if ctx.needs_input_grad[1]:  # dW_in = d(pre)^T @ X
+        dw_in = weight_grad(ctx.grad_homes[0], dpre.t(), x, ctx.w_dtypes[0])
+    if ctx.needs_input_grad[2]:  # dW_out = dout^T @ h, in W_out's own dtype
+        dw_out = weight_grad(ctx.grad_homes[1], dout.t(), h, ctx.w_dtypes[1])
     return dx, dw_in, dw_out, None, None, None, None
 
 
