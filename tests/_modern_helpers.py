@@ -1,12 +1,11 @@
 """Helpers shared by the RMSNorm, RoPE, SwiGLU and modern-block tests."""
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from helpers import run_without_interpreter
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 # Row-wise relative tolerance against float64 per input dtype.
@@ -40,12 +39,7 @@ def grads(fn, leaves, cotangents):
 
 def run_trace_check() -> subprocess.CompletedProcess:
     """tests/_modern_trace_check.py in a subprocess with TRITON_INTERPRET=0."""
-    script = Path(__file__).with_name("_modern_trace_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_without_interpreter(str(Path(__file__).with_name("_modern_trace_check.py")))
 
 
 # ----------------------------------------------------------------------------- model tests

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,30 @@ def deterministic_algorithms(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def run_without_interpreter(*args: str) -> subprocess.CompletedProcess:
+    """`python *args` in a subprocess with TRITON_INTERPRET=0 (the kernels are JITFunctions,
+    which torch.library traces and Triton compiles for a named GPU) and the repository on
+    the path."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def compile_trace_check(*groups: str) -> tuple[bool, int, str]:
+    """tests/_compile_trace_check.py over `groups` (see its docstring): (every case passed,
+    the number of cases run, the output to show on failure)."""
+    script = Path(__file__).with_name("_compile_trace_check.py")
+    return trace_check_result(run_without_interpreter(str(script), *groups))
+
+
+def trace_check_result(proc: subprocess.CompletedProcess) -> tuple[bool, int, str]:
+    """(exit status 0, the "OK"/"FAIL" lines printed, the output) of a trace-check run."""
+    cases = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    return proc.returncode == 0, len(cases), proc.stdout + proc.stderr[-3000:]
 
 
 class _KernelAnalysisFailures(logging.Handler):

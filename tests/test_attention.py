@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import deterministic_algorithms, kernel_analysis_failures
+from helpers import compile_trace_check, deterministic_algorithms, kernel_analysis_failures
 
 from triton_transformer.attention import (
     attention,
@@ -678,15 +678,8 @@ def test_compile_traces_and_kernel_analysis_cpu():
     # padding; grouped-query; packed qkv), static and dynamic shapes, on CPU, with torch's
     # analysis of which arguments each kernel writes required to succeed. A subprocess:
     # the kernels must be JITFunctions (TRITON_INTERPRET=0); no kernel runs.
-    script = Path(__file__).with_name("_compile_trace_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(script), "attention"], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
-    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+    passed, cases, output = compile_trace_check("attention")
+    assert passed and cases == 8, output
 
 
 @pytest.mark.gpu

@@ -5,14 +5,11 @@ branch itself is checked against `F.cross_entropy` in float64.
 """
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import compile_trace_check
 
 from triton_transformer.cross_entropy import (
     BWD_MAX_BLOCK,
@@ -573,15 +570,5 @@ def test_compile_traces_without_graph_breaks_cpu():
     # of the Triton paths of cross_entropy (both modes), softmax and dropout, static and dynamic
     # shapes, on CPU. A subprocess, because the kernels must be JITFunctions
     # (TRITON_INTERPRET=0) for torch.library to trace them; no kernel runs.
-    script = Path(__file__).with_name("_compile_trace_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(script), "rows"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
-    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+    passed, cases, output = compile_trace_check("rows")
+    assert passed and cases == 8, output

@@ -9,14 +9,13 @@ few rows, and at model scale in the GPU tests.
 
 import importlib
 import math
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import compile_trace_check, run_without_interpreter, trace_check_result
 
 from triton_transformer.layernorm import STABLE_CLAMP, BwdConfig, LayerNorm, layernorm
 
@@ -693,14 +692,8 @@ def test_wide_paths_residual(path, p, stable, device, tables):
 
 
 def _run_cpu_script(code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a subprocess with TRITON_INTERPRET=0 (kernels are JITFunctions) and the
-    repository on the path."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+    """`code` in a subprocess with TRITON_INTERPRET=0 (`helpers.run_without_interpreter`)."""
+    return run_without_interpreter("-c", textwrap.dedent(code))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
@@ -716,8 +709,8 @@ def test_compile_traces_split_backward_cpu():
         sys.argv = [{str(script)!r}, "layernorm"]
         runpy.run_path({str(script)!r}, run_name="__main__")
     """)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
-    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+    passed, cases, output = trace_check_result(proc)
+    assert passed and cases == 8, output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
@@ -774,15 +767,8 @@ def test_compile_traces_without_graph_breaks_cpu():
     # the Triton paths of layernorm and residual_layernorm, static and dynamic shapes, on CPU:
     # a subprocess with TRITON_INTERPRET=0, so the kernels are JITFunctions torch.library can
     # trace. No kernel runs.
-    script = Path(__file__).with_name("_compile_trace_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(script), "layernorm"], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
-    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
+    passed, cases, output = compile_trace_check("layernorm")
+    assert passed and cases == 8, output
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
