@@ -28,23 +28,35 @@ TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 1
          (128, 64, 8, 2), (32, 128, 4, 2), (128, 128, 8, 2))  # fmt: skip
 
 
-def ours_bwd(b: int, n: int, h: int, p: float):
-    qkv = torch.randn(b, n, 3 * h * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+def packed_attention(b: int, n: int, h: int, p: float, d: int = D):
+    """(forward, backward) closures of our packed causal attention, as the model calls it
+    (the forward with autograd recording, so that it writes its log-sum-exp; the backward
+    over a retained graph)."""
+    qkv = torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     seed = torch.tensor(11, device="cuda")
-    out = attn.attention_packed(qkv, h, causal=True, dropout_p=p, use_triton=True, seed=seed)
+
+    def fwd():
+        return attn.attention_packed(qkv, h, causal=True, dropout_p=p, use_triton=True, seed=seed)
+
+    out = fwd()
     dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+    return fwd, lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
 
 
-def cudnn_bwd(b: int, n: int, h: int, p: float):
+def cudnn_attention(b: int, n: int, h: int, p: float, d: int = D):
+    """(forward, backward) closures of cuDNN's causal attention (SDPA), as `packed_attention`."""
     q, k, v = (
-        torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
     )
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+    out = fwd()
     dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return fwd, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 
 def main() -> None:
@@ -62,12 +74,13 @@ def main() -> None:
                 attn._ATOMIC_BWD[True, False] = attn._atomic_tiles(m1, n1, warps, stages)
                 attn._attention_bwd_config.cache_clear()
                 try:
-                    t[(m1, n1, warps, stages)] = common.kernel_ms(ours_bwd(b, n, h, p)) * 1e3
+                    backward = packed_attention(b, n, h, p)[1]
+                    t[(m1, n1, warps, stages)] = common.kernel_ms(backward) * 1e3
                 except Exception as e:  # a tile that cannot compile: reported, not fatal
                     print(f"{name} {p} {(m1, n1, warps, stages)}: {repr(e)[:200]}", flush=True)
             attn._ATOMIC_BWD[True, False] = shipped
             attn._attention_bwd_config.cache_clear()
-            t["cudnn"] = common.kernel_ms(cudnn_bwd(b, n, h, p)) * 1e3
+            t["cudnn"] = common.kernel_ms(cudnn_attention(b, n, h, p)[1]) * 1e3
             best = min(v for k, v in t.items() if k != "cudnn")
             cells = [f"{t[k]:.1f}" if k in t else "-" for k in (*TILES, "cudnn")]
             print(f"| {name} | {p} | " + " | ".join(cells) + f" | {t['cudnn'] / best:.3f} |",

@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
+from probe_attention_bwd_tiles import cudnn_attention, packed_attention
 
 import triton_transformer.attention as attn
 
@@ -40,34 +39,6 @@ SHAPES = {
 }
 BUDGETS = {"head-major": 0, "4 MiB": 4 << 20, "16 MiB": 16 << 20, "64 MiB": 64 << 20,
            "all heads": 1 << 40}  # fmt: skip
-
-
-def ours(b: int, n: int, h: int, d: int, p: float):
-    """(forward, backward) closures of the packed op, as the model calls it."""
-    qkv = torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    seed = torch.tensor(11, device="cuda")
-
-    def fwd():
-        return attn.attention_packed(qkv, h, causal=True, dropout_p=p, use_triton=True, seed=seed)
-
-    out = fwd()
-    dout = torch.randn_like(out)
-    return fwd, lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
-
-
-def cudnn(b: int, n: int, h: int, d: int, p: float):
-    q, k, v = (
-        torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
-
-    def fwd():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-
-    out = fwd()
-    dout = torch.randn_like(out)
-    return fwd, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages); the first is the shipped d64 causal entry
@@ -93,7 +64,7 @@ def fwd_tiles(out_dir: Path, env: dict) -> None:
             except Exception as exc:  # a tile that does not fit: recorded
                 row[str((m, nb, warps, stages))] = float("nan")
                 print(preset, config, type(exc).__name__, flush=True)
-        row["cudnn"] = common.kernel_ms(cudnn(b, n, h, d, 0.0)[0]) * 1e3
+        row["cudnn"] = common.kernel_ms(cudnn_attention(b, n, h, 0.0, d)[0]) * 1e3
         rows.append(row)
         print(row, flush=True)
     names = [str(t) for t in FWD_TILES]
@@ -122,11 +93,12 @@ def main() -> None:
     for preset, (b, n, h, d) in SHAPES.items():
         for p in (0.0, 0.1):
             row = dict(preset=preset, b=b, n=n, h=h, d=d, dropout=p)
-            row["cudnn fwd"] = common.kernel_ms(cudnn(b, n, h, d, p)[0]) * 1e3
-            row["cudnn bwd"] = common.kernel_ms(cudnn(b, n, h, d, p)[1]) * 1e3
+            fwd, bwd = cudnn_attention(b, n, h, p, d)
+            row["cudnn fwd"] = common.kernel_ms(fwd) * 1e3
+            row["cudnn bwd"] = common.kernel_ms(bwd) * 1e3
             for name, budget in BUDGETS.items():
                 attn.LONGEST_FIRST_BYTES = budget
-                fwd, bwd = ours(b, n, h, d, p)
+                fwd, bwd = packed_attention(b, n, h, p, d)
                 row[f"{name} fwd"] = common.kernel_ms(fwd) * 1e3
                 row[f"{name} bwd"] = common.kernel_ms(bwd) * 1e3
             attn.LONGEST_FIRST_BYTES = shipped
