@@ -2,7 +2,8 @@
 with the traced attention backward as the single pass or the two-program kernel
 (`attention.TRACED_SINGLE_PASS`), inductor's combo kernels (horizontal fusion of small
 independent kernels) on or off, and the micro-batches' weight gradients accumulated in the
-products (`bmm.accumulate_grads_in_place`) or added by autograd ("triton-add-grads"). Each
+products (`bmm.accumulate_grads_in_place`; compiled: by the traced backward, traced=True) or
+added by autograd ("triton-add-grads", "triton-compile-add-grads"). Each
 variant trains the enwik8 config through `bench_train.run_mode` (tokens/s, GPU ms per step,
 peak memory, the longest kernels).
 
@@ -35,6 +36,7 @@ VARIANTS = {
     "triton-add-grads": ("triton", True, False, False),
     "triton-compile-twoprog": ("triton-compile", False, False, True),
     "triton-compile": ("triton-compile", True, False, True),
+    "triton-compile-add-grads": ("triton-compile", True, False, False),
     "triton-compile-combo": ("triton-compile", True, True, True),
 }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOL, CountAdds, pretend_gpu, rel_err
+from helpers import TOL, CountAdds, compile_trace_check, pretend_gpu, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
@@ -477,6 +477,33 @@ def test_accumulate_grads_in_place_yields_to_holders_and_hooks(holder, device):
         assert len(seen) == 4  # (the last from autograd.grad)
         for g in seen:
             torch.testing.assert_close(g, dw, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
+def test_accumulate_grads_in_place_traced_backward_cpu():
+    # accumulate_grads_in_place(traced=True): the backward AOTAutograd traces for a linear
+    # (relu²) into the relu² feed-forward adds each weight's gradient into the `.grad` the
+    # forward passed (accumulate_mm, written back into that graph input) and returns none for
+    # the weights; without `.grad`, or traced=False, the weights get their gradients as usual.
+    # A subprocess (kernels as JITFunctions, `_compile_trace_check.py`); no kernel runs.
+    passed, cases, output = compile_trace_check("fold")
+    assert passed and cases == 3, output
+
+
+def test_accumulate_grads_in_place_traced_leaves_eager_calls_alone(device):
+    # traced=True changes nothing for eager code: the ops get no `.grad` (their eager fold,
+    # with its checks, is the same), and the global that traced code reads is restored on exit
+    w = rand((29, 45), torch.float32, device, mean=0.01).requires_grad_()
+    x = rand((21, 45), torch.float32, device, mean=0.2)
+    assert bmm_module._traced_grad_acc(w) is None
+    with bmm_module.accumulate_grads_in_place(traced=True):
+        for _ in range(3):
+            linear(x, w, "relu_squared", use_triton=True).sum().backward()
+        assert bmm_module._traced_depth == 1
+        assert bmm_module._traced_grad_acc(w) is None  # not compiling
+    assert bmm_module._traced_depth == 0
+    (dw,) = torch.autograd.grad(linear(x, w, "relu_squared", use_triton=True).sum(), w)
+    torch.testing.assert_close(w.grad, 3 * dw, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

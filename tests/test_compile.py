@@ -88,3 +88,51 @@ def test_compiled_model_reads_the_steps_weight_casts():
             assert g.dtype == e.dtype and rel_err(g, e) < 3e-2, name
         for g in (eager_grads[qkv0], compiled_grads[qkv0]):
             assert (g.abs().max() == 0) == perturb
+
+
+def test_compiled_micro_batches_add_weight_grads_in_place():
+    # Inside accumulate_grads_in_place(traced=True), as the trainer opens it around its
+    # micro-batches: from the second micro-batch on, the compiled backward adds each linear's
+    # dW into its `.grad` itself and hands autograd no gradient for it (a hook on the weight
+    # is called with None), while the layer norms' and embeddings' gradients still reach
+    # autograd. The sums match the eager model's accumulation (whose fold a hooked weight
+    # turns off), and no kernel's argument analysis failed.
+    from torch import nn
+
+    from triton_transformer.bmm import accumulate_grads_in_place
+
+    torch._dynamo.reset()
+    model = Transformer(
+        num_tokens=256, dim=128, depth=2, heads=4, dim_head=32, max_seq_len=128, causal=True,
+        use_triton=True, check_token_ids=False, cuda_graphs=False,
+    )  # fmt: skip
+    model = AutoregressiveWrapper(model).cuda().train()
+    compiled = torch.compile(model)
+    batches = [torch.randint(0, 256, (4, 65), device="cuda") for _ in range(3)]
+    linear_w = model.net.layers[0][0].to_qkv.weight
+    norm_w = model.net.layers[0][0].norm.weight
+    assert isinstance(model.net.layers[0][0].to_qkv, nn.Linear)
+    seen = {"linear": [], "norm": []}
+    linear_w.register_hook(lambda g: seen["linear"].append(g is not None))
+    norm_w.register_hook(lambda g: seen["norm"].append(g is not None))
+
+    def accumulate(fn):
+        model.zero_grad(set_to_none=True)
+        for calls in seen.values():
+            calls.clear()
+        with accumulate_grads_in_place(traced=True):
+            for batch in batches:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = fn(batch)
+                loss.backward()
+        return [p.grad.clone() for p in model.parameters()], {k: list(v) for k, v in seen.items()}
+
+    eager_grads, eager_seen = accumulate(model)
+    with kernel_analysis_failures() as failures:
+        compiled_grads, compiled_seen = accumulate(compiled)
+    assert not failures, failures
+    assert eager_seen == {"linear": [True] * 3, "norm": [True] * 3}
+    assert compiled_seen == {"linear": [True, False, False], "norm": [True] * 3}
+    names = [n for n, _ in model.named_parameters()]
+    for name, g, e in zip(names, compiled_grads, eager_grads, strict=True):
+        assert g.dtype == e.dtype and rel_err(g, e) < 3e-2, name

@@ -114,6 +114,23 @@ def test_gpu_triton_compile_with_graphs_trains(tmp_path, corpus_file, corpus, ca
 
 
 @pytest.mark.gpu
+def test_gpu_triton_compile_with_graphs_matches_uncompiled(tmp_path, corpus_file, corpus):
+    # 4 micro-batches per step: compiled, each linear's gradient is added into its .grad by
+    # the traced backward (`bmm.accumulate_grads_in_place(traced=True)`), uncompiled by the
+    # eager products; the runs' losses agree to bf16 rounding over 12 steps
+    losses = {}
+    for compiled in (False, True):
+        config = _gpu_config(
+            tmp_path / str(compiled), corpus_file, model__use_triton=True,
+            train__compile=compiled, train__cuda_graph="true",
+        )  # fmt: skip
+        assert config.train.grad_accum_steps > 1
+        losses[compiled] = train(config, corpus=corpus).losses
+    rel = {s: abs(losses[True][s] / losses[False][s] - 1) for s in range(1, 13)}
+    assert max(rel.values()) < 2e-2, rel
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_ranks_with_graphs_match_eager(tmp_path, corpus_file, monkeypatch):
     """NCCL all-reduce captured in the graph (auto does so under DDP): 11 eager steps, then

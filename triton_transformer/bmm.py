@@ -9,15 +9,17 @@ the `matmul_impl` switch, also settable here as `bmm.matmul_impl`, and `MATMUL_T
 Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capture them):
 - `triton_transformer::bmm(a, b)`: a (..., M, K) @ b (..., K, N); any strides (a transposed
   view such as k.transpose(-1, -2) is read in place). Its backward uses the same op.
-- `triton_transformer::linear(x, weight, residual, relu_squared, p, seed)`:
-  dropout_p(act(x @ weight.T)) [+ residual] for 2-D x; and
-  `triton_transformer::linear_relu2(x, weight, residual, p, seed)`, which also returns
-  relu(x @ weight.T) for the backward (see "relu² backward" below). The dropout (relu² only)
-  runs in the epilogue, its mask drawn from a device seed (`_jit_helpers.dropout_keep_tile`).
+- `triton_transformer::linear(x, weight, residual, relu_squared, p, seed, weight_lp,
+  grad_acc)`: dropout_p(act(x @ weight.T)) [+ residual] for 2-D x; and
+  `triton_transformer::linear_relu2(x, weight, residual, p, seed, weight_lp, grad_acc)`, which
+  also returns relu(x @ weight.T) for the backward (see "relu² backward" below). The dropout
+  (relu² only) runs in the epilogue, its mask drawn from a device seed
+  (`_jit_helpers.dropout_keep_tile`). weight_lp: the weight's cast copy under autocast;
+  grad_acc: its `.grad` in traced training steps (see `accumulate_grads_in_place`).
 - `triton_transformer::relu2_grad(dy, s, from_square, p, seed)`: d(pre) = dy · keep / (1 - p)
   · 2·relu(pre), the mask regenerated from the forward's seed.
-- `triton_transformer::linear_swiglu(x, weight, weight_lp)`: (silu(x @ W_gate.T) * (x @
-  W_up.T), x @ weight.T) for a weight of 2·H rows [gate; up]: by default cuBLAS's product into
+- `triton_transformer::linear_swiglu(x, weight, weight_lp, grad_acc)`: (silu(x @ W_gate.T) *
+  (x @ W_up.T), x @ weight.T) for a weight of 2·H rows [gate; up]: by default cuBLAS's product into
   the (M, 2·H) pre-activations, then `swiglu.py`'s gating pass; the gating fused into the
   matmul's epilogue (two accumulators per tile, `matmul_kernels.py`, also writing the
   pre-activations) where `MATMUL_TABLE` lists it or cuBLAS cannot compute the product;
@@ -25,6 +27,8 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   gradient [d(gate) | d(up)], `swiglu.py`'s backward kernel writing both halves of one
   tensor, which dX and dW then read as one GEMM each. Saved: x, the weight (as the product
   read it) and the pre-activations, as the unfused projection + `swiglu` saved.
+- `triton_transformer::accumulate_mm(c, a, b)`: c += a @ b in place, a traced backward's fold
+  of a weight's gradient into its `.grad` (`accumulate_grads_in_place(traced=True)`).
 The backward of each is `utils.first_order_only` (create_graph=True raises) and calls these ops.
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
@@ -145,6 +149,7 @@ def linear_op(
     p: float = 0.0,
     seed: torch.Tensor | None = None,
     weight_lp: torch.Tensor | None = None,
+    grad_acc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dropout_p(act(x @ weight.T)) [+ residual] for 2-D x (M, K), weight (N, K), residual
     (M, N); dropout (p > 0, relu_squared only) from `seed`, a 0-dim int64 device tensor.
@@ -152,6 +157,10 @@ def linear_op(
     weight_lp: the weight in x's dtype when `weight` is wider (mixed precision: an fp32
     weight under bf16 autocast), else None. The product uses it; the weight's gradient is
     written in the weight's own dtype by the dW GEMM, with no cast pass either way.
+
+    grad_acc: the weight's `.grad` in traced code inside `accumulate_grads_in_place(traced=
+    True)` (`_traced_grad_acc`), else None. The forward does not read it; the backward adds
+    the weight's gradient into it in place and returns none for the weight.
 
     The output has x's dtype, promoted with the residual's. With relu_squared its backward
     recovers relu(pre) as sqrt(output · (1 - p)) where the mask kept it (where it dropped,
@@ -173,11 +182,12 @@ def linear_relu2_op(
     p: float = 0.0,
     seed: torch.Tensor | None = None,
     weight_lp: torch.Tensor | None = None,
+    grad_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dropout_p(relu(x @ weight.T)²) [+ residual], relu(x @ weight.T)): the second output,
     written by the same epilogue, is what the backward needs (it does not underflow in fp16).
     The dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device tensor; weight_lp
-    as in `linear_op`."""
+    and grad_acc as in `linear_op`."""
     _check_epilogue_dropout(p, seed, True)
     w = weight if weight_lp is None else weight_lp
     y = _linear_out(x, w, residual)
@@ -188,12 +198,15 @@ def linear_relu2_op(
 
 @triton_op("triton_transformer::linear_swiglu", mutates_args=())
 def linear_swiglu_op(
-    x: torch.Tensor, weight: torch.Tensor, weight_lp: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_lp: torch.Tensor | None = None,
+    grad_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(x @ W_gate.T) * (x @ W_up.T), x @ weight.T) for 2-D x (M, K) and weight (2·H, K),
     its rows W_gate then W_up: the gating (M, H), and the (M, 2·H) pre-activations [gate | up]
     that the backward reads, written by the same epilogue (or by cuBLAS before the gating
-    pass, "cublas+ew"). weight_lp as in `linear_op`."""
+    pass, "cublas+ew"). weight_lp and grad_acc as in `linear_op`."""
     w = weight if weight_lp is None else weight_lp
     if w.shape[0] % 2:
         raise ValueError(f"a swiglu weight needs an even row count (2·H), got {w.shape[0]}")
@@ -247,10 +260,14 @@ def relu2_grad_op(
 # False turns the context into a no-op (benchmarks compare).
 _in_place = threading.local()
 ACCUMULATE_IN_PLACE = True
+# How many open contexts asked for the fold in traced code too. A module global, not the
+# thread-local depth: Dynamo guards on it (a change recompiles), and traced code cannot ask
+# about this thread.
+_traced_depth = 0
 
 
 @contextlib.contextmanager
-def accumulate_grads_in_place() -> Iterator[None]:
+def accumulate_grads_in_place(traced: bool = False) -> Iterator[None]:
     """Inside, a linear's backward (and the relu² feed-forward's, `mlp.relu2_mlp`) adds its
     weight's gradient into the weight's `.grad`, when it has one, by the product itself:
     dW += d(pre)ᵀ X, cuBLAS with the fp32 gradient as its C input (beta = 1). It then hands
@@ -272,17 +289,59 @@ def accumulate_grads_in_place() -> Iterator[None]:
       bucket views): autograd would store a copy, and the holder would stop seeing later
       micro-batches;
     - it has hooks of its own (`register_hook`), which must see one backward's dW;
-    - the backward is traced (torch.compile, compiled autograd), or the weight is not a
-      leaf.
+    - the weight is not a leaf;
+    - the forward is traced (torch.compile), unless `traced`.
     Hooks that run after accumulation (`register_post_accumulate_grad_hook`, DDP's) see what
     they always see. A backward that raises partway leaves the weights it had reached with
-    `.grad` None (their running sums dropped): discard such a step, as the trainer does."""
+    `.grad` None (their running sums dropped): discard such a step, as the trainer does.
+
+    traced=True: forwards that torch.compile traces inside the context fold too, where the
+    checks above cannot run when the backward does. The traced forward passes each weight's
+    `.grad` (when it has one) to its op, whose backward adds dW into that tensor in place
+    (`accumulate_mm_op`; a holder of it sees the sum) and returns no gradient for the
+    weight. Autograd then adds nothing: a hook on the weight is called with None, DDP's
+    reducer would not see the gradient arrive, and `torch.autograd.grad` would get none. So
+    only for a plain `loss.backward()` on weights without hooks: the trainer's micro-batches
+    without DDP (`training.step`). Dynamo guards on whether each `.grad` exists: the first
+    micro-batch (none yet) and the later ones compile one graph each."""
+    global _traced_depth
     depth = getattr(_in_place, "depth", 0)
     _in_place.depth = depth + 1
+    _traced_depth += bool(traced)
     try:
         yield
     finally:
         _in_place.depth = depth
+        _traced_depth -= bool(traced)
+
+
+@torch.library.custom_op("triton_transformer::accumulate_mm", mutates_args=("c",))
+def accumulate_mm_op(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b in place (`matmul_plan.accumulate_mm`): a traced backward's fold of a
+    weight's gradient into its `.grad`. An opaque op that declares its mutation, so inductor
+    calls it on `.grad` itself, with no copy."""
+    accumulate_mm(c, a, b)
+
+
+@accumulate_mm_op.register_fake
+def _(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
+def _traced_grad_acc(weight: torch.Tensor) -> torch.Tensor | None:
+    """In traced code inside `accumulate_grads_in_place(traced=True)`: weight's `.grad`, for
+    its op's backward to add dW into (when it exists and matches the weight), else None."""
+    # is_compiling first: eager calls never read (and Dynamo never guards on) the global
+    if not (torch.compiler.is_compiling() and _traced_depth and ACCUMULATE_IN_PLACE):
+        return None
+    if not (weight.is_leaf and weight.requires_grad):
+        return None
+    grad = weight.grad
+    if grad is None or grad.dtype != weight.dtype or grad.shape != weight.shape:
+        return None
+    if grad.layout != torch.strided or not grad.is_contiguous():
+        return None
+    return grad
 
 
 def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
@@ -344,12 +403,20 @@ def _foldable(home: torch.Tensor | None, dtype: torch.dtype, a: torch.Tensor) ->
 
 
 def weight_grad(
-    home: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
+    home: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dtype: torch.dtype,
+    acc: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """A weight's gradient a @ b (the transposed output gradient times the input) in the
     weight's dtype. `home`: what `_grad_home` gave the forward; where `_foldable`, the product
     is added into home.grad in place, which is returned as the gradient with `.grad` set to
-    None (see `accumulate_grads_in_place`)."""
+    None (see `accumulate_grads_in_place`). `acc`: the `.grad` a traced forward passed
+    (`_traced_grad_acc`); the product is added into it and None returned."""
+    if acc is not None:
+        accumulate_mm_op(acc, a, b)
+        return None
     if _foldable(home, dtype, a):
         acc = home.grad
         accumulate_mm(acc, a, b)
@@ -359,7 +426,7 @@ def weight_grad(
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual, relu_squared, ctx.p, seed, weight_lp = inputs
+    x, weight, residual, relu_squared, ctx.p, seed, weight_lp, grad_acc = inputs
     ctx.swiglu = False
     ctx.relu_squared = relu_squared
     ctx.from_square = True
@@ -370,12 +437,12 @@ def _linear_setup_context(ctx, inputs, output) -> None:
     ctx.can_grad = not (relu_squared and residual is not None)
     ctx.save_for_backward(
         x, weight if weight_lp is None else weight_lp,
-        output if relu_squared and ctx.can_grad else None, seed if ctx.p else None,
+        output if relu_squared and ctx.can_grad else None, seed if ctx.p else None, grad_acc,
     )  # fmt: skip
 
 
 def _linear_relu2_setup_context(ctx, inputs, output) -> None:
-    x, weight, residual, ctx.p, seed, weight_lp = inputs
+    x, weight, residual, ctx.p, seed, weight_lp, grad_acc = inputs
     ctx.swiglu = False
     ctx.relu_squared = True
     ctx.from_square = False
@@ -387,12 +454,13 @@ def _linear_relu2_setup_context(ctx, inputs, output) -> None:
     # relu(pre) gets no gradient: without this autograd would fill an M×N zero tensor for it
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(
-        x, weight if weight_lp is None else weight_lp, output[1], seed if ctx.p > 0.0 else None
-    )
+        x, weight if weight_lp is None else weight_lp, output[1],
+        seed if ctx.p > 0.0 else None, grad_acc,
+    )  # fmt: skip
 
 
 def _linear_swiglu_setup_context(ctx, inputs, output) -> None:
-    x, weight, weight_lp = inputs
+    x, weight, weight_lp, grad_acc = inputs
     ctx.swiglu, ctx.relu_squared, ctx.p = True, False, 0.0
     ctx.residual_dtype = None
     ctx.weight_dtype = weight.dtype
@@ -402,7 +470,7 @@ def _linear_swiglu_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # the pre-activations get no gradient (see relu2's)
     # what the unfused linear + swiglu saved: x, the weight as the product used it, and the
     # (M, 2·H) pre-activations (there: the projection, whose halves swiglu kept)
-    ctx.save_for_backward(x, weight if weight_lp is None else weight_lp, output[1], None)
+    ctx.save_for_backward(x, weight if weight_lp is None else weight_lp, output[1], None, grad_acc)
 
 
 def _linear_grads(ctx, dy: torch.Tensor):
@@ -411,7 +479,8 @@ def _linear_grads(ctx, dy: torch.Tensor):
             "linear_op with relu_squared and a residual saves no relu(pre): use "
             "linear_relu2_op (as linear() does) when gradients are needed"
         )
-    x, w, s, seed = ctx.saved_tensors  # w: the weight as the product used it
+    # w: the weight as the product used it; grad_acc: see `accumulate_grads_in_place`
+    x, w, s, seed, grad_acc = ctx.saved_tensors
     # d(pre) = dy · keep / (1 - p) · 2·relu(pre), one elementwise pass; with swiglu the
     # gating's backward (M, 2·H); without an activation d(pre) = dy, cast only when a wider
     # residual promoted the output.
@@ -429,27 +498,27 @@ def _linear_grads(ctx, dy: torch.Tensor):
     # dW last: added in place into .grad (`accumulate_grads_in_place`), nothing after it may
     # fail and drop the running sum
     if ctx.needs_input_grad[1]:  # dW = d(pre)^T @ X, the transpose a view, in W's own dtype
-        dw = weight_grad(ctx.grad_home, dpre.t(), x, ctx.weight_dtype)
+        dw = weight_grad(ctx.grad_home, dpre.t(), x, ctx.weight_dtype, grad_acc)
     return dx, dw, dres
 
 
 @first_order_only("linear")
 def _linear_backward(ctx, dy: torch.Tensor):
-    return *_linear_grads(ctx, dy), None, None, None, None
+    return *_linear_grads(ctx, dy), None, None, None, None, None
 
 
 @first_order_only("linear")
 def _linear_relu2_backward(ctx, dy: torch.Tensor | None, dr: torch.Tensor | None):
     if dy is None:  # grads are not materialised: the output was not used
-        return (None,) * 6
-    return *_linear_grads(ctx, dy), None, None, None
+        return (None,) * 7
+    return *_linear_grads(ctx, dy), None, None, None, None
 
 
 @first_order_only("linear")
 def _linear_swiglu_backward(ctx, dy: torch.Tensor | None, dpre: torch.Tensor | None):
     if dy is None:  # grads are not materialised: the output was not used
-        return None, None, None
-    return *_linear_grads(ctx, dy)[:2], None
+        return None, None, None, None
+    return *_linear_grads(ctx, dy)[:2], None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -764,11 +833,12 @@ def linear(
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
     weight_lp = _weight_in(weight, x.dtype)
+    grad_acc = _traced_grad_acc(weight)  # None outside traced training steps
     if swiglu:
-        y2 = call_op(linear_swiglu_op, x2, weight, weight_lp)[0]
+        y2 = call_op(linear_swiglu_op, x2, weight, weight_lp, grad_acc)[0]
         return y2 if two_d else y2.view(*x.shape[:-1], weight.shape[0] // 2)
     if save_relu:
-        y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed, weight_lp)[0]
+        y2 = call_op(linear_relu2_op, x2, weight, r2, dropout_p, seed, weight_lp, grad_acc)[0]
     else:
-        y2 = call_op(linear_op, x2, weight, r2, relu_squared, dropout_p, seed, weight_lp)
+        y2 = call_op(linear_op, x2, weight, r2, relu_squared, dropout_p, seed, weight_lp, grad_acc)
     return y2 if two_d else y2.view(out_shape)

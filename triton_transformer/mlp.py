@@ -24,7 +24,8 @@ relu(pre) = sqrt(h (1 - p)) needs h not to underflow (see `bmm.py`'s "relu² bac
 and fp32 only. fp16 runs the two linears, whose relu² saves relu(pre) itself.
 
 Ops (torch.library triton_ops, traced by torch.compile, captured by CUDA graphs):
-- `triton_transformer::relu2_mlp(x, w_in, w_out, p, seed, w_in_lp, w_out_lp)`: (out, h).
+- `triton_transformer::relu2_mlp(x, w_in, w_out, p, seed, w_in_lp, w_out_lp, w_in_acc,
+  w_out_acc)`: (out, h).
 - `triton_transformer::mm_relu2_grad(dy, w, s, from_square, p, seed)`: d(pre) = (dy @ w) ·
   2·relu(pre) [· mask / (1 - p)], relu(pre) = sqrt(s (1 - p)) if from_square else s.
 """
@@ -40,6 +41,7 @@ from triton_transformer.bmm import (
     _check_epilogue_dropout,
     _check_pair,
     _grad_home,
+    _traced_grad_acc,
     _weight_in,
     bmm_op,
     linear,
@@ -84,12 +86,16 @@ def relu2_mlp_op(
     seed: torch.Tensor | None = None,
     w_in_lp: torch.Tensor | None = None,
     w_out_lp: torch.Tensor | None = None,
+    w_in_acc: torch.Tensor | None = None,
+    w_out_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h @ W_out.T, h), h = dropout_p(relu(x @ W_in.T)²), for 2-D x (M, D) (bf16 or fp32), w_in
     (H, D), w_out (D, H); the dropout (p > 0) draws its mask from `seed`, a 0-dim int64 device
     tensor. w_in_lp / w_out_lp: the weights in x's dtype when they are wider (an fp32 weight
     under bf16 autocast), else None; the products read them, the weight gradients come back in
-    the weights' own dtype. h (M, H) is the output the backward reads."""
+    the weights' own dtype. w_in_acc / w_out_acc: the weights' `.grad` in traced training
+    steps, which the backward adds their gradients into (`bmm.linear_op`'s grad_acc), else
+    None. h (M, H) is the output the backward reads."""
     _check_epilogue_dropout(p, seed, True)
     wi = w_in if w_in_lp is None else w_in_lp
     wo = w_out if w_out_lp is None else w_out_lp
@@ -102,22 +108,23 @@ def relu2_mlp_op(
 
 
 def _relu2_mlp_setup_context(ctx, inputs, output) -> None:
-    x, w_in, w_out, ctx.p, seed, w_in_lp, w_out_lp = inputs
+    x, w_in, w_out, ctx.p, seed, w_in_lp, w_out_lp, w_in_acc, w_out_acc = inputs
     ctx.w_dtypes = (w_in.dtype, w_out.dtype)
     ctx.grad_homes = (_grad_home(w_in), _grad_home(w_out))  # see bmm.accumulate_grads_in_place
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # h gets no gradient: no M×H zero tensor for it
     ctx.save_for_backward(
         x, w_in if w_in_lp is None else w_in_lp, w_out if w_out_lp is None else w_out_lp,
-        output[1], seed if ctx.p > 0.0 else None,
+        output[1], seed if ctx.p > 0.0 else None, w_in_acc, w_out_acc,
     )  # fmt: skip
 
 
 @first_order_only("relu2_mlp")
 def _relu2_mlp_backward(ctx, dout: torch.Tensor | None, _dh: torch.Tensor | None):
     if dout is None:  # grads are not materialised: the output was not used
-        return (None,) * 7
-    x, w_in, w_out, h, seed = ctx.saved_tensors  # the weights as the products read them
+        return (None,) * 9
+    # the weights as the products read them; accs: see `bmm.accumulate_grads_in_place`
+    x, w_in, w_out, h, seed, w_in_acc, w_out_acc = ctx.saved_tensors
     dout = dout.to(x.dtype)
     dx = dw_in = dw_out = dpre = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
@@ -127,10 +134,10 @@ def _relu2_mlp_backward(ctx, dout: torch.Tensor | None, _dh: torch.Tensor | None
     # the weight gradients last: added in place into .grad (`bmm.accumulate_grads_in_place`),
     # nothing after them may fail and drop the running sums
     if ctx.needs_input_grad[1]:  # dW_in = d(pre)^T @ X
-        dw_in = weight_grad(ctx.grad_homes[0], dpre.t(), x, ctx.w_dtypes[0])
+        dw_in = weight_grad(ctx.grad_homes[0], dpre.t(), x, ctx.w_dtypes[0], w_in_acc)
     if ctx.needs_input_grad[2]:  # dW_out = dout^T @ h, in W_out's own dtype
-        dw_out = weight_grad(ctx.grad_homes[1], dout.t(), h, ctx.w_dtypes[1])
-    return dx, dw_in, dw_out, None, None, None, None
+        dw_out = weight_grad(ctx.grad_homes[1], dout.t(), h, ctx.w_dtypes[1], w_out_acc)
+    return dx, dw_in, dw_out, None, None, None, None, None, None
 
 
 relu2_mlp_op.register_autograd(_relu2_mlp_backward, setup_context=_relu2_mlp_setup_context)
@@ -179,5 +186,6 @@ def relu2_mlp(
     x2 = x if two_d else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     seed = seed_or_draw(seed, x.device) if dropout_p > 0.0 else None
     w_in_lp, w_out_lp = _weight_in(w_in, x.dtype), _weight_in(w_out, x.dtype)
-    out = call_op(relu2_mlp_op, x2, w_in, w_out, dropout_p, seed, w_in_lp, w_out_lp)[0]
+    accs = _traced_grad_acc(w_in), _traced_grad_acc(w_out)  # None outside traced steps
+    out = call_op(relu2_mlp_op, x2, w_in, w_out, dropout_p, seed, w_in_lp, w_out_lp, *accs)[0]
     return out if two_d else out.view(*x.shape[:-1], w_out.shape[0])

@@ -337,6 +337,12 @@ class OptimizerStep:
             return self.train_model.no_sync()
         return contextlib.nullcontext()
 
+    def _accumulating(self) -> contextlib.AbstractContextManager:
+        """`bmm.accumulate_grads_in_place` around the micro-batches, in compiled forwards
+        too (traced=True) unless under DDP, whose hooks must see every weight's gradient."""
+        ddp = isinstance(self.train_model, nn.parallel.DistributedDataParallel)
+        return accumulate_grads_in_place(traced=not ddp)
+
     def _forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate and clip the gradients of the step's micro-batches: (mean loss, global
         gradient norm before clipping), 0-dim float32 device tensors, no host sync."""
@@ -344,7 +350,7 @@ class OptimizerStep:
         total = torch.zeros((), device=self.device)
         # the weights are fixed until the optimizer step: one cast of them all, shared; the
         # micro-batches' weight gradients add up inside the weight-gradient products
-        with reuse_weight_casts(self.params_model, self.cast_dtype), accumulate_grads_in_place():
+        with reuse_weight_casts(self.params_model, self.cast_dtype), self._accumulating():
             for i in range(n):
                 if i and self.should_stop():
                     raise StepInterrupted  # phase stays "forward": the caller discards it
@@ -401,7 +407,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         n = self.t.grad_accum_steps
         batches = self._inputs.device_buffer
-        with reuse_weight_casts(self.params_model, self.cast_dtype), accumulate_grads_in_place():
+        with reuse_weight_casts(self.params_model, self.cast_dtype), self._accumulating():
             total = sum(self._micro_batch(batches[i], last=i == n - 1) for i in range(n))
         grad_norm = self._clip()
         self.optimizer.step()
