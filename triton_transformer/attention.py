@@ -842,8 +842,18 @@ def _attention_fwd_config(
     if decode:  # n_q <= 16: a few queries against a long KV cache
         return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     if d <= 64 and causal:  # 381 (128x64, 4 warps: 375)
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        # registers capped so that one more program fits each SM (uncapped: 133 per thread
+        # without dropout, 175 with; 65,536 per SM): 7-10% faster at the step presets
+        # without dropout, 13-15% with (`probe_attention_regs.py`, H200, 2026-11-27).
+        # Traced launches run uncapped (`_launch_fitting`).
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                "maxnreg": 152 if dropout else 128}  # fmt: skip
     if d <= 64:  # 436 (4 warps: 429)
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if causal and dropout:
+        # the 4-warp tile below needs 254 registers per thread with the mask's draws: 1128
+        # against 1549 µs at (4, 4096, 16) d128, p = 0.1 (`probe_attention_regs.py`, H200,
+        # 2026-11-27; without dropout both take 607-611)
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     if causal:  # 442 at 4096, 225 at 512 (128x64, 8 warps: 432 and 203; profiler, 2026-11-22)
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -955,12 +965,17 @@ _FITTED: dict[tuple, dict] = {}
 
 
 def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict) -> None:
-    """Launch `kernel` with the table's tiles; where they need more shared memory than this
-    GPU has (Triton raises OutOfResources before anything runs), retry with fewer pipeline
-    stages (the grid does not depend on them), down to one, and remember what fitted.
-    Traced launches (torch.compile) take the table's tiles as they are."""
+    """Launch `kernel` with the table's tiles (and its register cap, `maxnreg`, if any);
+    where they need more shared memory than this GPU has (Triton raises OutOfResources
+    before anything runs), retry with fewer pipeline stages (the grid does not depend on
+    them), down to one, and remember what fitted. Traced launches (torch.compile) take the
+    table's tiles as they are, without the register cap: inductor keeps only num_warps and
+    num_stages of a user kernel's launch options (torch 2.11-2.13), so a cap would be
+    dropped anyway (passed in an autotuner's config, the compiled enwik8 step's attention
+    forward took the same time as uncapped, H200, 2026-11-27)."""
     if is_traced(args[0]):
-        launcher(kernel)[grid](*args, **consts, **config)
+        tiles = {k: v for k, v in config.items() if k != "maxnreg"}
+        launcher(kernel)[grid](*args, **consts, **tiles)
         return
     key = (kernel, *consts.values(), *config.values())
     tiles = _FITTED.get(key, config)
