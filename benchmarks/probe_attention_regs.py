@@ -7,6 +7,10 @@ lack. Each variant's compiled registers, spills and shared memory are printed wi
 Kernel time (`common.kernel_ms`, L2 flushed), cuDNN (SDPA) in the same run.
 
     python3 benchmarks/probe_attention_regs.py --out DIR [--presets NAME ...] [--no-tiles]
+        [--caps N ...]
+
+The backward is also timed with pointer tile loads (`attention.TMA_LOADS = False`, what a
+traced launch takes) against its TMA descriptor loads.
 Writes DIR/attention_regs.json and attention_regs.md.
 """
 
@@ -28,7 +32,7 @@ import triton_transformer.attention as attn
 
 # b, n, h, d
 SHAPES = {"enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64), "large": (8, 2048, 16, 64),
-          "d128": (4, 4096, 16, 128)}  # fmt: skip
+          "d128": (4, 4096, 16, 128), "train.py": (4, 512, 8, 64)}  # fmt: skip
 MAXNREG = (None, 128, 152, 168, 192)
 # forward tiles (BLOCK_M, BLOCK_N, warps, stages) besides the shipped entry
 FWD_TILES = ((128, 64, 8, 3), (128, 64, 8, 2))
@@ -59,8 +63,10 @@ def timed(name: str, fn, kernel, before: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    # train.py: one micro-batch of configs/enwik8.toml
     ap.add_argument("--presets", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-tiles", action="store_true", help="register caps only")
+    ap.add_argument("--caps", nargs="*", type=int, default=MAXNREG[1:], help="maxnreg values")
     args = ap.parse_args()
     env = common.env_info()
     print(env, flush=True)
@@ -76,7 +82,7 @@ def main() -> None:
             # the shipped entry without its cap, if it has one: the caps below replace it
             shipped_fwd = dict(fwd_config(False, d, torch.bfloat16, True, p > 0))
             shipped_fwd.pop("maxnreg", None)
-            for reg in MAXNREG:
+            for reg in (None, *args.caps):
                 extra = {} if reg is None else {"maxnreg": reg}
                 attn._ATOMIC_BWD[bwd_key] = {**shipped_bwd, **extra}
                 attn._attention_bwd_config.cache_clear()
@@ -88,6 +94,11 @@ def main() -> None:
                 row["fwd"][name] = timed(name, fwd, kernels[0], seen[0])
             attn._ATOMIC_BWD[bwd_key] = shipped_bwd
             attn._attention_bwd_config.cache_clear()
+            attn.TMA_LOADS = False
+            seen = len(_cache(kernels[1]))
+            bwd = packed_attention(b, n, h, p, d)[1]
+            row["bwd"]["pointer loads"] = timed("pointer loads", bwd, kernels[1], seen)
+            attn.TMA_LOADS = True
             for m, nb, warps, stages in () if args.no_tiles else FWD_TILES:
                 tile = {"BLOCK_M": m, "BLOCK_N": nb, "num_warps": warps, "num_stages": stages}
                 attn._attention_fwd_config = lambda *a, t=tile: t
