@@ -1,5 +1,5 @@
 """Probe: the causal attention kernels' register budget (Triton's `maxnreg` launch option) and
-the forward tiles with dropout, at the step presets' shapes (packed qkv as the model passes
+their tiles (with and without caps), at the step presets' shapes (packed qkv as the model passes
 it, bf16, d 64). Capping registers per thread lets more programs share an SM (at 4 warps,
 65,536 registers: 168 per thread fit 3 programs, 128 fit 4), at the price of spills; this
 measures whether occupancy is what the single-pass backward (0.8x cuDNN's) and the forward
@@ -7,7 +7,7 @@ lack. Each variant's compiled registers, spills and shared memory are printed wi
 Kernel time (`common.kernel_ms`, L2 flushed), cuDNN (SDPA) in the same run.
 
     python3 benchmarks/probe_attention_regs.py --out DIR [--presets NAME ...] [--no-tiles]
-        [--caps N ...]
+        [--no-loads] [--caps N ...]
 
 The backward is also timed with pointer tile loads (`attention.TMA_LOADS = False`, what a
 traced launch takes) against its TMA descriptor loads.
@@ -34,8 +34,13 @@ import triton_transformer.attention as attn
 SHAPES = {"enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64), "large": (8, 2048, 16, 64),
           "d128": (4, 4096, 16, 128), "train.py": (4, 512, 8, 64)}  # fmt: skip
 MAXNREG = (None, 128, 152, 168, 192)
-# forward tiles (BLOCK_M, BLOCK_N, warps, stages) besides the shipped entry
-FWD_TILES = ((128, 64, 8, 3), (128, 64, 8, 2))
+# tiles besides the shipped entries: forward (BLOCK_M, BLOCK_N, warps, stages, maxnreg);
+# backward (BLOCK_M1, BLOCK_N1, warps, stages, maxnreg): 32 queries per step hold half the
+# per-step tiles in registers, which may let a cap fit 3 programs per SM without spills
+FWD_TILES = ((128, 64, 8, 3, None), (128, 64, 8, 2, None), (128, 64, 8, 3, 128),
+             (64, 64, 4, 2, 128))  # fmt: skip
+BWD_TILES = ((32, 64, 4, 3, None), (32, 64, 4, 3, 168), (32, 64, 4, 3, 152),
+             (32, 64, 4, 2, 168), (64, 64, 4, 2, None))  # fmt: skip
 
 
 def _cache(kernel) -> dict:
@@ -66,6 +71,7 @@ def main() -> None:
     # train.py: one micro-batch of configs/enwik8.toml
     ap.add_argument("--presets", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-tiles", action="store_true", help="register caps only")
+    ap.add_argument("--no-loads", action="store_true", help="skip the pointer-loads backward")
     ap.add_argument("--caps", nargs="*", type=int, default=MAXNREG[1:], help="maxnreg values")
     args = ap.parse_args()
     env = common.env_info()
@@ -94,19 +100,31 @@ def main() -> None:
                 row["fwd"][name] = timed(name, fwd, kernels[0], seen[0])
             attn._ATOMIC_BWD[bwd_key] = shipped_bwd
             attn._attention_bwd_config.cache_clear()
-            attn.TMA_LOADS = False
-            seen = len(_cache(kernels[1]))
-            bwd = packed_attention(b, n, h, p, d)[1]
-            row["bwd"]["pointer loads"] = timed("pointer loads", bwd, kernels[1], seen)
-            attn.TMA_LOADS = True
-            for m, nb, warps, stages in () if args.no_tiles else FWD_TILES:
+            if not args.no_loads:
+                attn.TMA_LOADS = False
+                seen = len(_cache(kernels[1]))
+                bwd = packed_attention(b, n, h, p, d)[1]
+                row["bwd"]["pointer loads"] = timed("pointer loads", bwd, kernels[1], seen)
+                attn.TMA_LOADS = True
+            for m, nb, warps, stages, reg in () if args.no_tiles else FWD_TILES:
                 tile = {"BLOCK_M": m, "BLOCK_N": nb, "num_warps": warps, "num_stages": stages}
+                tile.update({} if reg is None else {"maxnreg": reg})
                 attn._attention_fwd_config = lambda *a, t=tile: t
-                name = f"tile {(m, nb, warps, stages)}"
+                name = f"tile {(m, nb, warps, stages, reg)}"
                 seen = len(_cache(kernels[0]))
                 fwd = packed_attention(b, n, h, p, d)[0]
                 row["fwd"][name] = timed(name, fwd, kernels[0], seen)
             attn._attention_fwd_config = fwd_config
+            for m1, n1, warps, stages, reg in () if args.no_tiles or d > 64 else BWD_TILES:
+                tile = attn._atomic_tiles(m1, n1, warps, stages)
+                attn._ATOMIC_BWD[bwd_key] = {**tile, **({} if reg is None else {"maxnreg": reg})}
+                attn._attention_bwd_config.cache_clear()
+                name = f"tile {(m1, n1, warps, stages, reg)}"
+                seen = len(_cache(kernels[1]))
+                bwd = packed_attention(b, n, h, p, d)[1]
+                row["bwd"][name] = timed(name, bwd, kernels[1], seen)
+            attn._ATOMIC_BWD[bwd_key] = shipped_bwd
+            attn._attention_bwd_config.cache_clear()
             cu_fwd, cu_bwd = cudnn_attention(b, n, h, p, d)
             row["cudnn fwd"] = common.kernel_ms(cu_fwd) * 1e3
             row["cudnn bwd"] = common.kernel_ms(cu_bwd) * 1e3
