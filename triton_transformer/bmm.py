@@ -331,7 +331,7 @@ def _(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 def _traced_grad_acc(weight: torch.Tensor) -> torch.Tensor | None:
     """In traced code inside `accumulate_grads_in_place(traced=True)`: weight's `.grad`, for
     its op's backward to add dW into (when it exists and matches the weight), else None."""
-    # is_compiling first: eager calls never read (and Dynamo never guards on) the global
+    # is_compiling first: eager calls stop there (only traced code reads the global)
     if not (torch.compiler.is_compiling() and _traced_depth and ACCUMULATE_IN_PLACE):
         return None
     if not (weight.is_leaf and weight.requires_grad):
