@@ -337,11 +337,18 @@ def _traced_grad_acc(weight: torch.Tensor) -> torch.Tensor | None:
     if not (weight.is_leaf and weight.requires_grad):
         return None
     grad = weight.grad
-    if grad is None or grad.dtype != weight.dtype or grad.shape != weight.shape:
-        return None
-    if grad.layout != torch.strided or not grad.is_contiguous():
-        return None
-    return grad
+    return grad if grad is not None and _takes_dw(grad, weight, weight.dtype) else None
+
+
+def _takes_dw(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a GEMM can add the weight's gradient (in `dtype`) into `grad` in place: the
+    weight's shape, that dtype, dense and contiguous."""
+    return (
+        grad.dtype == dtype
+        and grad.shape == weight.shape
+        and grad.layout == torch.strided
+        and grad.is_contiguous()
+    )
 
 
 def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
@@ -392,14 +399,7 @@ def _foldable(home: torch.Tensor | None, dtype: torch.dtype, a: torch.Tensor) ->
     if _grad_references(home) != _UNSHARED:  # autograd would copy it rather than store it
         return False
     grad = home.grad
-    return (
-        grad.dtype == dtype
-        and grad.shape == home.shape
-        and grad.layout == torch.strided
-        and grad.is_contiguous()
-        and grad.device == a.device
-        and _stores_grad(home)
-    )
+    return _takes_dw(grad, home, dtype) and grad.device == a.device and _stores_grad(home)
 
 
 def weight_grad(
