@@ -14,10 +14,13 @@ from triton_transformer import AutoregressiveWrapper, Transformer
 pytestmark = pytest.mark.gpu
 
 
-def make_model(use_triton: bool, dropout: float = 0.1) -> AutoregressiveWrapper:
+def make_model(
+    use_triton: bool, dropout: float = 0.1, cuda_graphs: bool = True
+) -> AutoregressiveWrapper:
     model = Transformer(
         num_tokens=256, dim=128, depth=2, heads=4, dim_head=32, max_seq_len=128, causal=True,
         attn_dropout=dropout, ff_dropout=dropout, use_triton=use_triton, check_token_ids=False,
+        cuda_graphs=cuda_graphs,
     )  # fmt: skip
     return AutoregressiveWrapper(model).cuda().train()
 
@@ -62,11 +65,7 @@ def test_compiled_model_reads_the_steps_weight_casts():
     from triton_transformer.bmm import TRACED_CAST, reuse_weight_casts
 
     torch._dynamo.reset()
-    model = Transformer(
-        num_tokens=256, dim=128, depth=2, heads=4, dim_head=32, max_seq_len=128, causal=True,
-        use_triton=True, check_token_ids=False, cuda_graphs=False,
-    )  # fmt: skip
-    model = AutoregressiveWrapper(model).cuda().train()
+    model = make_model(use_triton=True, dropout=0.0, cuda_graphs=False)
     compiled = torch.compile(model)
     batch = torch.randint(0, 256, (4, 65), device="cuda")
     names, params = zip(*model.named_parameters(), strict=True)
@@ -102,11 +101,7 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
     from triton_transformer.bmm import accumulate_grads_in_place
 
     torch._dynamo.reset()
-    model = Transformer(
-        num_tokens=256, dim=128, depth=2, heads=4, dim_head=32, max_seq_len=128, causal=True,
-        use_triton=True, check_token_ids=False, cuda_graphs=False,
-    )  # fmt: skip
-    model = AutoregressiveWrapper(model).cuda().train()
+    model = make_model(use_triton=True, dropout=0.0, cuda_graphs=False)
     compiled = torch.compile(model)
     batches = [torch.randint(0, 256, (4, 65), device="cuda") for _ in range(3)]
     linear_w = model.net.layers[0][0].to_qkv.weight
