@@ -7,7 +7,7 @@ lack. Each variant's compiled registers, spills and shared memory are printed wi
 Kernel time (`common.kernel_ms`, L2 flushed), cuDNN (SDPA) in the same run.
 
     python3 benchmarks/probe_attention_regs.py --out DIR [--presets NAME ...] [--no-tiles]
-        [--no-loads] [--caps N ...]
+        [--no-loads] [--caps N ...] [--fwd-tiles M,N,W,S[,R] ...] [--bwd-tiles M1,N1,W,S[,R] ...]
 
 The backward is also timed with pointer tile loads (`attention.TMA_LOADS = False`, what a
 traced launch takes) against its TMA descriptor loads.
@@ -43,6 +43,12 @@ BWD_TILES = ((32, 64, 4, 3, None), (32, 64, 4, 3, 168), (32, 64, 4, 3, 152),
              (32, 64, 4, 2, 168), (64, 64, 4, 2, None))  # fmt: skip
 
 
+def _tile(text: str) -> tuple:
+    """"M,N,warps,stages[,maxnreg]" -> (M, N, warps, stages, maxnreg or None)."""
+    parts = [int(x) for x in text.split(",")]
+    return (*parts, None) if len(parts) == 4 else tuple(parts)
+
+
 def _cache(kernel) -> dict:
     return kernel.device_caches[torch.cuda.current_device()][0]
 
@@ -73,6 +79,10 @@ def main() -> None:
     ap.add_argument("--no-tiles", action="store_true", help="register caps only")
     ap.add_argument("--no-loads", action="store_true", help="skip the pointer-loads backward")
     ap.add_argument("--caps", nargs="*", type=int, default=MAXNREG[1:], help="maxnreg values")
+    ap.add_argument("--fwd-tiles", nargs="*", type=_tile, default=FWD_TILES,
+                    help="forward tiles M,N,warps,stages[,maxnreg]")  # fmt: skip
+    ap.add_argument("--bwd-tiles", nargs="*", type=_tile, default=BWD_TILES,
+                    help="backward tiles M1,N1,warps,stages[,maxnreg] (any head dim)")  # fmt: skip
     args = ap.parse_args()
     env = common.env_info()
     print(env, flush=True)
@@ -106,7 +116,7 @@ def main() -> None:
                 bwd = packed_attention(b, n, h, p, d)[1]
                 row["bwd"]["pointer loads"] = timed("pointer loads", bwd, kernels[1], seen)
                 attn.TMA_LOADS = True
-            for m, nb, warps, stages, reg in () if args.no_tiles else FWD_TILES:
+            for m, nb, warps, stages, reg in () if args.no_tiles else args.fwd_tiles:
                 tile = {"BLOCK_M": m, "BLOCK_N": nb, "num_warps": warps, "num_stages": stages}
                 tile.update({} if reg is None else {"maxnreg": reg})
                 attn._attention_fwd_config = lambda *a, t=tile: t
@@ -115,7 +125,7 @@ def main() -> None:
                 fwd = packed_attention(b, n, h, p, d)[0]
                 row["fwd"][name] = timed(name, fwd, kernels[0], seen)
             attn._attention_fwd_config = fwd_config
-            for m1, n1, warps, stages, reg in () if args.no_tiles or d > 64 else BWD_TILES:
+            for m1, n1, warps, stages, reg in () if args.no_tiles else args.bwd_tiles:
                 tile = attn._atomic_tiles(m1, n1, warps, stages)
                 attn._ATOMIC_BWD[bwd_key] = {**tile, **({} if reg is None else {"maxnreg": reg})}
                 attn._attention_bwd_config.cache_clear()

@@ -1008,6 +1008,13 @@ def _has_tma(device: torch.device) -> bool:
 # against 305), and in the forward slower at every shape tried (d64 causal 264 against 308).
 TMA_LOADS = True
 
+# Without dropout, heads of at most this many queries load the backward's tiles by pointers:
+# each key-block program there walks few query blocks, and the descriptors' setup does not pay
+# (H200, 2026-11-27, `probe_attention_regs.py`, two runs: (4, 512, 8) 31.3 against 32.7 µs,
+# (16, 512, 8) 82.6 against 85.7; at 1024 queries TMA wins, 341.7 against 343.8, and with
+# dropout at every length, 41.1 against 42.6 at (4, 512, 8)).
+TMA_LOADS_MIN_QUERIES = 513
+
 # Whether a traced backward (torch.compile) may take the single pass (its dQ reductions go
 # through a device-side TMA descriptor, its tiles through pointer loads); False keeps the
 # two-program kernel there. Read when the backward is traced: a compiled graph keeps the
@@ -1203,7 +1210,9 @@ def launch_attention_bwd(
         HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-        DQ_TMA=atomic and dq_tma, TMA=causal and d <= 64 and _tma_loads(q, k, v, dout),
+        DQ_TMA=atomic and dq_tma,
+        TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
+        and _tma_loads(q, k, v, dout),
         GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
         LPT_BYTES=LONGEST_FIRST_BYTES,
     )  # fmt: skip
