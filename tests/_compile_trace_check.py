@@ -11,8 +11,9 @@ kernels called `.to` on an argument that inductor passes as a Python int).
 Usage: python _compile_trace_check.py GROUP... (rows: cross_entropy, softmax and dropout;
 layernorm: layernorm and residual_layernorm; attention: causal, dropout, padding, GQA, bf16
 (the GPU table's tiles); fold: the backward graph of a linear and the relu² feed-forward
-inside `bmm.accumulate_grads_in_place(traced=True)`, see `fold_cases`). Prints one line per
-case and dynamic setting.
+inside `bmm.accumulate_grads_in_place(traced=True)`, see `fold_cases`; norm_fold: the same
+for the four norms' parameters, see `norm_fold_cases`). Prints one line per case and dynamic
+setting.
 """
 
 import importlib
@@ -39,7 +40,7 @@ triton.runtime.driver.set_active(Target())
 utils_mod.interpreter_enabled = lambda: True  # CPU tensors pass the device check
 MODULES = (
     "cross_entropy", "softmax", "dropout", "layernorm", "residual_layernorm", "attention", "bmm",
-    "mlp",
+    "mlp", "rmsnorm",
 )  # fmt: skip
 mods = {m: importlib.import_module(f"triton_transformer.{m}") for m in MODULES}
 for m in mods.values():
@@ -159,6 +160,27 @@ class BackwardTraced(Exception):
     pass
 
 
+def backward_graph(fn, inputs: tuple, bw_compiler, traced: bool):
+    """Compile fn(*inputs) inside `accumulate_grads_in_place(traced)` with a backend whose
+    backward compiler is `bw_compiler` (which raises BackwardTraced with what it found);
+    return those findings."""
+    bmm = mods["bmm"]
+    torch._dynamo.reset()
+    torch._functorch.config.force_non_lazy_backward_lowering = True  # compile it now
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler)
+    try:
+        with bmm.accumulate_grads_in_place(traced=traced):
+            torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, BackwardTraced):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return cause.args
+    raise RuntimeError("the backward compiler was not reached")
+
+
 def fold_backward(with_grads: bool, traced: bool) -> tuple[list, list]:
     """Trace a linear (relu²) into the relu² feed-forward, fp32 weights, inside
     `accumulate_grads_in_place(traced)`, the weights holding a `.grad` or not; return the
@@ -186,21 +208,7 @@ def fold_backward(with_grads: bool, traced: bool) -> tuple[list, list]:
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         raise BackwardTraced([(b.op, b in copied) for b in bases], [o is None for o in outputs])
 
-    torch._dynamo.reset()
-    torch._functorch.config.force_non_lazy_backward_lowering = True  # compile it now
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler)
-    h = torch.randn(128, 64, requires_grad=True)
-    try:
-        with bmm.accumulate_grads_in_place(traced=traced):
-            torch.compile(fn, backend=backend, fullgraph=True)(h)
-    except Exception as e:
-        cause = e
-        while cause is not None and not isinstance(cause, BackwardTraced):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        return cause.args
-    raise RuntimeError("the backward compiler was not reached")
+    return backward_graph(fn, (torch.randn(128, 64, requires_grad=True),), bw_compiler, traced)
 
 
 def fold_cases() -> bool:
@@ -222,10 +230,68 @@ def fold_cases() -> bool:
     return ok
 
 
+def norm_fold_backward(norm: str, with_grads: bool) -> tuple[int, list]:
+    """Trace one call of `norm` (its Triton path; fp32 parameters, each holding a `.grad` or
+    not) inside `accumulate_grads_in_place(traced=True)`; return the backward graph's (number
+    of graph inputs it copies a result back into, whether each output is None)."""
+    rn = mods["rmsnorm"]
+    params = [torch.randn(64, requires_grad=True) for _ in range(1 if "rms" in norm else 2)]
+    for p in params:
+        p.grad = torch.zeros_like(p) if with_grads else None
+
+    def fn(h):
+        if norm == "layernorm":
+            return ln.layernorm(h, *params, use_triton=True).cos().sum()
+        if norm == "rmsnorm":
+            return rn.rmsnorm(h, params[0], use_triton=True).cos().sum()
+        if norm == "residual_layernorm":
+            h_new, y = rl.residual_layernorm(h, h.sin(), *params, use_triton=True)
+        else:
+            h_new, y = rn.residual_rmsnorm(h, h.sin(), params[0], use_triton=True)
+        return y.cos().sum() + h_new.sum()
+
+    def bw_compiler(gm, example_inputs):
+        nodes = list(gm.graph.nodes)
+        copied = {
+            n.args[0]
+            for n in nodes
+            if n.op == "call_function" and n.target == torch.ops.aten.copy_.default
+            and n.args[0].op == "placeholder"
+        }  # fmt: skip
+        outputs = next(n for n in nodes if n.op == "output").args[0]
+        raise BackwardTraced(len(copied), [o is None for o in outputs])
+
+    return backward_graph(fn, (torch.randn(128, 64, requires_grad=True),), bw_compiler, True)
+
+
+def norm_fold_cases() -> bool:
+    """The norms' traced backward with `.grad` present: each parameter's `.grad` (a graph
+    input) written back by the graph, and no gradient output for the parameters; without
+    `.grad` (layernorm), nothing written back and a gradient for each."""
+    ok = True
+    cases = [(n, True) for n in ("layernorm", "residual_layernorm", "rmsnorm", "residual_rmsnorm")]
+    for norm, with_grads in [*cases, ("layernorm", False)]:
+        copied, none_outputs = norm_fold_backward(norm, with_grads)
+        n_params = 1 if "rms" in norm else 2
+        # outputs: h's gradient, then the parameters' and, when passed, the .grad inputs'
+        if with_grads:
+            good = copied == n_params and none_outputs == [False] + [True] * 2 * n_params
+        else:
+            good = copied == 0 and none_outputs == [False] * (1 + n_params)
+        ok &= good
+        print(f"{'OK' if good else 'FAIL'} norm_fold {norm} .grad={with_grads}: "
+              f"{copied} inputs written back, None outputs {none_outputs}")  # fmt: skip
+    return ok
+
+
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    cases = {name: fn for group in groups if group != "fold" for name, fn in GROUPS[group].items()}
+    special = {"fold": fold_cases, "norm_fold": norm_fold_cases}
+    cases = {
+        name: fn for group in groups if group not in special for name, fn in GROUPS[group].items()
+    }
     ok = trace_cases(cases) if cases else True
-    if "fold" in groups:
-        ok &= fold_cases()
+    for group in groups:
+        if group in special:
+            ok &= special[group]()
     sys.exit(0 if ok else 1)

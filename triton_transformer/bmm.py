@@ -272,7 +272,10 @@ def accumulate_grads_in_place(traced: bool = False) -> Iterator[None]:
     weight's gradient into the weight's `.grad`, when it has one, by the product itself:
     dW += d(pre)ᵀ X, cuBLAS with the fp32 gradient as its C input (beta = 1). It then hands
     that tensor to autograd and sets `.grad` to None, so that autograd stores it as the new
-    `.grad` instead of adding a fresh dW to it.
+    `.grad` instead of adding a fresh dW to it. The norms (layernorm, residual_layernorm,
+    rmsnorm, residual_rmsnorm) do the same for their weights and biases in the kernel that
+    sums their gradients over rows (`grad_targets`). The embeddings and the fused loss head
+    (`linear_cross_entropy`, whose gradient is scaled after the fact) do not.
 
     Why: a step of k micro-batches otherwise writes each weight's fp32 dW k times and adds
     it k - 1 times in separate kernels (read two, write one). At the enwik8 config (4
@@ -423,6 +426,38 @@ def weight_grad(
         home.grad = None  # autograd now stores acc as the gradient, rather than adding to it
         return acc
     return call_op(bmm_op, a, b, dtype)
+
+
+def grad_targets(
+    homes: tuple[torch.Tensor | None, ...],
+    traced_accs: tuple[torch.Tensor | None, ...],
+    like: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """For a backward whose kernels write parameters' whole gradients (the norms' column sums
+    of dweight and dbias): per parameter, the tensor to add its gradient into, or None to
+    write a fresh one. A traced forward's `.grad` (`_traced_grad_acc`, saved as given), else,
+    eagerly, home.grad where `_foldable` (with `.grad` set to None, as `weight_grad` does:
+    autograd stores the returned sum back). `homes`: what `_grad_home` gave the forward."""
+    targets = []
+    for home, acc in zip(homes, traced_accs, strict=True):
+        if acc is None and home is not None and _foldable(home, home.dtype, like):
+            acc = home.grad
+            home.grad = None
+        targets.append(acc)
+    return tuple(targets)
+
+
+def folded_grads(
+    grads: tuple[torch.Tensor | None, ...],
+    targets: tuple[torch.Tensor | None, ...],
+    traced_accs: tuple[torch.Tensor | None, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """What the backward returns for each parameter of `grad_targets`: None where a traced
+    `.grad` took the gradient in place, the eager `.grad` that took it, else the fresh one."""
+    return tuple(
+        None if traced is not None else (grad if target is None else target)
+        for grad, target, traced in zip(grads, targets, traced_accs, strict=True)
+    )
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:

@@ -75,12 +75,14 @@ from torch import nn
 from torch.library import triton_op
 
 from triton_transformer._jit_helpers import dropout_keep_tile
+from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.utils import (
     as_rows,
     call_op,
     cdiv,
     check_dropout_p,
     check_triton_tensor,
+    default,
     dropout_threshold,
     exists,
     first_order_only,
@@ -614,10 +616,12 @@ def _layernorm_bwd_cols_kernel(
 @triton.jit(do_not_specialize=["G"])
 def _layernorm_bwd_colsum_kernel(
     Partial, PartialB, DW, DB, G, N,
-    HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACC_W: tl.constexpr, ACC_B: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Sum the (G, N) partials over G in a fixed order: dweight (and dbias, from PartialB) per
-    column."""
+    column. ACC_W / ACC_B: add the sum to what DW / DB hold (a parameter's `.grad`, summed
+    over micro-batches in place) instead of overwriting it."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
@@ -629,9 +633,15 @@ def _layernorm_bwd_colsum_kernel(
         dw += tl.load(Partial + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             db += tl.load(PartialB + offs, mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    dw_sum = tl.sum(dw, axis=0)
+    if ACC_W:
+        dw_sum += tl.load(DW + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(DW + cols, dw_sum.to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        db_sum = tl.sum(db, axis=0)
+        if ACC_B:
+            db_sum += tl.load(DB + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(DB + cols, db_sum.to(DB.dtype.element_ty), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------- launch config
@@ -776,17 +786,20 @@ def launch_layernorm_bwd_rowsums(
 def launch_layernorm_bwd(
     dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
     dhn2=None, dbr2=None, p=0.0, seed=None, cfg: BwdConfig | None = None,
+    acc_w: bool = False, acc_b: bool = False,
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
-    when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2.
+    when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2. acc_w /
+    acc_b: add dweight / dbias to what those tensors hold (`bmm.grad_targets`).
 
     `cfg` overrides `_LAYERNORM_BWD_CONFIGS` (the benchmark's sweep, tests) and is used as given."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
         return
-    if M == 0:
-        dweight.zero_()
-        if exists(dbias):
+    if M == 0:  # no rows: zero gradients (nothing to add to an accumulated one)
+        if not acc_w:
+            dweight.zero_()
+        if exists(dbias) and not acc_b:
             dbias.zero_()
         return
     residual = exists(dhn2) and not stable
@@ -821,7 +834,8 @@ def launch_layernorm_bwd(
         )  # fmt: skip
     launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
         partial[0], partial[-1], dweight, dbias if has_bias else dweight, groups, N,
-        HAS_BIAS=has_bias, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
+        HAS_BIAS=has_bias, ACC_W=acc_w, ACC_B=acc_b and has_bias,
+        BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
     )  # fmt: skip
 
@@ -837,10 +851,14 @@ def layernorm_op(
     eps: float,
     stable: bool,
     out_dtype: torch.dtype | None = None,
+    weight_acc: torch.Tensor | None = None,
+    bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, stats): y a new contiguous tensor shaped like x, in out_dtype (None: x's); stats
     (2 or 3, rows) fp32 holds each row's mean, rstd (and scale when stable) for the
-    backward."""
+    backward. weight_acc, bias_acc: the parameters' `.grad` in a traced forward inside
+    `bmm.accumulate_grads_in_place(traced=True)` (`bmm._traced_grad_acc`), else None; not
+    read here: the backward adds the gradients into them."""
     N = x.shape[-1]
     x2 = as_rows(x)
     M = x2.shape[0]
@@ -850,7 +868,7 @@ def layernorm_op(
     return y, stats
 
 
-@triton_op("triton_transformer::layernorm_backward", mutates_args=())
+@triton_op("triton_transformer::layernorm_backward", mutates_args=("weight_acc", "bias_acc"))
 def layernorm_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -859,39 +877,59 @@ def layernorm_backward_op(
     stats: torch.Tensor,
     eps: float,
     stable: bool,
+    weight_acc: torch.Tensor | None = None,
+    bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias); dbias is an empty (0,) tensor when bias is None."""
+    """(dx, dweight, dbias); dbias is an empty (0,) tensor when bias is None. weight_acc /
+    bias_acc given: dweight / dbias are added into them in place (`bmm.grad_targets`) and
+    returned as empty (0,) tensors."""
     N = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
-                        else bias.dtype, device=x.device)  # fmt: skip
-    launch_layernorm_bwd(dy2, x2, weight.contiguous(), stats, dx.view(M, N), dweight,
-               dbias if exists(bias) else None, eps, stable)  # fmt: skip
+    dweight, dbias = param_grads(weight, bias, weight_acc, bias_acc)
+    launch_layernorm_bwd(
+        dy2, x2, weight.contiguous(), stats, dx.view(M, N), default(weight_acc, dweight),
+        default(bias_acc, dbias) if exists(bias) else None, eps, stable,
+        acc_w=exists(weight_acc), acc_b=exists(bias_acc),
+    )  # fmt: skip
     return dx, dweight, dbias
 
 
+def param_grads(weight, bias, weight_acc, bias_acc) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (dweight, dbias) a norm's backward op returns: new tensors like the parameters,
+    (0,) where there is no bias or where the gradient goes into an accumulator instead."""
+
+    def grad_like(p: torch.Tensor | None, acc: torch.Tensor | None, dtype: torch.dtype):
+        if p is None or acc is not None:
+            return torch.empty((0,), dtype=dtype, device=weight.device)
+        return torch.empty_like(p)
+
+    return grad_like(weight, weight_acc, weight.dtype), grad_like(bias, bias_acc, weight.dtype)
+
+
 def _layernorm_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, ctx.eps, ctx.stable, _ = inputs
+    x, weight, bias, ctx.eps, ctx.stable, _, weight_acc, bias_acc = inputs
     _, stats = output
     ctx.mark_non_differentiable(stats)
     # stats get no gradient: without this autograd would zero-fill one for every call
     ctx.set_materialize_grads(False)
     ctx.has_bias = exists(bias)
-    ctx.save_for_backward(x, weight, bias, stats)
+    ctx.grad_homes = (_grad_home(weight), _grad_home(bias) if exists(bias) else None)
+    ctx.save_for_backward(x, weight, bias, stats, weight_acc, bias_acc)
 
 
 @first_order_only("layernorm")
 def _layernorm_backward(ctx, dy, _dstats):
     if dy is None:  # grads are not materialised: y was not used
-        return None, None, None, None, None, None
-    x, weight, bias, stats = ctx.saved_tensors
+        return (None,) * 8
+    x, weight, bias, stats, *traced = ctx.saved_tensors
+    targets = grad_targets(ctx.grad_homes, traced, dy)
     dx, dweight, dbias = call_op(
-        layernorm_backward_op, dy, x, weight, bias, stats, ctx.eps, ctx.stable
+        layernorm_backward_op, dy, x, weight, bias, stats, ctx.eps, ctx.stable, *targets
     )
-    return dx, dweight, dbias if ctx.has_bias else None, None, None, None
+    dweight, dbias = folded_grads((dweight, dbias if ctx.has_bias else None), targets, traced)
+    return dx, dweight, dbias, None, None, None, None, None
 
 
 layernorm_op.register_autograd(_layernorm_backward, setup_context=_layernorm_setup_context)
@@ -1002,7 +1040,8 @@ def layernorm(
     check_out_dtype(out_dtype)
     if not use_triton:
         return _layernorm_reference(x, weight, bias, eps, stable, out_dtype)
-    return call_op(layernorm_op, x, weight, bias, float(eps), bool(stable), out_dtype)[0]
+    accs = _traced_grad_acc(weight), _traced_grad_acc(bias) if exists(bias) else None
+    return call_op(layernorm_op, x, weight, bias, float(eps), bool(stable), out_dtype, *accs)[0]
 
 
 class LayerNorm(nn.Module):

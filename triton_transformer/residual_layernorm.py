@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
+from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.layernorm import (
     _layernorm_reference,
     check_layernorm_args,
@@ -51,10 +52,12 @@ from triton_transformer.layernorm import (
     check_residual_branch,
     launch_layernorm_bwd,
     launch_layernorm_fwd,
+    param_grads,
 )
 from triton_transformer.utils import (
     as_rows,
     call_op,
+    default,
     exists,
     first_order_only,
     seed_or_draw,
@@ -72,11 +75,13 @@ def residual_layernorm_op(
     p: float,
     seed: torch.Tensor,
     out_dtype: torch.dtype | None = None,
+    weight_acc: torch.Tensor | None = None,
+    bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_new, y, stats) with h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64
     device tensor; unused when p == 0), y = layernorm(h_new) in out_dtype (None: h_new's);
     both new contiguous tensors shaped like h. stats (2 or 3, rows) fp32 as in
-    `layernorm_op`."""
+    `layernorm_op`; weight_acc, bias_acc as there."""
     N = h.shape[-1]
     h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
@@ -89,7 +94,9 @@ def residual_layernorm_op(
     return h_new, y, stats
 
 
-@triton_op("triton_transformer::residual_layernorm_backward", mutates_args=())
+@triton_op(
+    "triton_transformer::residual_layernorm_backward", mutates_args=("weight_acc", "bias_acc")
+)
 def residual_layernorm_backward_op(
     dy: torch.Tensor,
     dh_new: torch.Tensor | None,
@@ -103,10 +110,13 @@ def residual_layernorm_backward_op(
     seed: torch.Tensor,
     h_dtype: torch.dtype,
     branch_dtype: torch.dtype,
+    weight_acc: torch.Tensor | None = None,
+    bias_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, dbranch, dweight, dbias): dh = layernorm's dx + dh_new (None: zero);
     dbranch = dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and
-    the same dtype: the caller reuses dh); dbias empty (0,) when bias is None."""
+    the same dtype: the caller reuses dh); dbias empty (0,) when bias is None. weight_acc,
+    bias_acc as in `layernorm_backward_op`."""
     N = h_new.shape[-1]
     x2, dy2 = as_rows(h_new), as_rows(dy)
     M = x2.shape[0]
@@ -114,20 +124,19 @@ def residual_layernorm_backward_op(
     separate = p > 0.0 or branch_dtype != h_dtype
     dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
                           device=h_new.device)  # fmt: skip
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty((N if exists(bias) else 0,), dtype=weight.dtype if bias is None
-                        else bias.dtype, device=h_new.device)  # fmt: skip
+    dweight, dbias = param_grads(weight, bias, weight_acc, bias_acc)
     launch_layernorm_bwd(
-        dy2, x2, weight.contiguous(), stats, dh.view(M, N), dweight,
-        dbias if exists(bias) else None, eps, stable,
+        dy2, x2, weight.contiguous(), stats, dh.view(M, N), default(weight_acc, dweight),
+        default(bias_acc, dbias) if exists(bias) else None, eps, stable,
         dhn2=as_rows(dh_new) if exists(dh_new) else None,
         dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
+        acc_w=exists(weight_acc), acc_b=exists(bias_acc),
     )  # fmt: skip
     return dh, dbranch, dweight, dbias
 
 
 def _residual_layernorm_setup_context(ctx, inputs, output) -> None:
-    h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed, _ = inputs
+    h, branch, weight, bias, ctx.eps, ctx.stable, ctx.p, seed, _, weight_acc, bias_acc = inputs
     h_new, _, stats = output
     ctx.mark_non_differentiable(stats)
     # unused outputs get no zero-filled gradient (stats never has one; h_new has none after
@@ -135,23 +144,26 @@ def _residual_layernorm_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.has_bias = exists(bias)
     ctx.h_dtype, ctx.branch_dtype = h.dtype, branch.dtype
-    ctx.save_for_backward(h_new, weight, bias, stats, seed)
+    ctx.grad_homes = (_grad_home(weight), _grad_home(bias) if exists(bias) else None)
+    ctx.save_for_backward(h_new, weight, bias, stats, seed, weight_acc, bias_acc)
 
 
 @first_order_only("residual_layernorm")
 def _residual_layernorm_backward(ctx, dh_new, dy, _dstats):
     if dy is None and dh_new is None:
-        return (None,) * 9
-    h_new, weight, bias, stats, seed = ctx.saved_tensors
+        return (None,) * 11
+    h_new, weight, bias, stats, seed, *traced = ctx.saved_tensors
     if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
         dy = torch.zeros_like(h_new)
+    targets = grad_targets(ctx.grad_homes, traced, dy)
     dh, dbranch, dweight, dbias = call_op(residual_layernorm_backward_op,
         dy, dh_new, h_new, weight, bias, stats, ctx.eps, ctx.stable, ctx.p, seed,
-        ctx.h_dtype, ctx.branch_dtype,
+        ctx.h_dtype, ctx.branch_dtype, *targets,
     )  # fmt: skip
     if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
         dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
-    return dh, dbranch, dweight, dbias if ctx.has_bias else None, None, None, None, None, None
+    dweight, dbias = folded_grads((dweight, dbias if ctx.has_bias else None), targets, traced)
+    return dh, dbranch, dweight, dbias, None, None, None, None, None, None, None
 
 
 residual_layernorm_op.register_autograd(
@@ -199,8 +211,9 @@ def residual_layernorm(
     # The seed tensor is drawn only when there is dropout (no RNG advance, no launch otherwise);
     # the op needs a tensor argument either way, and weight stands in (never read).
     seed = seed_or_draw(seed, h.device) if p > 0.0 else weight
+    accs = _traced_grad_acc(weight), _traced_grad_acc(bias) if exists(bias) else None
     h_new, y, _ = call_op(
         residual_layernorm_op, h, branch, weight, bias, float(eps), bool(stable), p, seed,
-        out_dtype,
+        out_dtype, *accs,
     )  # fmt: skip
     return h_new, y

@@ -57,6 +57,7 @@ import triton.language as tl
 from torch import nn
 from torch.library import triton_op
 
+from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.layernorm import (
     _LAYERNORM_BWD_CONFIGS,
     _LAYERNORM_FWD_CONFIGS,
@@ -69,6 +70,7 @@ from triton_transformer.layernorm import (
     _store_dx,
     check_out_dtype,
     check_residual_branch,
+    param_grads,
     width_class,
 )
 from triton_transformer.utils import (
@@ -76,8 +78,10 @@ from triton_transformer.utils import (
     call_op,
     cdiv,
     check_triton_tensor,
+    default,
     draw_seed,
     dropout_threshold,
+    exists,
     first_order_only,
     launcher,
 )
@@ -298,15 +302,17 @@ def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, s
 
 def launch_rmsnorm_bwd(
     dy2, x2, weight, rstd, dx2, dweight, *, dhn2=None, dbr2=None, p=0.0, seed=None,
-    cfg: BwdConfig | None = None,
+    cfg: BwdConfig | None = None, acc_w: bool = False,
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight and, when dbr2 is
-    given, the branch gradient dropout-masked (p, seed) into dbr2. `cfg` overrides the table."""
+    given, the branch gradient dropout-masked (p, seed) into dbr2. `cfg` overrides the table.
+    acc_w: add dweight to what that tensor holds (`bmm.grad_targets`)."""
     M, N = x2.shape[0], int(x2.shape[1])
     if N == 0:
         return
     if M == 0:
-        dweight.zero_()
+        if not acc_w:
+            dweight.zero_()
         return
     cfg = cfg or _rmsnorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind not in ("row", "loop"):
@@ -329,7 +335,7 @@ def launch_rmsnorm_bwd(
     )  # fmt: skip
     launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
         partial, partial, dweight, dweight, groups, N,
-        HAS_BIAS=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
+        HAS_BIAS=False, ACC_W=acc_w, ACC_B=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
     )  # fmt: skip
 
@@ -339,10 +345,14 @@ def launch_rmsnorm_bwd(
 
 @triton_op("triton_transformer::rmsnorm", mutates_args=())
 def rmsnorm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+    weight_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y a new contiguous tensor shaped like x, in out_dtype (None: x's); rstd
-    (rows,) fp32 for the backward."""
+    (rows,) fp32 for the backward. weight_acc: as in `layernorm.layernorm_op`."""
     N = x.shape[-1]
     x2 = as_rows(x)
     M = x2.shape[0]
@@ -352,35 +362,46 @@ def rmsnorm_op(
     return y, rstd
 
 
-@triton_op("triton_transformer::rmsnorm_backward", mutates_args=())
+@triton_op("triton_transformer::rmsnorm_backward", mutates_args=("weight_acc",))
 def rmsnorm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    weight_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight), in the dtypes of x and weight."""
+    """(dx, dweight), in the dtypes of x and weight; weight_acc as in
+    `layernorm.layernorm_backward_op`."""
     N = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = torch.empty_like(weight)
-    launch_rmsnorm_bwd(dy2, x2, weight.contiguous(), rstd, dx.view(M, N), dweight)
+    dweight, _ = param_grads(weight, None, weight_acc, None)
+    launch_rmsnorm_bwd(
+        dy2, x2, weight.contiguous(), rstd, dx.view(M, N), default(weight_acc, dweight),
+        acc_w=exists(weight_acc),
+    )  # fmt: skip
     return dx, dweight
 
 
 def _rmsnorm_setup_context(ctx, inputs, output) -> None:
-    x, weight, _, _ = inputs
+    x, weight, _, _, weight_acc = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.set_materialize_grads(False)  # rstd never gets a gradient
-    ctx.save_for_backward(x, weight, rstd)
+    ctx.grad_homes = (_grad_home(weight),)
+    ctx.save_for_backward(x, weight, rstd, weight_acc)
 
 
 @first_order_only("rmsnorm")
 def _rmsnorm_backward(ctx, dy, _drstd):
     if dy is None:  # grads are not materialised: y was not used
-        return None, None, None, None
-    x, weight, rstd = ctx.saved_tensors
-    dx, dweight = call_op(rmsnorm_backward_op, dy, x, weight, rstd)
-    return dx, dweight, None, None
+        return (None,) * 5
+    x, weight, rstd, *traced = ctx.saved_tensors
+    targets = grad_targets(ctx.grad_homes, traced, dy)
+    dx, dweight = call_op(rmsnorm_backward_op, dy, x, weight, rstd, *targets)
+    (dweight,) = folded_grads((dweight,), targets, traced)
+    return dx, dweight, None, None, None
 
 
 rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup_context)
@@ -395,10 +416,12 @@ def residual_rmsnorm_op(
     p: float,
     seed: torch.Tensor,
     out_dtype: torch.dtype | None = None,
+    weight_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_new, y, rstd): h_new = h + dropout_p(branch) (mask from `seed`, a 0-dim int64 device
     tensor; unused when p == 0) in the promoted dtype of (h, branch), y = rmsnorm(h_new) in
-    out_dtype (None: h_new's); both new contiguous tensors shaped like h. rstd (rows,) fp32."""
+    out_dtype (None: h_new's); both new contiguous tensors shaped like h. rstd (rows,) fp32.
+    weight_acc: as in `layernorm.layernorm_op`."""
     N = h.shape[-1]
     h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
@@ -411,7 +434,7 @@ def residual_rmsnorm_op(
     return h_new, y, rstd
 
 
-@triton_op("triton_transformer::residual_rmsnorm_backward", mutates_args=())
+@triton_op("triton_transformer::residual_rmsnorm_backward", mutates_args=("weight_acc",))
 def residual_rmsnorm_backward_op(
     dy: torch.Tensor,
     dh_new: torch.Tensor | None,
@@ -422,10 +445,11 @@ def residual_rmsnorm_backward_op(
     seed: torch.Tensor,
     h_dtype: torch.dtype,
     branch_dtype: torch.dtype,
+    weight_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, dbranch, dweight): dh = rmsnorm's dx + dh_new (None: zero); dbranch the
     dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and the same
-    dtype: the caller reuses dh)."""
+    dtype: the caller reuses dh). weight_acc as in `layernorm.layernorm_backward_op`."""
     N = h_new.shape[-1]
     x2, dy2 = as_rows(h_new), as_rows(dy)
     M = x2.shape[0]
@@ -433,38 +457,41 @@ def residual_rmsnorm_backward_op(
     separate = p > 0.0 or branch_dtype != h_dtype
     dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
                           device=h_new.device)  # fmt: skip
-    dweight = torch.empty_like(weight)
+    dweight, _ = param_grads(weight, None, weight_acc, None)
     launch_rmsnorm_bwd(
-        dy2, x2, weight.contiguous(), rstd, dh.view(M, N), dweight,
+        dy2, x2, weight.contiguous(), rstd, dh.view(M, N), default(weight_acc, dweight),
         dhn2=as_rows(dh_new) if dh_new is not None else None,
-        dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed,
+        dbr2=dbranch.view(M, N) if separate else None, p=p, seed=seed, acc_w=exists(weight_acc),
     )  # fmt: skip
     return dh, dbranch, dweight
 
 
 def _residual_rmsnorm_setup_context(ctx, inputs, output) -> None:
-    h, branch, weight, _, ctx.p, seed, _ = inputs
+    h, branch, weight, _, ctx.p, seed, _, weight_acc = inputs
     h_new, _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.set_materialize_grads(False)  # h_new has no gradient after the last block
     ctx.h_dtype, ctx.branch_dtype = h.dtype, branch.dtype
-    ctx.save_for_backward(h_new, weight, rstd, seed)
+    ctx.grad_homes = (_grad_home(weight),)
+    ctx.save_for_backward(h_new, weight, rstd, seed, weight_acc)
 
 
 @first_order_only("residual_rmsnorm")
 def _residual_rmsnorm_backward(ctx, dh_new, dy, _drstd):
     if dy is None and dh_new is None:
-        return (None,) * 7
-    h_new, weight, rstd, seed = ctx.saved_tensors
+        return (None,) * 8
+    h_new, weight, rstd, seed, *traced = ctx.saved_tensors
     if dy is None:  # y unused: only the residual sum passes a gradient (rare; kept simple)
         dy = torch.zeros_like(h_new)
+    targets = grad_targets(ctx.grad_homes, traced, dy)
     dh, dbranch, dweight = call_op(
         residual_rmsnorm_backward_op, dy, dh_new, h_new, weight, rstd, ctx.p, seed, ctx.h_dtype,
-        ctx.branch_dtype,
+        ctx.branch_dtype, *targets,
     )  # fmt: skip
     if ctx.p == 0.0 and ctx.branch_dtype == ctx.h_dtype:
         dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
-    return dh, dbranch, dweight, None, None, None, None
+    (dweight,) = folded_grads((dweight,), targets, traced)
+    return dh, dbranch, dweight, None, None, None, None, None
 
 
 residual_rmsnorm_op.register_autograd(
@@ -532,7 +559,7 @@ def rmsnorm(
     check_out_dtype(out_dtype)
     if not use_triton:
         return _rmsnorm_reference(x, weight, eps, out_dtype)
-    return call_op(rmsnorm_op, x, weight, float(eps), out_dtype)[0]
+    return call_op(rmsnorm_op, x, weight, float(eps), out_dtype, _traced_grad_acc(weight))[0]
 
 
 def residual_rmsnorm(
@@ -569,7 +596,10 @@ def residual_rmsnorm(
         return h_new, _rmsnorm_reference(h_new, weight, eps, out_dtype)
     # The seed is drawn only with dropout; otherwise weight stands in (never read).
     seed = draw_seed(h.device) if p > 0.0 else weight
-    h_new, y, _ = call_op(residual_rmsnorm_op, h, branch, weight, float(eps), p, seed, out_dtype)
+    h_new, y, _ = call_op(
+        residual_rmsnorm_op, h, branch, weight, float(eps), p, seed, out_dtype,
+        _traced_grad_acc(weight),
+    )  # fmt: skip
     return h_new, y
 
 
