@@ -447,7 +447,10 @@ def test_registered_custom_op(stable, bias, device):
     # Detached: the backward op has no autograd of its own (once-differentiable).
     bwd_args = (torch.randn_like(x), x.detach(), w.detach(), b.detach() if bias else None, stats,
                 1e-5, stable)  # fmt: skip
-    torch.library.opcheck(ln_mod.layernorm_backward_op, bwd_args, test_utils=tests)
+    torch.library.opcheck(ln_mod.layernorm_backward_op, (*bwd_args, None, None), test_utils=tests)
+    # with `.grad` accumulators (`bmm.accumulate_grads_in_place`): declared as mutated
+    accs = torch.randn_like(w), torch.randn_like(b) if bias else None
+    torch.library.opcheck(ln_mod.layernorm_backward_op, (*bwd_args, *accs), test_utils=tests)
 
 
 @pytest.mark.parametrize("stable", [False, True])

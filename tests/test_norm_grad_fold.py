@@ -120,3 +120,20 @@ def test_norm_grads_traced_backward_cpu():
     # passed. A subprocess (kernels as JITFunctions, `_compile_trace_check.py`); no kernel runs.
     passed, cases, output = compile_trace_check("norm_fold")
     assert passed and cases == 5, output
+
+
+def test_norm_backward_ops_skip_the_dispatcher_eagerly():
+    # The backward ops declare their `.grad` accumulators as mutated (for tracing), which
+    # would send every eager call through the dispatcher (`utils.call_op`); registered with
+    # `utils.accumulates_grads`, an eager backward calls the implementation directly.
+    from triton_transformer import layernorm, residual_layernorm, rmsnorm, utils
+
+    ops = (
+        layernorm.layernorm_backward_op,
+        residual_layernorm.residual_layernorm_backward_op,
+        rmsnorm.rmsnorm_backward_op,
+        rmsnorm.residual_rmsnorm_backward_op,
+    )
+    for op in ops:
+        assert utils._mutates(op)
+        assert utils._eager_impl(op) is not None

@@ -224,7 +224,8 @@ def test_registered_custom_op(p, device):
     # Detached: the backward op has no autograd of its own (once-differentiable).
     bwd_args = (torch.randn_like(h), torch.randn_like(h), h_new.detach(), w.detach(), b.detach(),
                 stats, 1e-5, True, p, seed, h.dtype, br.dtype)  # fmt: skip
-    torch.library.opcheck(residual_layernorm_backward_op, bwd_args, test_utils=tests)
+    for accs in ((None, None), (torch.randn_like(w), torch.randn_like(b))):  # .grad accumulators
+        torch.library.opcheck(residual_layernorm_backward_op, (*bwd_args, *accs), test_utils=tests)
 
 
 @pytest.mark.parametrize("output", [0, 1], ids=["h_new", "y"])

@@ -161,15 +161,16 @@ def test_registered_custom_ops(device):
     x.requires_grad_(), w.requires_grad_()
     torch.library.opcheck(rmsnorm_op, (x, w, 1e-5), test_utils=tests)
     _, rstd = rmsnorm_op(x, w, 1e-5)
-    torch.library.opcheck(
-        rmsnorm_backward_op, (torch.randn_like(x), x.detach(), w.detach(), rstd), test_utils=tests
-    )
+    for acc in (None, torch.randn_like(w)):  # a `.grad` accumulator or none
+        bwd_args = (torch.randn_like(x), x.detach(), w.detach(), rstd, acc)
+        torch.library.opcheck(rmsnorm_backward_op, bwd_args, test_utils=tests)
     br, seed = torch.randn_like(x).requires_grad_(), draw_seed(device)
     torch.library.opcheck(residual_rmsnorm_op, (x, br, w, 1e-5, 0.2, seed), test_utils=tests)
     h_new, _, rstd = residual_rmsnorm_op(x, br, w, 1e-5, 0.2, seed)
     bwd_args = (torch.randn_like(x), torch.randn_like(x), h_new.detach(), w.detach(), rstd, 0.2,
                 seed, x.dtype, br.dtype)  # fmt: skip
-    torch.library.opcheck(residual_rmsnorm_backward_op, bwd_args, test_utils=tests)
+    for acc in (None, torch.randn_like(w)):
+        torch.library.opcheck(residual_rmsnorm_backward_op, (*bwd_args, acc), test_utils=tests)
 
 
 @pytest.mark.parametrize("which", ["rmsnorm", "residual_rmsnorm"])

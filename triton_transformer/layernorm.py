@@ -77,6 +77,7 @@ from torch.library import triton_op
 from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.utils import (
+    accumulates_grads,
     as_rows,
     call_op,
     cdiv,
@@ -877,12 +878,13 @@ def layernorm_backward_op(
     stats: torch.Tensor,
     eps: float,
     stable: bool,
-    weight_acc: torch.Tensor | None = None,
-    bias_acc: torch.Tensor | None = None,
+    weight_acc: torch.Tensor | None,
+    bias_acc: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); dbias is an empty (0,) tensor when bias is None. weight_acc /
     bias_acc given: dweight / dbias are added into them in place (`bmm.grad_targets`) and
-    returned as empty (0,) tensors."""
+    returned as empty (0,) tensors. (No defaults: torch 2.11's version bump of mutated
+    arguments indexes the call's arguments without filling defaults in.)"""
     N = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
@@ -933,6 +935,7 @@ def _layernorm_backward(ctx, dy, _dstats):
 
 
 layernorm_op.register_autograd(_layernorm_backward, setup_context=_layernorm_setup_context)
+accumulates_grads(layernorm_backward_op)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -55,6 +55,7 @@ from triton_transformer.layernorm import (
     param_grads,
 )
 from triton_transformer.utils import (
+    accumulates_grads,
     as_rows,
     call_op,
     default,
@@ -110,8 +111,8 @@ def residual_layernorm_backward_op(
     seed: torch.Tensor,
     h_dtype: torch.dtype,
     branch_dtype: torch.dtype,
-    weight_acc: torch.Tensor | None = None,
-    bias_acc: torch.Tensor | None = None,
+    weight_acc: torch.Tensor | None,
+    bias_acc: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, dbranch, dweight, dbias): dh = layernorm's dx + dh_new (None: zero);
     dbranch = dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and
@@ -169,6 +170,7 @@ def _residual_layernorm_backward(ctx, dh_new, dy, _dstats):
 residual_layernorm_op.register_autograd(
     _residual_layernorm_backward, setup_context=_residual_layernorm_setup_context
 )
+accumulates_grads(residual_layernorm_backward_op)
 
 
 def residual_layernorm(

@@ -74,6 +74,7 @@ from triton_transformer.layernorm import (
     width_class,
 )
 from triton_transformer.utils import (
+    accumulates_grads,
     as_rows,
     call_op,
     cdiv,
@@ -368,7 +369,7 @@ def rmsnorm_backward_op(
     x: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
-    weight_acc: torch.Tensor | None = None,
+    weight_acc: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight), in the dtypes of x and weight; weight_acc as in
     `layernorm.layernorm_backward_op`."""
@@ -405,6 +406,7 @@ def _rmsnorm_backward(ctx, dy, _drstd):
 
 
 rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup_context)
+accumulates_grads(rmsnorm_backward_op)
 
 
 @triton_op("triton_transformer::residual_rmsnorm", mutates_args=())
@@ -445,7 +447,7 @@ def residual_rmsnorm_backward_op(
     seed: torch.Tensor,
     h_dtype: torch.dtype,
     branch_dtype: torch.dtype,
-    weight_acc: torch.Tensor | None = None,
+    weight_acc: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, dbranch, dweight): dh = rmsnorm's dx + dh_new (None: zero); dbranch the
     dropout-masked dh, or an empty (0,) tensor when it would equal dh (p == 0 and the same
@@ -497,6 +499,7 @@ def _residual_rmsnorm_backward(ctx, dh_new, dy, _drstd):
 residual_rmsnorm_op.register_autograd(
     _residual_rmsnorm_backward, setup_context=_residual_rmsnorm_setup_context
 )
+accumulates_grads(residual_rmsnorm_backward_op)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -236,12 +236,25 @@ def _eager_impl(op: Any) -> Callable[..., Any] | None:
     which decides by the tensors it is given, so the function inside is called directly.
     """
     wrapped = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the registered one
-    if wrapped is None or _mutates(op):  # the dispatcher bumps a mutated input's version
+    # the dispatcher bumps a mutated input's version (not needed for a `.grad` accumulator)
+    if wrapped is None or (_mutates(op) and op not in _GRAD_ACCUMULATING):
         return None
     code, cells = wrapped.__code__, wrapped.__closure__ or ()
     inner = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
     fn = inner.get("fn")
     return fn if callable(fn) and wrapped.__name__ == "backend_fn" else wrapped
+
+
+# Ops whose only mutated arguments are parameters' `.grad` tensors that a backward adds into
+# (`bmm.grad_targets`): nothing else holds those tensors (`bmm._foldable` checks it eagerly),
+# so an eager call may skip the dispatcher and its version bump like any other op's.
+_GRAD_ACCUMULATING: set = set()
+
+
+def accumulates_grads(op: Any) -> Any:
+    """Register `op` (a triton_op) as mutating only `.grad` accumulators; returns it."""
+    _GRAD_ACCUMULATING.add(op)
+    return op
 
 
 @functools.cache
