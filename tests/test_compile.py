@@ -93,9 +93,10 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
     # Inside accumulate_grads_in_place(traced=True), as the trainer opens it around its
     # micro-batches: from the second micro-batch on, the compiled backward adds each linear's
     # dW into its `.grad` itself and hands autograd no gradient for it (a hook on the weight
-    # is called with None), while the layer norms' and embeddings' gradients still reach
-    # autograd. The sums match the eager model's accumulation (whose fold a hooked weight
-    # turns off), and no kernel's argument analysis failed.
+    # is called with None), and so does each layer norm's column-sum kernel for its weight,
+    # while the embeddings' gradients still reach autograd. The sums match the eager model's
+    # accumulation (whose fold a hooked weight turns off), and no kernel's argument analysis
+    # failed.
     from torch import nn
 
     from triton_transformer.bmm import accumulate_grads_in_place
@@ -106,10 +107,12 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
     batches = [torch.randint(0, 256, (4, 65), device="cuda") for _ in range(3)]
     linear_w = model.net.layers[0][0].to_qkv.weight
     norm_w = model.net.layers[0][0].norm.weight
+    emb_w = model.net.token_emb.weight
     assert isinstance(model.net.layers[0][0].to_qkv, nn.Linear)
-    seen = {"linear": [], "norm": []}
+    seen = {"linear": [], "norm": [], "embedding": []}
     linear_w.register_hook(lambda g: seen["linear"].append(g is not None))
     norm_w.register_hook(lambda g: seen["norm"].append(g is not None))
+    emb_w.register_hook(lambda g: seen["embedding"].append(g is not None))
 
     def accumulate(fn):
         model.zero_grad(set_to_none=True)
@@ -126,8 +129,9 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
     with kernel_analysis_failures() as failures:
         compiled_grads, compiled_seen = accumulate(compiled)
     assert not failures, failures
-    assert eager_seen == {"linear": [True] * 3, "norm": [True] * 3}
-    assert compiled_seen == {"linear": [True, False, False], "norm": [True] * 3}
+    assert eager_seen == {"linear": [True] * 3, "norm": [True] * 3, "embedding": [True] * 3}
+    folded = [True, False, False]
+    assert compiled_seen == {"linear": folded, "norm": folded, "embedding": [True] * 3}
     names = [n for n, _ in model.named_parameters()]
     for name, g, e in zip(names, compiled_grads, eager_grads, strict=True):
         assert g.dtype == e.dtype and rel_err(g, e) < 3e-2, name
