@@ -44,7 +44,7 @@ BWD_TILES = ((32, 64, 4, 3, None), (32, 64, 4, 3, 168), (32, 64, 4, 3, 152),
 
 
 def _tile(text: str) -> tuple:
-    """"M,N,warps,stages[,maxnreg]" -> (M, N, warps, stages, maxnreg or None)."""
+    """Parse "M,N,warps,stages[,maxnreg]" into (M, N, warps, stages, maxnreg or None)."""
     parts = [int(x) for x in text.split(",")]
     return (*parts, None) if len(parts) == 4 else tuple(parts)
 
