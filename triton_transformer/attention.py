@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from triton_transformer import attention_hopper
 from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
@@ -1179,9 +1180,17 @@ def launch_attention_bwd(
     # inductor sets Triton's scratch allocator (`utils.compile_tma`) and TRACED_SINGLE_PASS
     # allows it; its tile loads stay pointer loads there (see `_tma_loads`).
     dq_tma = _has_tma(q.device) and (not is_traced(q) or (TRACED_SINGLE_PASS and compile_tma()))
-    atomic = _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
+    # Hopper's Gluon single pass (`attention_hopper`): eager launches of what it takes
+    gluon = (
+        dq_tma
+        and not deterministic
+        and not is_traced(q)
+        and attention_hopper.usable(q, k, int(d), not (dropping or has_kpm))
+        and _tma_loads(q, k, v, dout)
+    )
+    atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     gy, gz = meta["grid_bh"]
     delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
     # the single pass's fp32 dQ sum; the delta kernel zeroes it
@@ -1225,9 +1234,15 @@ def launch_attention_bwd(
     n_prog = -(-key_blocks // consts["GROUP"])
     if not atomic:
         n_prog += -(-n_q // config["BLOCK_M2"])
-    if consts["DQ_TMA"] or consts["TMA"]:
+    if consts["DQ_TMA"] or consts["TMA"] or gluon:
         triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
-    _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
+    if gluon:  # Hopper's single pass in Gluon (`attention_hopper`)
+        attention_hopper.launch_bwd_sm90(
+            q, k, v, dout.transpose(1, 2), dk, dv, grads_base, lse, delta, dq_acc,
+            causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
+        )  # fmt: skip
+    else:
+        _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
         launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
             dq_acc, grads[0], offsets[0], *dq.stride(), b * h, h, n_q, scale,

@@ -1,0 +1,227 @@
+"""attention_hopper: the Gluon single-pass backward for Hopper, against float64 attention and
+against the Triton kernels' backward.
+
+Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (front end to PTX, every
+head dim and mask variant, so a change that stops it compiling on the installed Triton
+fails here); on the GPU it runs every configuration it takes, and each test checks that it
+was the kernel that ran.
+"""
+
+import pytest
+import torch
+from helpers import deterministic_algorithms, run_without_interpreter
+from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
+
+import triton_transformer.attention_hopper as ah
+from triton_transformer.attention import attention, attention_packed
+
+needs_gluon = pytest.mark.skipif(not ah.HAVE_GLUON, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+def test_kernel_compiles_for_sm90():
+    proc = run_without_interpreter("-c", COMPILE_SCRIPT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == len(ah.HEAD_DIMS) * 2, proc.stdout
+
+
+# Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
+# stand-in driver (no GPU), with the arguments of a packed-qkv launch.
+COMPILE_SCRIPT = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+
+class Sm90(CudaDriver):
+    def __init__(self):
+        self.utils = None
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_current_stream(self, device=None):
+        return 0
+
+triton.runtime.driver.set_active(Sm90())
+import triton_transformer.attention_hopper as ah
+
+for d in ah.HEAD_DIMS:
+    for causal in (False, True):
+        b, h, n = 2, 3, 300
+        qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+        lse = torch.empty(b * h, n)
+        acc = torch.empty(b * h, n, d)
+        tiles = ah.bwd_tiles(d)
+        kernel = ah._attention_bwd_sm90_kernel.warmup(
+            q, k, v, do, qkv, qkv, lse, lse, acc, 0, 0, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            b * h, h, n, n, 0.18, 0.125, HEAD_DIM=d, BLOCK_M=tiles["BLOCK_M"],
+            BLOCK_N=tiles["BLOCK_N"], CAUSAL=causal, LPT_BYTES=2**24,
+            num_warps=tiles["num_warps"], grid=(1,),
+        )
+        assert "wgmma.mma_async" in kernel.asm["ptx"]
+        print("ok", d, causal)
+"""
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def on_hopper(test):
+    """A GPU test that needs Gluon and a Hopper GPU (the kernel's only target)."""
+    test = pytest.mark.skipif(not _is_hopper(), reason="Hopper only")(needs_gluon(test))
+    return pytest.mark.gpu(test)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the Gluon kernel's launches, and lets eager backwards take it at every length and
+    head dim it supports (by default only where it measured faster)."""
+    monkeypatch.setattr(ah, "MIN_QUERIES", 1)
+    monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
+    calls = []
+    real = ah.launch_bwd_sm90
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ah, "launch_bwd_sm90", counted)
+    return calls
+
+
+SHAPES = [  # b, h, n_q, n_k: tile edges, ragged last blocks, a single query block, long heads
+    (2, 3, 1000, 1000),
+    (1, 2, 2048, 2048),
+    (3, 2, 65, 65),
+    (1, 1, 1, 1),
+    (2, 2, 130, 333),  # causal: bottom-right aligned, n_q < n_k (a KV-cache step)
+]
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", ah.HEAD_DIMS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gpu_against_float64(shape, d, causal, dtype, launches):
+    b, h, n_q, n_k = shape
+    check_attention(*make_qkv(b, h, n_q, n_k, d, dtype, "cuda"), causal=causal)
+    assert len(launches) == 1
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", ah.HEAD_DIMS)
+def test_gpu_packed_qkv(d, causal, launches):
+    # the model's layout: q, k, v are strided views of one (b, n, 3·h·d) projection, and the
+    # backward writes dq, dk, dv into one gradient
+    b, n, h = 2, 777, 4
+    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
+    qkv.requires_grad_()
+    out = attention_packed(qkv, h, causal=causal, use_triton=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert len(launches) == 1
+    r = qkv.detach().double().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4).requires_grad_()
+    ref = ref_attention(r[0], r[1], r[2], causal=causal).transpose(1, 2).reshape(b, n, h * d)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    grad = qkv.grad.view(b, n, 3, h, d)
+    ref_grad = r.grad.permute(1, 3, 0, 2, 4)
+    for i, name in enumerate("qkv"):
+        tol = TOL[torch.bfloat16] if name == "v" else TOL_DQK[torch.bfloat16]
+        assert rel_err(grad[:, :, i], ref_grad[:, :, i], floor=0.1) < tol, name
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_matches_the_triton_backward(causal, monkeypatch):
+    # the same gradients as the Triton kernels' backward (bf16 inputs, fp32 sums: to the
+    # rounding of the bf16 outputs)
+    q, k, v = make_qkv(2, 4, 1024, 1024, 64, torch.bfloat16, "cuda")
+    grads = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(ah, "ENABLED", enabled)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        out = attention(qs, ks, vs, causal=causal, use_triton=True)
+        out.backward(torch.ones_like(out))
+        grads[enabled] = [t.grad.float() for t in (qs, ks, vs)]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert rel_err(a, b) < 1e-2
+
+
+def _backward(q, k, v, **kwargs) -> None:
+    out = attention(q, k, v, use_triton=True, **kwargs)
+    out.backward(torch.randn_like(out))  # (`.sum()`'s expanded gradient is no TMA operand)
+
+
+@on_hopper
+def test_gpu_not_taken_where_it_does_not_apply(launches):
+    # deterministic algorithms, dropout, a key padding mask, grouped-query heads, head dims
+    # it lacks and fp32 take the Triton kernels
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 256, 256, 64, torch.bfloat16, "cuda"))
+    kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
+    with deterministic_algorithms(True):
+        _backward(q, k, v, causal=True)
+    _backward(q, k, v, causal=True, dropout_p=0.1)
+    _backward(q, k, v, causal=True, key_padding_mask=kpm)
+    _backward(q, k[:, :2], v[:, :2], causal=True)
+    q48, k48, v48 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 48, q.dtype, "cuda"))
+    _backward(q48, k48, v48, causal=True)
+    qf, kf, vf = (t.float().detach().requires_grad_() for t in (q, k, v))
+    _backward(qf, kf, vf, causal=True)
+    assert launches == []
+    _backward(q, k, v, causal=True)
+    _backward(q, k, v, causal=False)
+    assert len(launches) == 2
+
+
+@on_hopper
+def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
+    # the defaults: heads of at least MIN_QUERIES queries, head dims of TAKEN_HEAD_DIMS
+    monkeypatch.setattr(ah, "MIN_QUERIES", 2048)
+    monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
+    for n, d, taken in ((2047, 64, False), (2048, 64, True), (2048, 32, True), (2048, 128, False)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
+        before = len(launches)
+        _backward(q, k, v, causal=True)
+        assert (len(launches) > before) == taken, (n, d)
+
+
+@on_hopper
+def test_gpu_cuda_graph_replays(launches):
+    # captured once, replayed on new inputs: the gradients follow the inputs
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 512, 512, 64, torch.bfloat16, "cuda"))
+    dout = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        attention(q, k, v, causal=True, use_triton=True).backward(dout)
+        return [t.grad for t in (q, k, v)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step()
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_attention(*r, causal=True).backward(dout.double())
+        for g, rt in zip(grads, r, strict=True):
+            assert rel_err(g, rt.grad, floor=0.1) < TOL_DQK[torch.bfloat16]
+    assert len(launches) >= 2

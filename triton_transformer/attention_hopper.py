@@ -1,0 +1,333 @@
+"""The attention backward's single pass for Hopper GPUs, written in Gluon.
+
+Why a second kernel: Triton (3.6) waits for each tile product right after issuing it, so in
+`attention._attention_bwd_kernel` the tensor cores sit idle while the exponentials of P run,
+and the reverse. Gluon states the schedule explicitly: the products are issued asynchronously
+(`warpgroup_mma(..., is_async=True)`) and waited for only where their result is read, and the
+next query block's q and dO arrive by TMA while this one computes.
+
+The math is `attention`'s single pass, for one key block K_j, V_j (BLOCK_N keys) over the
+query blocks i that see it (scores in log2 units, lse_i the forward's log-sum-exp in log2
+units, Δ_i = Σ_d dO_i · O_i):
+
+    Sᵀ  = K_j Q_iᵀ · scale·log2(e)        (BLOCK_N, BLOCK_M)
+    Pᵀ  = exp2(Sᵀ - lse_i)                 (causal: 0 where key > query + n_k - n_q)
+    dPᵀ = V_j dO_iᵀ
+    dSᵀ = Pᵀ ∘ (dPᵀ - Δ_i)
+    dV_j += Pᵀ dO_i,   dK_j += dSᵀ Q_i     (registers, summed over i)
+    dQ_i += dS_i K_j                       (fp32, added to a (b·h, n_q, d) sum with atomics)
+
+dK is scaled by `scale` at the end, dQ by `attention._attention_bwd_dq_kernel`. Per query
+block the schedule is: Sᵀ and dPᵀ issued together; exp2 while dPᵀ runs; dSᵀ written to shared
+memory (dQ's product reads its transpose from there); dQ, dV and dK issued together; dQ's tile
+written to shared memory while dV and dK run, and added to the fp32 sum by one TMA bulk
+reduction at the start of the next step (per-element atomics made the kernel 30% slower). The
+next step's q and dO arrive by TMA during this one.
+
+Not done yet: issuing the next block's Sᵀ and dPᵀ before this block's dQ tile is stored (so
+the tensor cores never wait). Written so, ptxas (12.8, 12.9) serializes the products (warning
+C7514: the loop-carried accumulators) and the kernel was 15% slower.
+
+Scope: Hopper, fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the products take
+without padding), no dropout, no key padding mask, multi-head (not grouped) attention,
+tensors TMA can describe. `attention.launch_attention_bwd` takes it where all of that holds
+and the caller allows the non-deterministic single pass; everything else runs the Triton
+kernel. Eager launches only: torch.compile traces the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language import _core as gl_core
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    # the TMA load's name: `async_load` from Triton 3.7, `async_copy_global_to_shared` before
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier of the program's warps: `barrier` from Triton 3.7, `thread_barrier` before
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _mma, _mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
+
+    if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
+        _tma_reduce_add = tma.async_atomic_add
+    else:  # Triton 3.6 has the operation but no function for it
+
+        @gl_core.builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """Add the shared-memory tile `src` to the tile of `tensor_desc` at `coord` (one
+            TMA bulk reduction, in L2; rows and columns outside the tensor are dropped)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(
+                ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+            )
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - an older Triton: the Triton kernel runs instead
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
+
+# head dims this kernel takes (rows of 64, 128 and 256 bytes in 16-bit types); eager launches
+# take it at those of `TAKEN_HEAD_DIMS` only
+HEAD_DIMS = (32, 64, 128)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _longest_first_gl(pid, bh, BH, head_bytes, L2_BYTES: gl.constexpr):
+        """`attention._longest_first` (the same dealing of causal key blocks over heads)."""
+        n_prog = gl.num_programs(0)
+        heads = gl.maximum(gl.minimum(L2_BYTES // head_bytes, BH), 1)
+        lin = bh.to(gl.int64) * n_prog + pid
+        group = lin // (heads * n_prog)
+        first = group * heads
+        in_group = gl.minimum(heads, BH - first)
+        rank = lin - first * n_prog
+        return (rank // in_group).to(gl.int32), (first + rank % in_group).to(gl.int32)
+
+    @gluon.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
+    def _attention_bwd_sm90_kernel(
+        Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, off_dk, off_dv,
+        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+        sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+        BH, H, N_Q, N_K, qk_scale, sm_scale,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr, LPT_BYTES: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: dK, dV of BLOCK_N keys of one batch·head (grid (key blocks, b·h)),
+        and their share of dQ added to DQ_ACC (fp32, (b·h, n_q, HEAD_DIM), zeroed before)."""
+        qk_scale = qk_scale.to(gl.float32)
+        sm_scale = sm_scale.to(gl.float32)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        pid = gl.program_id(0)
+        bh = gl.program_id(1)
+        if CAUSAL:  # each program streams its head's q and dO
+            pid, bh = _longest_first_gl(pid, bh, BH, N_Q.to(gl.int64) * HEAD_DIM * 4, LPT_BYTES)
+        b = (bh // H).to(gl.int64)
+        h = (bh % H).to(gl.int64)
+        n0 = pid * BLOCK_N
+
+        # Layouts. Each warpgroup (4 warps) owns 64 keys of Sᵀ, dPᵀ, dK and dV; dQ's
+        # (BLOCK_M, HEAD_DIM) tile is split by rows, then by columns over the warpgroups.
+        WARPS_N: gl.constexpr = num_warps // 4
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, WARPS_N], instr_shape=[16, HEAD_DIM // WARPS_N, 16]
+        )
+        # Pᵀ and dSᵀ feed dV's and dK's products from registers
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_M, HEAD_DIM], gl.float32
+        )
+
+        # this head's tensors as TMA descriptors: rows past n_q / n_k read as zeros
+        q_desc = tma.make_tensor_descriptor(
+            Q + b * sqb + h * sqh, [N_Q, HEAD_DIM], [sqn, 1], [BLOCK_M, HEAD_DIM], row_layout
+        )
+        do_desc = tma.make_tensor_descriptor(
+            DO + b * sdob + h * sdoh, [N_Q, HEAD_DIM], [sdon, 1], [BLOCK_M, HEAD_DIM], row_layout
+        )
+        k_desc = tma.make_tensor_descriptor(
+            K + b * skb + h * skh, [N_K, HEAD_DIM], [skn, 1], [BLOCK_N, HEAD_DIM], key_layout
+        )
+        v_desc = tma.make_tensor_descriptor(
+            V + b * svb + h * svh, [N_K, HEAD_DIM], [svn, 1], [BLOCK_N, HEAD_DIM], key_layout
+        )
+
+        dq_desc = tma.make_tensor_descriptor(
+            DQ_ACC + bh.to(gl.int64) * N_Q * HEAD_DIM, [N_Q, HEAD_DIM], [HEAD_DIM, 1],
+            [BLOCK_M, HEAD_DIM], dq_smem_layout,
+        )  # fmt: skip
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], key_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], key_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], row_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], row_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_smem_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
+
+        # the query blocks that see this key block: causal, rows i >= n0 - (n_k - n_q)
+        causal_off = N_K - N_Q  # query i sees keys j <= i + causal_off
+        lo = 0
+        if CAUSAL:
+            lo = (gl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M
+        # rows from here on see every key of the block: no mask
+        full_lo = gl.maximum(n0 + BLOCK_N - 1 - causal_off, 0)
+        n_steps = gl.cdiv(N_Q - lo, BLOCK_M)
+
+        mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * 2)
+        _tma_load(k_desc, [n0, 0], kv_bar, k_smem)
+        _tma_load(v_desc, [n0, 0], kv_bar, v_smem)
+        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * 2
+        if n_steps > 0:
+            mbarrier.expect(ready.index(0), tile_bytes)
+            _tma_load(q_desc, [lo, 0], ready.index(0), q_smem.index(0))
+            _tma_load(do_desc, [lo, 0], ready.index(0), do_smem.index(0))
+        mbarrier.wait(kv_bar, phase=0)
+
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        cols_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        lse_head = LSE + bh.to(gl.int64) * N_Q
+        delta_head = DELTA + bh.to(gl.int64) * N_Q
+
+        for step in range(n_steps):
+            start_m = lo + step * BLOCK_M
+            stage = step % 2
+            # every warp is past the previous step's products (its stage of q and dO may be
+            # refilled) and has written its part of the previous step's dQ tile
+            _cta_barrier()
+            if step > 0:
+                _tma_reduce_add(dq_desc, [start_m - BLOCK_M, 0], dq_smem.index(1 - stage))
+            # the reduction of two steps back has read this step's dQ buffer (the other warps
+            # pass the barrier below only after this one)
+            tma.store_wait(1)
+            if step + 1 < n_steps:
+                nxt = 1 - stage
+                mbarrier.expect(ready.index(nxt), tile_bytes)
+                _tma_load(q_desc, [start_m + BLOCK_M, 0], ready.index(nxt), q_smem.index(nxt))
+                _tma_load(do_desc, [start_m + BLOCK_M, 0], ready.index(nxt), do_smem.index(nxt))
+            q_s = q_smem.index(stage)
+            do_s = do_smem.index(stage)
+            offs_m = start_m + cols_m
+            lse = gl.load(lse_head + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = gl.load(delta_head + offs_m, mask=offs_m < N_Q, other=0.0)
+            mbarrier.wait(ready.index(stage), phase=(step // 2) & 1)
+
+            st = _mma(k_smem, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = _mma(v_smem, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = _mma_wait(num_outstanding=1, deps=[st])
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+            if CAUSAL:  # noqa: SIM102
+                if start_m < full_lo:  # the diagonal's blocks
+                    pt = gl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pt, 0.0)
+            dpt = _mma_wait(num_outstanding=0, deps=[dpt])
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            ds_smem.store(dst)
+            hopper.fence_async_shared()
+            _cta_barrier()  # all of dSᵀ written before any warpgroup reads it
+
+            dq = _mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+            pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = _mma(pt_a, do_s, dv, is_async=True)
+            dst_a = gl.convert_layout(dst, a_layout)
+            dk = _mma(dst_a, q_s, dk, is_async=True)
+            dq = _mma_wait(num_outstanding=2, deps=[dq])
+            dq_smem.index(stage).store(dq)  # added by the next step's first thread
+            # Pᵀ and dSᵀ stay live until their products are done
+            dv, dk, pt_a, dst_a = _mma_wait(num_outstanding=0, deps=[dv, dk, pt_a, dst_a])
+            # (a fence between the store and the wait above crashes ptxas 12.8 and 12.9)
+            hopper.fence_async_shared()
+
+        if n_steps > 0:
+            _cta_barrier()
+            _tma_reduce_add(
+                dq_desc, [lo + (n_steps - 1) * BLOCK_M, 0], dq_smem.index((n_steps - 1) % 2)
+            )
+            tma.store_wait(0)
+        mbarrier.invalidate(kv_bar)
+        mbarrier.invalidate(ready.index(0))
+        mbarrier.invalidate(ready.index(1))
+        dk = dk * sm_scale
+        rows_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+        cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        keep = rows_n[:, None] < N_K
+        rows_n = rows_n.to(gl.int64)
+        dk_ptrs = DK + off_dk + b * sdkb + h * sdkh + rows_n[:, None] * sdkn + cols_d[None, :]
+        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=keep)
+        dv_ptrs = DV + off_dv + b * sdvb + h * sdvh + rows_n[:, None] * sdvn + cols_d[None, :]
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@functools.cache
+def bwd_tiles(head_dim: int) -> dict:
+    """(BLOCK_M queries, BLOCK_N keys, warps) of the kernel at this head dim."""
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
+
+
+# Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), heads
+# of at least `MIN_QUERIES` queries, head dims of `TAKEN_HEAD_DIMS`, causal or not. Measured
+# against the Triton kernels' backward (H200, 2026-11-27, `probe_attention_gluon.py`, µs per
+# backward, bf16, packed qkv; causal / not): (8, 2048, 16, d64) 656 / 1047 against 698 / 1076,
+# d32 475 / 617 against 551 / 840; shorter heads at parity or slower ((16, 1024, 12) 340 / 480
+# against 342 / 447, (16, 512, 8) 89 / 113 against 83 / 100); d128 slower everywhere
+# ((4, 4096, 16) causal 2630 against 2128: its tiles spill).
+ENABLED = True
+MIN_QUERIES = 2048
+TAKEN_HEAD_DIMS = (32, 64)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, plain: bool) -> bool:
+    """Whether the kernel takes this backward: Gluon present, `ENABLED`, `MIN_QUERIES` and
+    `TAKEN_HEAD_DIMS` (above), a 16-bit dtype, multi-head attention (k as many heads as q), at
+    most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key padding mask). The
+    caller has checked the rest: a Hopper GPU, an eager launch, TMA-describable tensors
+    (`attention._tma_loads`) and the non-deterministic single pass."""
+    return (
+        HAVE_GLUON
+        and ENABLED
+        and plain
+        and head_dim in TAKEN_HEAD_DIMS
+        and q.shape[2] >= MIN_QUERIES
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[1] == k.shape[1]
+        and q.shape[0] * q.shape[1] <= 65535
+    )
+
+
+def launch_bwd_sm90(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+    dk: torch.Tensor, dv: torch.Tensor, grads_base: torch.Tensor | None,
+    lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
+    causal: bool, qk_scale: float, sm_scale: float, lpt_bytes: int,
+) -> None:  # fmt: skip
+    """Launch the kernel for (b, h, n, d) views q, k, v, dout (unit stride along d): fills
+    the (b, h, n_k, d) views dk, dv (any strides; views of `grads_base` when given, which the
+    kernel then gets with their offsets, as `attention.launch_attention_bwd` passes it) and
+    adds the unscaled dQ into dq_acc (fp32, (b·h, n_q, d), zeroed). lse, delta: (b·h, n_q)
+    fp32, the forward's log-sum-exp in log2 units and Σ dO·O. The caller sets Triton's
+    allocator (device-side TMA descriptors)."""
+    from triton_transformer.utils import launcher, offsets_in
+
+    off_dk = off_dv = 0
+    dk_base, dv_base = dk, dv
+    if grads_base is not None:
+        dk_base = dv_base = grads_base
+        off_dk, off_dv = offsets_in(grads_base, dk, dv)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    tiles = bwd_tiles(d)
+    grid = (-(-n_k // tiles["BLOCK_N"]), b * h, 1)
+    launcher(_attention_bwd_sm90_kernel)[grid](
+        q, k, v, dout, dk_base, dv_base, lse, delta, dq_acc, off_dk, off_dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        b * h, h, n_q, n_k, qk_scale, sm_scale,
+        HEAD_DIM=d, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], CAUSAL=causal,
+        LPT_BYTES=lpt_bytes, num_warps=tiles["num_warps"],
+    )  # fmt: skip
