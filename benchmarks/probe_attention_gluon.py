@@ -1,0 +1,144 @@
+"""Probe: the attention backward's Gluon kernel for Hopper (`attention_hopper`) against the
+Triton kernels' backward, cuDNN and FlashAttention-2 (SDPA backends), at the step presets'
+shapes, causal and not, dropout 0. Kernel time per backward (`common.kernel_ms`, L2 flushed:
+every kernel the backward launches, Δ and dQ's cast included), the Gluon kernel's registers and
+spills, and the largest difference of its gradients from the Triton backward's.
+
+    python3 benchmarks/probe_attention_gluon.py --out DIR [--presets NAME ...]
+        [--tiles M,N,WARPS ...]
+
+--tiles times other Gluon tiles (BLOCK_M queries, BLOCK_N keys, warps) besides the shipped ones.
+Writes DIR/attention_gluon.json and attention_gluon.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+
+import triton_transformer.attention as attn
+import triton_transformer.attention_hopper as ah
+
+# b, n, h, d
+SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64),
+          "large": (8, 2048, 16, 64), "d128": (4, 4096, 16, 128),
+          "d32": (8, 2048, 16, 32), "d64-4096": (4, 4096, 16, 64)}  # fmt: skip
+
+
+def ours(b: int, n: int, h: int, d: int, causal: bool):
+    """The backward closure of packed attention as the model calls it, and its input."""
+    qkv = torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = attn.attention_packed(qkv, h, causal=causal, use_triton=True)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+
+
+def sdpa(b: int, n: int, h: int, d: int, causal: bool, backend):
+    q, k, v = (
+        torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def kernel_stats() -> str:
+    caches = ah._attention_bwd_sm90_kernel.device_caches[torch.cuda.current_device()][0]
+    if not caches:
+        return "-"
+    k = list(caches.values())[-1]
+    k._init_handles()
+    return f"{k.n_regs} regs, {k.n_spills} spills, {k.metadata.shared // 1024} KiB"
+
+
+def _tiles(text: str) -> tuple[int, int, int]:
+    m, n, w = (int(x) for x in text.split(","))
+    return m, n, w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--presets", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tiles", nargs="*", type=_tiles, default=[])
+    args = ap.parse_args()
+    env = common.env_info()
+    print(env, flush=True)
+    rows = []
+    shipped = ah.bwd_tiles
+    for preset in args.presets:
+        b, n, h, d = SHAPES[preset]
+        for causal in (True, False):
+            row = {"preset": preset, "causal": causal, "us": {}}
+            torch.manual_seed(0)
+            fn = ours(b, n, h, d, causal)
+            gluon_grad = fn()[0].float()
+            row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
+            row["gluon stats"] = kernel_stats()
+            for m, nb, w in args.tiles:
+                ah.bwd_tiles = lambda _d, t={"BLOCK_M": m, "BLOCK_N": nb, "num_warps": w}: t
+                try:
+                    row["us"][f"gluon {m},{nb},{w}"] = common.kernel_ms(fn) * 1e3
+                    row[f"stats {m},{nb},{w}"] = kernel_stats()
+                except Exception as e:  # a tile that cannot compile: recorded, not fatal
+                    row["us"][f"gluon {m},{nb},{w}"] = float("nan")
+                    row[f"stats {m},{nb},{w}"] = f"{type(e).__name__}: {str(e)[:120]}"
+                ah.bwd_tiles = shipped
+            ah.ENABLED = False
+            triton_grad = fn()[0].float()
+            row["us"]["triton"] = common.kernel_ms(fn) * 1e3
+            ah.ENABLED = True
+            row["max |gluon - triton| / max |triton|"] = (
+                (gluon_grad - triton_grad).abs().max() / triton_grad.abs().max()
+            ).item()
+            row["us"]["cuDNN"] = (
+                common.kernel_ms(sdpa(b, n, h, d, causal, SDPBackend.CUDNN_ATTENTION)) * 1e3
+            )
+            row["us"]["FA2"] = (
+                common.kernel_ms(sdpa(b, n, h, d, causal, SDPBackend.FLASH_ATTENTION)) * 1e3
+            )
+            flops = 4 * b * h * n * n * d * 2.5 / (2 if causal else 1)
+            row["gluon TFLOP/s"] = flops / row["us"]["gluon"] / 1e6
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_gluon.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    names = list(dict.fromkeys(k for r in rows for k in r["us"]))
+    lines = [f"# Attention backward: the Gluon kernel for Hopper ({env})", ""]
+    lines += [
+        "µs per backward (kernel time, L2 flushed), packed qkv bf16 (SDPA: separate q, k, v),"
+    ]
+    lines += ["dropout 0; `triton`: the Triton kernels' backward (single pass causal, two programs"]
+    lines += ["otherwise); gluon / cuDNN > 1 means slower.", ""]
+    lines.append(
+        "| preset | causal | "
+        + " | ".join(names)
+        + " | gluon / cuDNN | gluon TFLOP/s | gluon kernel | max rel diff |"
+    )
+    lines.append("|---|---|" + "---|" * (len(names) + 4))
+    for r in rows:
+        cells = [f"{r['us'].get(k, float('nan')):.1f}" for k in names]
+        lines.append(
+            f"| {r['preset']} | {r['causal']} | " + " | ".join(cells)
+            + f" | {r['us']['gluon'] / r['us']['cuDNN']:.2f} | {r['gluon TFLOP/s']:.0f}"
+            + f" | {r['gluon stats']} | {r['max |gluon - triton| / max |triton|']:.1e} |"
+        )  # fmt: skip
+    (out / "attention_gluon.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
