@@ -88,7 +88,8 @@ def main() -> None:
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
             row["gluon stats"] = kernel_stats()
             for m, nb, w in args.tiles:
-                ah.bwd_tiles = lambda _d, t={"BLOCK_M": m, "BLOCK_N": nb, "num_warps": w}: t
+                tile = {"BLOCK_M": m, "BLOCK_N": nb, "num_warps": w, "KV_IN_REGS": d >= 64}
+                ah.bwd_tiles = lambda _d, t=tile: t
                 try:
                     row["us"][f"gluon {m},{nb},{w}"] = common.kernel_ms(fn) * 1e3
                     row[f"stats {m},{nb},{w}"] = kernel_stats()

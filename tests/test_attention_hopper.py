@@ -57,9 +57,8 @@ for d in ah.HEAD_DIMS:
         kernel = ah._attention_bwd_sm90_kernel.warmup(
             q, k, v, do, qkv, qkv, lse, lse, acc, 0, 0, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            b * h, h, n, n, 0.18, 0.125, HEAD_DIM=d, BLOCK_M=tiles["BLOCK_M"],
-            BLOCK_N=tiles["BLOCK_N"], CAUSAL=causal, LPT_BYTES=2**24,
-            num_warps=tiles["num_warps"], grid=(1,),
+            b * h, h, n, n, 0.18, 0.125, HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=2**24,
+            grid=(1,), **tiles,
         )
         assert "wgmma.mma_async" in kernel.asm["ptx"]
         print("ok", d, causal)

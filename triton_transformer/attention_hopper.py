@@ -100,7 +100,8 @@ if HAVE_GLUON:
         sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
         BH, H, N_Q, N_K, qk_scale, sm_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, LPT_BYTES: gl.constexpr, num_warps: gl.constexpr,
+        CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr, LPT_BYTES: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of BLOCK_N keys of one batch·head (grid (key blocks, b·h)),
         and their share of dQ added to DQ_ACC (fp32, (b·h, n_q, HEAD_DIM), zeroed before)."""
@@ -195,6 +196,17 @@ if HAVE_GLUON:
         lse_head = LSE + bh.to(gl.int64) * N_Q
         delta_head = DELTA + bh.to(gl.int64) * N_Q
 
+        # KV_IN_REGS: K and V feed Sᵀ's and dPᵀ's products from registers, which halves those
+        # two products' shared-memory reads (1-2% faster at d64; at d32 the registers cost a
+        # program per SM: `attention_gluon_session17_variants.md`)
+        k_a = k_smem
+        v_a = v_smem
+        if KV_IN_REGS:
+            kv_a_layout: gl.constexpr = gl.DotOperandLayout(
+                operand_index=0, parent=st_layout, k_width=2
+            )
+            k_a = k_smem.load(kv_a_layout)
+            v_a = v_smem.load(kv_a_layout)
         for step in range(n_steps):
             start_m = lo + step * BLOCK_M
             stage = step % 2
@@ -218,14 +230,20 @@ if HAVE_GLUON:
             delta = gl.load(delta_head + offs_m, mask=offs_m < N_Q, other=0.0)
             mbarrier.wait(ready.index(stage), phase=(step // 2) & 1)
 
-            st = _mma(k_smem, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dpt = _mma(v_smem, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            st = _mma_wait(num_outstanding=1, deps=[st])
+            st = _mma(k_a, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = _mma(v_a, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if KV_IN_REGS:  # (register operands stay live until their products are done)
+                st, k_a = _mma_wait(num_outstanding=1, deps=[st, k_a])
+            else:
+                st = _mma_wait(num_outstanding=1, deps=[st])
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if CAUSAL:  # noqa: SIM102
                 if start_m < full_lo:  # the diagonal's blocks
                     pt = gl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pt, 0.0)
-            dpt = _mma_wait(num_outstanding=0, deps=[dpt])
+            if KV_IN_REGS:
+                dpt, v_a = _mma_wait(num_outstanding=0, deps=[dpt, v_a])
+            else:
+                dpt = _mma_wait(num_outstanding=0, deps=[dpt])
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             ds_smem.store(dst)
             hopper.fence_async_shared()
@@ -265,8 +283,11 @@ if HAVE_GLUON:
 
 @functools.cache
 def bwd_tiles(head_dim: int) -> dict:
-    """(BLOCK_M queries, BLOCK_N keys, warps) of the kernel at this head dim."""
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
+    """(BLOCK_M queries, BLOCK_N keys, warps) of the kernel at this head dim, and whether K and
+    V are held in registers. (64, 128, 8 warps) measured 10-15% slower at d64 (one program
+    per SM), (128, 128, 8) slower still (H200, 2026-11-27,
+    `attention_gluon_session17_reduce.md`)."""
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": head_dim >= 64}
 
 
 # Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), heads
@@ -328,6 +349,5 @@ def launch_bwd_sm90(
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         b * h, h, n_q, n_k, qk_scale, sm_scale,
-        HEAD_DIM=d, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], CAUSAL=causal,
-        LPT_BYTES=lpt_bytes, num_warps=tiles["num_warps"],
+        HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=lpt_bytes, **tiles,
     )  # fmt: skip
