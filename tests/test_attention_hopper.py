@@ -25,6 +25,22 @@ def test_kernel_compiles_for_sm90():
     assert proc.stdout.count("ok") == len(ah.HEAD_DIMS) * 2, proc.stdout
 
 
+@needs_gluon
+@pytest.mark.parametrize("major, taken", [(8, False), (9, True), (10, False)])
+def test_taken_on_hopper_only(major, taken, monkeypatch):
+    # the kernel's warpgroup products exist on compute capability 9.x only: an Ampere or a
+    # Blackwell GPU (which has TMA, so the Triton single pass runs there) must not take it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(ah, "MIN_QUERIES", 1)
+    ah._is_sm90.cache_clear()
+    try:
+        assert ah._is_sm90(torch.device("cuda", 0)) is taken
+        q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16)
+        assert not ah.usable(q, q, 64, plain=True)  # a CPU tensor
+    finally:
+        ah._is_sm90.cache_clear()
+
+
 # Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
 # stand-in driver (no GPU), with the arguments of a packed-qkv launch.
 COMPILE_SCRIPT = """

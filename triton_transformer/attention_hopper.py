@@ -15,7 +15,7 @@ units, Δ_i = Σ_d dO_i · O_i):
     dPᵀ = V_j dO_iᵀ
     dSᵀ = Pᵀ ∘ (dPᵀ - Δ_i)
     dV_j += Pᵀ dO_i,   dK_j += dSᵀ Q_i     (registers, summed over i)
-    dQ_i += dS_i K_j                       (fp32, added to a (b·h, n_q, d) sum with atomics)
+    dQ_i += dS_i K_j                       (fp32, added to a (b·h, n_q, d) sum in L2)
 
 dK is scaled by `scale` at the end, dQ by `attention._attention_bwd_dq_kernel`. Per query
 block the schedule is: Sᵀ and dPᵀ issued together; exp2 while dPᵀ runs; dSᵀ written to shared
@@ -24,15 +24,19 @@ written to shared memory while dV and dK run, and added to the fp32 sum by one T
 reduction at the start of the next step (per-element atomics made the kernel 30% slower). The
 next step's q and dO arrive by TMA during this one.
 
-Not done yet: issuing the next block's Sᵀ and dPᵀ before this block's dQ tile is stored (so
-the tensor cores never wait). Written so, ptxas (12.8, 12.9) serializes the products (warning
-C7514: the loop-carried accumulators) and the kernel was 15% slower.
+Not done yet: keeping the tensor cores busy between steps. Issuing the next block's Sᵀ and
+dPᵀ before this block's dQ tile is stored made ptxas (12.8, 12.9) serialize the products
+(warning C7514: accumulators carried across the loop's back edge; 15% slower); waiting for
+the next Sᵀ within the step avoids the warning but needs more registers (spills; 5-10%
+slower). The kernel runs at about a quarter of the tensor cores' rate; producer / consumer
+warpgroups, as cuDNN and FlashAttention-3 have, are the next step.
 
-Scope: Hopper, fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the products take
-without padding), no dropout, no key padding mask, multi-head (not grouped) attention,
-tensors TMA can describe. `attention.launch_attention_bwd` takes it where all of that holds
-and the caller allows the non-deterministic single pass; everything else runs the Triton
-kernel. Eager launches only: torch.compile traces the Triton kernel.
+Scope: Hopper (sm_90), fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the
+products take without padding), no dropout, no key padding mask, multi-head (not grouped)
+attention, tensors TMA can describe. `attention.launch_attention_bwd` takes it where all of
+that holds, the caller allows the non-deterministic single pass and `usable` says it measured
+faster; everything else runs the Triton kernel. Eager launches only: torch.compile traces the
+Triton kernel.
 """
 
 from __future__ import annotations
@@ -293,25 +297,33 @@ def bwd_tiles(head_dim: int) -> dict:
 # Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), heads
 # of at least `MIN_QUERIES` queries, head dims of `TAKEN_HEAD_DIMS`, causal or not. Measured
 # against the Triton kernels' backward (H200, 2026-11-27, `probe_attention_gluon.py`, µs per
-# backward, bf16, packed qkv; causal / not): (8, 2048, 16, d64) 656 / 1047 against 698 / 1076,
-# d32 475 / 617 against 551 / 840; shorter heads at parity or slower ((16, 1024, 12) 340 / 480
-# against 342 / 447, (16, 512, 8) 89 / 113 against 83 / 100); d128 slower everywhere
-# ((4, 4096, 16) causal 2630 against 2128: its tiles spill).
+# backward, bf16, packed qkv, (b, n, h); causal / not): (8, 2048, 16) d64 650 / 1036 against
+# 699 / 1073, d32 496 / 652 against 554 / 841; (4, 4096, 16) d64 1057 / 1843 against
+# 1193 / 2049; shorter heads at parity or slower ((16, 1024, 12) 339 / 476 against 343 / 446,
+# (16, 512, 8) 89 / 112 against 83 / 100); d128 slower everywhere ((4, 4096, 16) causal 2630
+# against 2128: its tiles spill).
 ENABLED = True
 MIN_QUERIES = 2048
 TAKEN_HEAD_DIMS = (32, 64)
 
 
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    """Hopper: the kernel's warpgroup products exist on compute capability 9.x only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, plain: bool) -> bool:
-    """Whether the kernel takes this backward: Gluon present, `ENABLED`, `MIN_QUERIES` and
-    `TAKEN_HEAD_DIMS` (above), a 16-bit dtype, multi-head attention (k as many heads as q), at
-    most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key padding mask). The
-    caller has checked the rest: a Hopper GPU, an eager launch, TMA-describable tensors
+    """Whether the kernel takes this backward: Gluon present, `ENABLED`, a Hopper GPU,
+    `MIN_QUERIES` and `TAKEN_HEAD_DIMS` (above), a 16-bit dtype, multi-head attention (k as
+    many heads as q), at most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key
+    padding mask). The caller has checked the rest: an eager launch, TMA-describable tensors
     (`attention._tma_loads`) and the non-deterministic single pass."""
     return (
         HAVE_GLUON
         and ENABLED
         and plain
+        and _is_sm90(q.device)
         and head_dim in TAKEN_HEAD_DIMS
         and q.shape[2] >= MIN_QUERIES
         and q.dtype in (torch.float16, torch.bfloat16)
