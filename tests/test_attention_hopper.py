@@ -117,6 +117,7 @@ SHAPES = [  # b, h, n_q, n_k: tile edges, ragged last blocks, a single query blo
     (3, 2, 65, 65),
     (1, 1, 1, 1),
     (2, 2, 130, 333),  # causal: bottom-right aligned, n_q < n_k (a KV-cache step)
+    (2, 2, 333, 130),  # causal: the first 203 queries see no key (zero output, no gradient)
 ]
 
 
