@@ -7,7 +7,9 @@ spills, and the largest difference of its gradients from the Triton backward's.
     python3 benchmarks/probe_attention_gluon.py --out DIR [--presets NAME ...]
         [--tiles M,N,WARPS ...]
 
---tiles times other Gluon tiles (BLOCK_M queries, BLOCK_N keys, warps) besides the shipped ones.
+Every shape runs the Gluon kernel (the thresholds of `attention_hopper.usable` lifted); the
+table says which an eager backward takes by default. --tiles times other Gluon tiles (BLOCK_M
+queries, BLOCK_N keys, warps) besides the shipped ones.
 Writes DIR/attention_gluon.json and attention_gluon.md.
 """
 
@@ -78,18 +80,24 @@ def main() -> None:
     print(env, flush=True)
     rows = []
     shipped = ah.bwd_tiles
+    # every shape takes the kernel here; "default" says whether an eager backward would
+    defaults = ah.MIN_QUERIES, ah.MIN_QUERIES_CAUSAL, ah.TAKEN_HEAD_DIMS
+    ah.MIN_QUERIES = ah.MIN_QUERIES_CAUSAL = 1
+    ah.TAKEN_HEAD_DIMS = ah.HEAD_DIMS
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in (True, False):
-            row = {"preset": preset, "causal": causal, "us": {}}
+            min_queries = defaults[1] if causal and d == 64 else defaults[0]
+            row = {"preset": preset, "causal": causal, "us": {},
+                   "default": n >= min_queries and d in defaults[2]}  # fmt: skip
             torch.manual_seed(0)
             fn = ours(b, n, h, d, causal)
             gluon_grad = fn()[0].float()
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
             row["gluon stats"] = kernel_stats()
             for m, nb, w in args.tiles:
-                tile = {"BLOCK_M": m, "BLOCK_N": nb, "num_warps": w, "KV_IN_REGS": d >= 64}
-                ah.bwd_tiles = lambda _d, t=tile: t
+                tile = {**shipped(d, causal), "BLOCK_M": m, "BLOCK_N": nb, "num_warps": w}
+                ah.bwd_tiles = lambda _d, _c, t=tile: t
                 try:
                     row["us"][f"gluon {m},{nb},{w}"] = common.kernel_ms(fn) * 1e3
                     row[f"stats {m},{nb},{w}"] = kernel_stats()
@@ -125,15 +133,15 @@ def main() -> None:
     lines += ["dropout 0; `triton`: the Triton kernels' backward (single pass causal, two programs"]
     lines += ["otherwise); gluon / cuDNN > 1 means slower.", ""]
     lines.append(
-        "| preset | causal | "
+        "| preset | causal | taken by default | "
         + " | ".join(names)
         + " | gluon / cuDNN | gluon TFLOP/s | gluon kernel | max rel diff |"
     )
-    lines.append("|---|---|" + "---|" * (len(names) + 4))
+    lines.append("|---|---|---|" + "---|" * (len(names) + 4))
     for r in rows:
         cells = [f"{r['us'].get(k, float('nan')):.1f}" for k in names]
         lines.append(
-            f"| {r['preset']} | {r['causal']} | " + " | ".join(cells)
+            f"| {r['preset']} | {r['causal']} | {r['default']} | " + " | ".join(cells)
             + f" | {r['us']['gluon'] / r['us']['cuDNN']:.2f} | {r['gluon TFLOP/s']:.0f}"
             + f" | {r['gluon stats']} | {r['max |gluon - triton| / max |triton|']:.1e} |"
         )  # fmt: skip

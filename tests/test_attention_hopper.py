@@ -32,11 +32,12 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
     # Blackwell GPU (which has TMA, so the Triton single pass runs there) must not take it
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
+    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
     ah._is_sm90.cache_clear()
     try:
         assert ah._is_sm90(torch.device("cuda", 0)) is taken
         q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16)
-        assert not ah.usable(q, q, 64, plain=True)  # a CPU tensor
+        assert not ah.usable(q, q, 64, causal=True, plain=True)  # a CPU tensor
     finally:
         ah._is_sm90.cache_clear()
 
@@ -69,7 +70,7 @@ for d in ah.HEAD_DIMS:
         do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
         lse = torch.empty(b * h, n)
         acc = torch.empty(b * h, n, d)
-        tiles = ah.bwd_tiles(d)
+        tiles = ah.bwd_tiles(d, causal)
         kernel = ah._attention_bwd_sm90_kernel.warmup(
             q, k, v, do, qkv, qkv, lse, lse, acc, 0, 0, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
@@ -99,6 +100,7 @@ def launches(monkeypatch):
     """Counts the Gluon kernel's launches, and lets eager backwards take it at every length and
     head dim it supports (by default only where it measured faster)."""
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
+    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
     calls = []
     real = ah.launch_bwd_sm90
@@ -201,14 +203,20 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
 
 @on_hopper
 def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
-    # the defaults: heads of at least MIN_QUERIES queries, head dims of TAKEN_HEAD_DIMS
+    # the defaults: causal d64 heads from 1024 queries, the rest from 2048, d32 and d64 only
     monkeypatch.setattr(ah, "MIN_QUERIES", 2048)
+    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1024)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
-    for n, d, taken in ((2047, 64, False), (2048, 64, True), (2048, 32, True), (2048, 128, False)):
+    cases = [  # n, d, causal, taken
+        (1023, 64, True, False), (1024, 64, True, True), (1024, 64, False, False),
+        (2047, 64, False, False), (2048, 64, False, True), (1024, 32, True, False),
+        (2048, 32, True, True), (2048, 128, True, False),
+    ]  # fmt: skip
+    for n, d, causal, taken in cases:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
         before = len(launches)
-        _backward(q, k, v, causal=True)
-        assert (len(launches) > before) == taken, (n, d)
+        _backward(q, k, v, causal=causal)
+        assert (len(launches) > before) == taken, (n, d, causal)
 
 
 @on_hopper

@@ -1189,7 +1189,7 @@ def launch_attention_bwd(
         dq_tma
         and not deterministic
         and not is_traced(q)
-        and attention_hopper.usable(q, k, int(d), not (dropping or has_kpm))
+        and attention_hopper.usable(q, k, int(d), causal, not (dropping or has_kpm))
         and _tma_loads(q, k, v, dout)
     )
     atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])

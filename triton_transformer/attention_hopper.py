@@ -104,8 +104,8 @@ if HAVE_GLUON:
         sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
         BH, H, N_Q, N_K, qk_scale, sm_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr, LPT_BYTES: gl.constexpr,
-        num_warps: gl.constexpr,
+        CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr, DQ_T: gl.constexpr,
+        LPT_BYTES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of BLOCK_N keys of one batch·head (grid (key blocks, b·h)),
         and their share of dQ added to DQ_ACC (fp32, (b·h, n_q, HEAD_DIM), zeroed before)."""
@@ -129,9 +129,17 @@ if HAVE_GLUON:
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
         )
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, WARPS_N], instr_shape=[16, HEAD_DIM // WARPS_N, 16]
-        )
+        if DQ_T:  # dQᵀ = Kᵀ dSᵀ, (HEAD_DIM, BLOCK_M): BLOCK_M may be 32 (a product's rows >= 64)
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+            )
+            dq_zero = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dq_layout)
+        else:  # dQ = dS K, (BLOCK_M, HEAD_DIM)
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, WARPS_N],
+                instr_shape=[16, HEAD_DIM // WARPS_N, 16],
+            )  # fmt: skip
+            dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         # Pᵀ and dSᵀ feed dV's and dK's products from registers
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -194,7 +202,6 @@ if HAVE_GLUON:
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
         st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
         cols_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         lse_head = LSE + bh.to(gl.int64) * N_Q
@@ -253,13 +260,20 @@ if HAVE_GLUON:
             hopper.fence_async_shared()
             _cta_barrier()  # all of dSᵀ written before any warpgroup reads it
 
-            dq = _mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+            if DQ_T:
+                dq = _mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False, is_async=True)
+            else:
+                dq = _mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
             dv = _mma(pt_a, do_s, dv, is_async=True)
             dst_a = gl.convert_layout(dst, a_layout)
             dk = _mma(dst_a, q_s, dk, is_async=True)
             dq = _mma_wait(num_outstanding=2, deps=[dq])
-            dq_smem.index(stage).store(dq)  # added by the next step's first thread
+            # added by the next step's first thread
+            if DQ_T:
+                dq_smem.index(stage).permute((1, 0)).store(dq)
+            else:
+                dq_smem.index(stage).store(dq)
             # Pᵀ and dSᵀ stay live until their products are done
             dv, dk, pt_a, dst_a = _mma_wait(num_outstanding=0, deps=[dv, dk, pt_a, dst_a])
             # (a fence between the store and the wait above crashes ptxas 12.8 and 12.9)
@@ -286,23 +300,36 @@ if HAVE_GLUON:
 
 
 @functools.cache
-def bwd_tiles(head_dim: int) -> dict:
-    """(BLOCK_M queries, BLOCK_N keys, warps) of the kernel at this head dim, and whether K and
-    V are held in registers. (64, 128, 8 warps) measured 10-15% slower at d64 (one program
-    per SM), (128, 128, 8) slower still (H200, 2026-11-27,
-    `attention_gluon_session17_reduce.md`)."""
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": head_dim >= 64}
+def bwd_tiles(head_dim: int, causal: bool) -> dict:
+    """Tiles of the kernel: BLOCK_M queries per step, BLOCK_N keys per program, warps, whether
+    K and V are held in registers (KV_IN_REGS) and whether dQ is computed transposed (DQ_T).
+
+    Measured (H200, 2026-11-27, `attention_gluon_session17_variants.md`, µs, d64, causal / not,
+    (16, 1024, 12) and (8, 2048, 16)): (32, 64, 4 warps), K and V in shared memory, dQᵀ: 320 /
+    487 and 621 / 1093, three programs per SM (168 registers); (64, 64, 4), K and V in
+    registers, dQᵀ: 334 / 459 and 632 / 983; the same with dQ untransposed: 336 / 470 and 642 /
+    1023. So causal heads step over 32 queries, the others over 64. (64, 128, 8 warps) measured
+    10-15% slower (one program per SM), (128, 128, 8) slower still. At d32, dQᵀ would be a
+    product of 32 rows (wgmma's are 64): dQ untransposed, K and V in shared memory (in registers
+    they cost a program per SM). At d128 only the 32-query step fits the registers without
+    spills (244 per thread; (64, 64) spills 400 bytes)."""
+    if head_dim < 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": False}
+    if causal or head_dim > 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": True}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": True, "DQ_T": True}
 
 
-# Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), heads
-# of at least `MIN_QUERIES` queries, head dims of `TAKEN_HEAD_DIMS`, causal or not. Measured
-# against the Triton kernels' backward (H200, 2026-11-27, `probe_attention_gluon.py`, µs per
-# backward, bf16, packed qkv, (b, n, h); causal / not): (8, 2048, 16) d64 650 / 1036 against
-# 699 / 1073, d32 496 / 652 against 554 / 841; (4, 4096, 16) d64 1057 / 1843 against
-# 1193 / 2049; shorter heads at parity or slower ((16, 1024, 12) 339 / 476 against 343 / 446,
-# (16, 512, 8) 89 / 112 against 83 / 100); d128 slower everywhere ((4, 4096, 16) causal 2630
-# against 2128: its tiles spill).
+# Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), head
+# dims of `TAKEN_HEAD_DIMS`, heads of at least `MIN_QUERIES_CAUSAL` queries (causal, d64) or
+# `MIN_QUERIES` (the rest). Measured against the Triton kernels' backward (H200, 2026-11-27,
+# `attention_gluon_session17_tiles.md`, µs per backward, bf16, packed qkv, (b, n, h); causal /
+# not): (16, 1024, 12) d64 320 / 459 against 340 / 446; (8, 2048, 16) d64 621 / 983 against
+# 693 / 1078, d32 496 / 652 against 554 / 841; (4, 4096, 16) d64 1039 / 1753 against
+# 1189 / 2053; (16, 512, 8) 85 / 110 against 82 / 99; d128 slower everywhere ((4, 4096, 16)
+# causal 2630 against 2128: its tiles spill).
 ENABLED = True
+MIN_QUERIES_CAUSAL = 1024
 MIN_QUERIES = 2048
 TAKEN_HEAD_DIMS = (32, 64)
 
@@ -313,9 +340,9 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, plain: bool) -> bool:
+def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain: bool) -> bool:
     """Whether the kernel takes this backward: Gluon present, `ENABLED`, a Hopper GPU,
-    `MIN_QUERIES` and `TAKEN_HEAD_DIMS` (above), a 16-bit dtype, multi-head attention (k as
+    `TAKEN_HEAD_DIMS` and the query counts (above), a 16-bit dtype, multi-head attention (k as
     many heads as q), at most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key
     padding mask). The caller has checked the rest: an eager launch, TMA-describable tensors
     (`attention._tma_loads`) and the non-deterministic single pass."""
@@ -325,7 +352,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, plain: bool) -> bool
         and plain
         and _is_sm90(q.device)
         and head_dim in TAKEN_HEAD_DIMS
-        and q.shape[2] >= MIN_QUERIES
+        and q.shape[2] >= (MIN_QUERIES_CAUSAL if causal and head_dim == 64 else MIN_QUERIES)
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[1] == k.shape[1]
         and q.shape[0] * q.shape[1] <= 65535
@@ -353,7 +380,7 @@ def launch_bwd_sm90(
         off_dk, off_dv = offsets_in(grads_base, dk, dv)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    tiles = bwd_tiles(d)
+    tiles = bwd_tiles(d, causal)
     grid = (-(-n_k // tiles["BLOCK_N"]), b * h, 1)
     launcher(_attention_bwd_sm90_kernel)[grid](
         q, k, v, dout, dk_base, dv_base, lse, delta, dq_acc, off_dk, off_dv,
