@@ -34,7 +34,8 @@ import triton_transformer.attention_hopper as ah
 # b, n, h, d
 SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64),
           "large": (8, 2048, 16, 64), "d128": (4, 4096, 16, 128),
-          "d32": (8, 2048, 16, 32), "d64-4096": (4, 4096, 16, 64)}  # fmt: skip
+          "d32": (8, 2048, 16, 32), "d64-4096": (4, 4096, 16, 64),
+          "d128-2048": (8, 2048, 16, 128)}  # fmt: skip
 
 
 def ours(b: int, n: int, h: int, d: int, causal: bool):
@@ -81,15 +82,16 @@ def main() -> None:
     rows = []
     shipped = ah.bwd_tiles
     # every shape takes the kernel here; "default" says whether an eager backward would
-    defaults = ah.MIN_QUERIES, ah.MIN_QUERIES_CAUSAL, ah.TAKEN_HEAD_DIMS
+    defaults = ah.MIN_QUERIES, ah.MIN_QUERIES_CAUSAL, ah.TAKEN_HEAD_DIMS, ah.TAKEN_HEAD_DIMS_CAUSAL
     ah.MIN_QUERIES = ah.MIN_QUERIES_CAUSAL = 1
-    ah.TAKEN_HEAD_DIMS = ah.HEAD_DIMS
+    ah.TAKEN_HEAD_DIMS = ah.TAKEN_HEAD_DIMS_CAUSAL = ah.HEAD_DIMS
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in (True, False):
             min_queries = defaults[1] if causal and d == 64 else defaults[0]
+            dims = defaults[3] if causal else defaults[2]
             row = {"preset": preset, "causal": causal, "us": {},
-                   "default": n >= min_queries and d in defaults[2]}  # fmt: skip
+                   "default": n >= min_queries and d in dims}  # fmt: skip
             torch.manual_seed(0)
             fn = ours(b, n, h, d, causal)
             gluon_grad = fn()[0].float()

@@ -102,6 +102,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
+    monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", ah.HEAD_DIMS)
     calls = []
     real = ah.launch_bwd_sm90
 
@@ -203,14 +204,16 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
 
 @on_hopper
 def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
-    # the defaults: causal d64 heads from 1024 queries, the rest from 2048, d32 and d64 only
+    # the defaults: causal d64 heads from 1024 queries, the rest from 2048; d128 causal only
     monkeypatch.setattr(ah, "MIN_QUERIES", 2048)
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1024)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
+    monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", (32, 64, 128))
     cases = [  # n, d, causal, taken
         (1023, 64, True, False), (1024, 64, True, True), (1024, 64, False, False),
         (2047, 64, False, False), (2048, 64, False, True), (1024, 32, True, False),
-        (2048, 32, True, True), (2048, 128, True, False),
+        (2048, 32, True, True), (1024, 128, True, False), (2048, 128, True, True),
+        (2048, 128, False, False),
     ]  # fmt: skip
     for n, d, causal, taken in cases:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))

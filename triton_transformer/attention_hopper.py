@@ -321,17 +321,18 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
 
 
 # Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), head
-# dims of `TAKEN_HEAD_DIMS`, heads of at least `MIN_QUERIES_CAUSAL` queries (causal, d64) or
-# `MIN_QUERIES` (the rest). Measured against the Triton kernels' backward (H200, 2026-11-27,
-# `attention_gluon_session17_tiles.md`, µs per backward, bf16, packed qkv, (b, n, h); causal /
-# not): (16, 1024, 12) d64 320 / 459 against 340 / 446; (8, 2048, 16) d64 621 / 983 against
-# 693 / 1078, d32 496 / 652 against 554 / 841; (4, 4096, 16) d64 1039 / 1753 against
-# 1189 / 2053; (16, 512, 8) 85 / 110 against 82 / 99; d128 slower everywhere ((4, 4096, 16)
-# causal 2630 against 2128: its tiles spill).
+# dims of `TAKEN_HEAD_DIMS` (causal: `TAKEN_HEAD_DIMS_CAUSAL`), heads of at least
+# `MIN_QUERIES_CAUSAL` queries (causal, d64) or `MIN_QUERIES` (the rest). Measured against the
+# Triton kernels' backward (H200, 2026-11-27, `attention_gluon_session17.md`, µs per backward,
+# bf16, packed qkv, (b, n, h); causal / not): (16, 1024, 12) d64 318 / 460 against 339 / 446;
+# (8, 2048, 16) d64 622 / 985 against 694 / 1072, d32 490 / 645 against 548 / 833, d128
+# 1121 / 1909 against 1211 / 1856; (4, 4096, 16) d64 1030 / 1740 against 1179 / 2035, d128
+# 1871 / 3474 against 2118 / 3493; (16, 512, 8) d64 85 / 110 against 82 / 99.
 ENABLED = True
 MIN_QUERIES_CAUSAL = 1024
 MIN_QUERIES = 2048
 TAKEN_HEAD_DIMS = (32, 64)
+TAKEN_HEAD_DIMS_CAUSAL = (32, 64, 128)
 
 
 @functools.cache
@@ -342,7 +343,7 @@ def _is_sm90(device: torch.device) -> bool:
 
 def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain: bool) -> bool:
     """Whether the kernel takes this backward: Gluon present, `ENABLED`, a Hopper GPU,
-    `TAKEN_HEAD_DIMS` and the query counts (above), a 16-bit dtype, multi-head attention (k as
+    the head dims and query counts above, a 16-bit dtype, multi-head attention (k as
     many heads as q), at most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key
     padding mask). The caller has checked the rest: an eager launch, TMA-describable tensors
     (`attention._tma_loads`) and the non-deterministic single pass."""
@@ -351,7 +352,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain:
         and ENABLED
         and plain
         and _is_sm90(q.device)
-        and head_dim in TAKEN_HEAD_DIMS
+        and head_dim in (TAKEN_HEAD_DIMS_CAUSAL if causal else TAKEN_HEAD_DIMS)
         and q.shape[2] >= (MIN_QUERIES_CAUSAL if causal and head_dim == 64 else MIN_QUERIES)
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[1] == k.shape[1]
