@@ -342,13 +342,14 @@ def test_longest_first_head_groups(
     heads_per_group, kv_heads, grid_y, deterministic, device, monkeypatch
 ):
     # Causal launches deal their programs block-major over groups of heads
-    # (`_longest_first`). An L2 budget of three heads' streamed tensors (4·n·d bytes each:
-    # the same n for queries and keys here) splits b·h = 8 into groups 3, 3, 2, so the last
-    # group is ragged; a budget of one head is the identity order. Also with grouped-query
-    # attention (key blocks dealt round each group's query heads) and with batch·head
-    # spilling into grid dim 2 (programs past b·h return before the remap). n = 200 gives
-    # several blocks per head for the interpreter's tiles and the GPU's. Every (block, head)
-    # must be computed exactly once: forward and all three gradients against float64.
+    # (`_jit_helpers.longest_first`). An L2 budget of three heads' streamed tensors (4·n·d
+    # bytes each: the same n for queries and keys here) splits b·h = 8 into groups 3, 3, 2,
+    # so the last group is ragged; a budget of one head is the identity order. Also with
+    # grouped-query attention (key blocks dealt round each group's query heads) and with
+    # batch·head spilling into grid dim 2 (programs past b·h return before the remap).
+    # n = 200 gives several blocks per head for the interpreter's tiles and the GPU's. Every
+    # (block, head) must be computed exactly once: forward and all three gradients against
+    # float64.
     from test_gqa import check_gqa, make_gqa
 
     import triton_transformer.attention as A

@@ -1,5 +1,6 @@
 """Triton device helpers shared by the row kernels (softmax, cross-entropy), the dropout
-masks of attention and the relu² matmul epilogue.
+masks of attention and the relu² matmul epilogue, and the causal attention kernels' program
+order.
 
 Naming scheme used by the kernels of `softmax.py`, `cross_entropy.py` and `dropout.py`:
 
@@ -101,3 +102,27 @@ def dropout_keep_tile(seed, rows, start_col, n_cols, threshold, BLOCK_N: tl.cons
     even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
     odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))
     return tl.interleave(even, odd)
+
+
+@triton.jit
+def longest_first(pid, bh, BH, head_bytes, L2_BYTES: tl.constexpr):
+    """(block, batch·head) that program (pid, bh) of a causal attention launch takes, so that
+    the grid runs its longest programs first across heads, not only within each (shared by
+    `attention`'s Triton kernels and `attention_hopper`'s Gluon backward).
+
+    The GPU starts programs in grid order, dim 0 fastest, and a causal head's first blocks
+    carry the most work (the launches order them so). In head-major order the last wave
+    still holds the long blocks of the last heads, while SMs that finished sit idle: at
+    GPT-2's shape that tail is several percent of the kernel. So position L = bh·P + pid
+    (P programs per head) is dealt block-major over groups of g heads: group L // (g·P),
+    block L % (g·P) // g', head L % (g·P) % g' (g' = g, fewer in the last group). A group's
+    streamed tensors (head_bytes per head) fit L2_BYTES, so its blocks still read them from
+    L2; L2_BYTES = 0 gives g = 1, the identity."""
+    n_prog = tl.num_programs(0)
+    heads = tl.maximum(tl.minimum(L2_BYTES // head_bytes, BH), 1)
+    lin = bh.to(tl.int64) * n_prog + pid
+    group = lin // (heads * n_prog)
+    first = group * heads
+    in_group = tl.minimum(heads, BH - first)
+    rank = lin - first * n_prog
+    return (rank // in_group).to(tl.int32), (first + rank % in_group).to(tl.int32)

@@ -53,7 +53,7 @@ in a fixed order (deterministic in both variants; the single pass still adds dQ 
 Program order: a causal head's blocks differ in work (the forward's last query block and the
 backward's first key block see the whole head), and each launch orders a head's blocks longest
 first. Across heads the grid is dealt block-major over groups of heads whose streamed tensors
-fit `LONGEST_FIRST_BYTES` of L2 (`_longest_first`), so the last wave holds short blocks, not
+fit `LONGEST_FIRST_BYTES` of L2 (`longest_first`), so the last wave holds short blocks, not
 the long ones of the last heads (the backward at GPT-2's shape: 355.8 -> 340.3 µs on an H200).
 
 Decoding (at most 16 queries, no gradient): b·h programs would leave most SMs idle over a
@@ -86,7 +86,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from triton_transformer import attention_hopper
-from triton_transformer._jit_helpers import dropout_keep_tile
+from triton_transformer._jit_helpers import dropout_keep_tile, longest_first
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
@@ -125,29 +125,6 @@ def _bh_index():
     """batch·head index of this program: grid dim 1, spilling into dim 2 when batch·head
     exceeds CUDA's 65535 (the caller returns for indices >= b·h)."""
     return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
-
-
-@triton.jit
-def _longest_first(pid, bh, BH, head_bytes, L2_BYTES: tl.constexpr):
-    """(block, batch·head) that program (pid, bh) of a causal launch takes, so that the grid
-    runs its longest programs first across heads, not only within each.
-
-    The GPU starts programs in grid order, dim 0 fastest, and a causal head's first blocks
-    carry the most work (the launches order them so). In head-major order the last wave
-    still holds the long blocks of the last heads, while SMs that finished sit idle: at
-    GPT-2's shape that tail is several percent of the kernel. So position L = bh·P + pid
-    (P programs per head) is dealt block-major over groups of g heads: group L // (g·P),
-    block L % (g·P) // g', head L % (g·P) % g' (g' = g, fewer in the last group). A group's
-    streamed tensors (head_bytes per head) fit L2_BYTES, so its blocks still read them from
-    L2; L2_BYTES = 0 gives g = 1, the identity."""
-    n_prog = tl.num_programs(0)
-    heads = tl.maximum(tl.minimum(L2_BYTES // head_bytes, BH), 1)
-    lin = bh.to(tl.int64) * n_prog + pid
-    group = lin // (heads * n_prog)
-    first = group * heads
-    in_group = tl.minimum(heads, BH - first)
-    rank = lin - first * n_prog
-    return (rank // in_group).to(tl.int32), (first + rank % in_group).to(tl.int32)
 
 
 @triton.jit
@@ -283,7 +260,7 @@ def _attention_fwd_kernel(
     """GROUP: query heads per key/value head (grouped-query attention): query head h reads
     K and V of head h // GROUP; 1 (multi-head) compiles to the plain indexing. LPT_BYTES:
     causal launches run longest first across heads in groups whose K and V fit this many
-    bytes (`_longest_first`)."""
+    bytes (`longest_first`)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, out_scale = tl.cast(qk_scale, tl.float32), tl.cast(out_scale, tl.float32)
     if HAS_KV_LEN:
@@ -297,7 +274,7 @@ def _attention_fwd_kernel(
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
     pid_m = tl.program_id(0)
     if CAUSAL and not SPLIT_K:  # each program streams its head's K and V
-        pid_m, bh = _longest_first(pid_m, bh, BH, tl.cast(N_K, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
+        pid_m, bh = longest_first(pid_m, bh, BH, tl.cast(N_K, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     split = 0
     if SPLIT_K:  # grid dim 0 holds (split, query block) pairs
         split = pid_m // n_blocks
@@ -693,7 +670,7 @@ def _attention_bwd_kernel(
         return
     pid = tl.program_id(0)
     if CAUSAL:  # each program streams its head's q and dO (dQ programs: k and v)
-        pid, bh = _longest_first(pid, bh, BH, tl.cast(N_Q, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
+        pid, bh = longest_first(pid, bh, BH, tl.cast(N_Q, tl.int64) * HEAD_DIM * 4, LPT_BYTES)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     if GROUP == 1:  # noqa: SIM108
@@ -1030,7 +1007,7 @@ TRACED_SINGLE_PASS = True
 
 # Causal launches run their longest programs first across heads, in groups of heads whose
 # streamed tensors (the backward's q and dO, the forward's K and V) fit this many bytes of L2
-# (`_longest_first`); 0 keeps head-major order.
+# (`longest_first`); 0 keeps head-major order.
 LONGEST_FIRST_BYTES = 16 * 2**20
 
 
@@ -1207,43 +1184,44 @@ def launch_attention_bwd(
     if grads_base is not None:
         grads = (grads_base, q, q)  # q: placeholders the kernel does not use
         offsets = offsets_in(grads_base, dq, dk, dv)
-    args = (
-        q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-        seed if dropping else q, dq_acc if atomic else delta, *offsets,
-        *q.stride(), *k.stride(), *v.stride(),
-        dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
-        *dq.stride(), *dk.stride(), *dv.stride(),
-        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-        b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
-        1.0 / (1.0 - dropout_p),
-    )  # fmt: skip
-    consts = dict(
-        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
-        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
-        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-        DQ_TMA=atomic and dq_tma,
-        TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
-        and _tma_loads(q, k, v, dout),
-        GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
-        LPT_BYTES=LONGEST_FIRST_BYTES,
-    )  # fmt: skip
-    if config is None and meta["interpret"]:
-        config = _INTERP_BWD
-    elif config is None:
-        config = _attention_bwd_config(int(d), q.dtype, causal, dropping, atomic)
-    # a key/value head's key blocks are shared among its query heads' grid rows
-    key_blocks = -(-n_k // config["BLOCK_N1"])
-    n_prog = -(-key_blocks // consts["GROUP"])
-    if not atomic:
-        n_prog += -(-n_q // config["BLOCK_M2"])
-    if consts["DQ_TMA"] or consts["TMA"] or gluon:
-        triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     if gluon:  # Hopper's single pass in Gluon (`attention_hopper`)
+        triton.set_allocator(tma_scratch)  # its TMA descriptors; a context variable
         attention_hopper.launch_bwd_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, lse, delta, dq_acc,
             causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
         )  # fmt: skip
     else:
+        args = (
+            q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
+            seed if dropping else q, dq_acc if atomic else delta, *offsets,
+            *q.stride(), *k.stride(), *v.stride(),
+            dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
+            *dq.stride(), *dk.stride(), *dv.stride(),
+            kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
+            b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
+            1.0 / (1.0 - dropout_p),
+        )  # fmt: skip
+        consts = dict(
+            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
+            DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
+            INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
+            DQ_TMA=atomic and dq_tma,
+            TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
+            and _tma_loads(q, k, v, dout),
+            GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
+            LPT_BYTES=LONGEST_FIRST_BYTES,
+        )  # fmt: skip
+        if config is None and meta["interpret"]:
+            config = _INTERP_BWD
+        elif config is None:
+            config = _attention_bwd_config(int(d), q.dtype, causal, dropping, atomic)
+        # a key/value head's key blocks are shared among its query heads' grid rows
+        key_blocks = -(-n_k // config["BLOCK_N1"])
+        n_prog = -(-key_blocks // consts["GROUP"])
+        if not atomic:
+            n_prog += -(-n_q // config["BLOCK_M2"])
+        if consts["DQ_TMA"] or consts["TMA"]:
+            triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
         _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
     if atomic:
         launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](

@@ -47,6 +47,8 @@ import functools
 
 import torch
 
+from triton_transformer._jit_helpers import longest_first
+
 try:  # Gluon ships with Triton >= 3.5
     from triton._C.libtriton import ir
     from triton.experimental import gluon
@@ -87,18 +89,6 @@ HEAD_DIMS = (32, 64, 128)
 
 if HAVE_GLUON:
 
-    @gluon.jit
-    def _longest_first_gl(pid, bh, BH, head_bytes, L2_BYTES: gl.constexpr):
-        """`attention._longest_first` (the same dealing of causal key blocks over heads)."""
-        n_prog = gl.num_programs(0)
-        heads = gl.maximum(gl.minimum(L2_BYTES // head_bytes, BH), 1)
-        lin = bh.to(gl.int64) * n_prog + pid
-        group = lin // (heads * n_prog)
-        first = group * heads
-        in_group = gl.minimum(heads, BH - first)
-        rank = lin - first * n_prog
-        return (rank // in_group).to(gl.int32), (first + rank % in_group).to(gl.int32)
-
     @gluon.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
     def _attention_bwd_sm90_kernel(
         Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, off_dk, off_dv,
@@ -117,7 +107,7 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         bh = gl.program_id(1)
         if CAUSAL:  # each program streams its head's q and dO
-            pid, bh = _longest_first_gl(pid, bh, BH, N_Q.to(gl.int64) * HEAD_DIM * 4, LPT_BYTES)
+            pid, bh = longest_first(pid, bh, BH, N_Q.to(gl.int64) * HEAD_DIM * 4, LPT_BYTES)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
         n0 = pid * BLOCK_N
