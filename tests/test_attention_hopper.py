@@ -42,6 +42,32 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
         ah._is_sm90.cache_clear()
 
 
+# (n queries, head dim, causal, taken): the default thresholds, where the kernel measured faster
+DEFAULT_GATE = [
+    (1023, 64, True, False), (1024, 64, True, True), (1024, 64, False, False),
+    (2047, 64, False, False), (2048, 64, False, True), (1024, 32, True, False),
+    (2048, 32, True, True), (1024, 128, True, False), (2048, 128, True, True),
+    (2048, 128, False, False),
+]  # fmt: skip
+
+
+@needs_gluon
+def test_default_gate(monkeypatch):
+    # on a (pretended) Hopper GPU: causal d64 heads from 1024 queries, the rest from 2048;
+    # d128 causal only; and none of it with dropout or padding (`plain`), fp32, GQA or d48
+    monkeypatch.setattr(ah, "_is_sm90", lambda device: True)
+    for n, d, causal, taken in DEFAULT_GATE:
+        q = torch.empty(1, 2, n, d, dtype=torch.bfloat16, device="meta")
+        assert ah.usable(q, q, d, causal, plain=True) is taken, (n, d, causal)
+    q = torch.empty(1, 4, 4096, 64, dtype=torch.bfloat16, device="meta")
+    assert ah.usable(q, q, 64, True, plain=True)
+    assert not ah.usable(q, q, 64, True, plain=False)
+    assert not ah.usable(q.float(), q.float(), 64, True, plain=True)
+    assert not ah.usable(q, q[:, :2], 64, True, plain=True)
+    q48 = torch.empty(1, 4, 4096, 48, dtype=torch.bfloat16, device="meta")
+    assert not ah.usable(q48, q48, 48, True, plain=True)
+
+
 # Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
 # stand-in driver (no GPU), with the arguments of a packed-qkv launch.
 COMPILE_SCRIPT = """
@@ -209,13 +235,7 @@ def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1024)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", (32, 64, 128))
-    cases = [  # n, d, causal, taken
-        (1023, 64, True, False), (1024, 64, True, True), (1024, 64, False, False),
-        (2047, 64, False, False), (2048, 64, False, True), (1024, 32, True, False),
-        (2048, 32, True, True), (1024, 128, True, False), (2048, 128, True, True),
-        (2048, 128, False, False),
-    ]  # fmt: skip
-    for n, d, causal, taken in cases:
+    for n, d, causal, taken in DEFAULT_GATE:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
         before = len(launches)
         _backward(q, k, v, causal=causal)
