@@ -28,31 +28,35 @@ TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 1
          (128, 64, 8, 2), (32, 128, 4, 2), (128, 128, 8, 2))  # fmt: skip
 
 
-def packed_attention(b: int, n: int, h: int, p: float, d: int = D):
-    """(forward, backward) closures of our packed causal attention, as the model calls it
-    (the forward with autograd recording, so that it writes its log-sum-exp; the backward
-    over a retained graph)."""
+def packed_attention(b: int, n: int, h: int, p: float, d: int = D, causal: bool = True):
+    """(forward, backward) closures of our packed attention, as the model calls it (the
+    forward with autograd recording, so that it writes its log-sum-exp; the backward over a
+    retained graph)."""
     qkv = torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     seed = torch.tensor(11, device="cuda")
 
     def fwd():
-        return attn.attention_packed(qkv, h, causal=True, dropout_p=p, use_triton=True, seed=seed)
+        return attn.attention_packed(qkv, h, causal=causal, dropout_p=p, use_triton=True, seed=seed)
 
     out = fwd()
     dout = torch.randn_like(out)
     return fwd, lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
 
 
-def cudnn_attention(b: int, n: int, h: int, p: float, d: int = D):
-    """(forward, backward) closures of cuDNN's causal attention (SDPA), as `packed_attention`."""
+def cudnn_attention(
+    b: int, n: int, h: int, p: float, d: int = D, causal: bool = True,
+    backend: SDPBackend = SDPBackend.CUDNN_ATTENTION,
+):  # fmt: skip
+    """(forward, backward) closures of cuDNN's attention (SDPA; or another SDPA `backend`),
+    as `packed_attention`."""
     q, k, v = (
         torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
     )
 
     def fwd():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
 
     out = fwd()
     dout = torch.randn_like(out)

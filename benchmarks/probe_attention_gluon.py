@@ -21,40 +21,22 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
+from probe_attention_bwd_tiles import cudnn_attention, packed_attention
 
-import triton_transformer.attention as attn
 import triton_transformer.attention_hopper as ah
+
+FLASH = SDPBackend.FLASH_ATTENTION
 
 # b, n, h, d
 SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64),
           "large": (8, 2048, 16, 64), "d128": (4, 4096, 16, 128),
           "d32": (8, 2048, 16, 32), "d64-4096": (4, 4096, 16, 64),
           "d128-2048": (8, 2048, 16, 128)}  # fmt: skip
-
-
-def ours(b: int, n: int, h: int, d: int, causal: bool):
-    """The backward closure of packed attention as the model calls it, and its input."""
-    qkv = torch.randn(b, n, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = attn.attention_packed(qkv, h, causal=causal, use_triton=True)
-    dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
-
-
-def sdpa(b: int, n: int, h: int, d: int, causal: bool, backend):
-    q, k, v = (
-        torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
-    with sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 
 def kernel_stats() -> str:
@@ -81,19 +63,20 @@ def main() -> None:
     print(env, flush=True)
     rows = []
     shipped = ah.bwd_tiles
-    # every shape takes the kernel here; "default" says whether an eager backward would
-    defaults = ah.MIN_QUERIES, ah.MIN_QUERIES_CAUSAL, ah.TAKEN_HEAD_DIMS, ah.TAKEN_HEAD_DIMS_CAUSAL
-    ah.MIN_QUERIES = ah.MIN_QUERIES_CAUSAL = 1
-    ah.TAKEN_HEAD_DIMS = ah.TAKEN_HEAD_DIMS_CAUSAL = ah.HEAD_DIMS
+    # every shape takes the kernel here; "default" is `usable`'s answer under its defaults
+    lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_CAUSAL": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
+              "TAKEN_HEAD_DIMS_CAUSAL": ah.HEAD_DIMS}  # fmt: skip
+    defaults = {name: getattr(ah, name) for name in lifted}
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in (True, False):
-            min_queries = defaults[1] if causal and d == 64 else defaults[0]
-            dims = defaults[3] if causal else defaults[2]
+            vars(ah).update(defaults)
+            q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
-                   "default": n >= min_queries and d in dims}  # fmt: skip
+                   "default": ah.usable(q, q, d, causal, plain=True)}  # fmt: skip
+            vars(ah).update(lifted)
             torch.manual_seed(0)
-            fn = ours(b, n, h, d, causal)
+            fn = packed_attention(b, n, h, 0.0, d, causal)[1]
             gluon_grad = fn()[0].float()
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
             row["gluon stats"] = kernel_stats()
@@ -114,11 +97,9 @@ def main() -> None:
             row["max |gluon - triton| / max |triton|"] = (
                 (gluon_grad - triton_grad).abs().max() / triton_grad.abs().max()
             ).item()
-            row["us"]["cuDNN"] = (
-                common.kernel_ms(sdpa(b, n, h, d, causal, SDPBackend.CUDNN_ATTENTION)) * 1e3
-            )
+            row["us"]["cuDNN"] = common.kernel_ms(cudnn_attention(b, n, h, 0.0, d, causal)[1]) * 1e3
             row["us"]["FA2"] = (
-                common.kernel_ms(sdpa(b, n, h, d, causal, SDPBackend.FLASH_ATTENTION)) * 1e3
+                common.kernel_ms(cudnn_attention(b, n, h, 0.0, d, causal, FLASH)[1]) * 1e3
             )
             flops = 4 * b * h * n * n * d * 2.5 / (2 if causal else 1)
             row["gluon TFLOP/s"] = flops / row["us"]["gluon"] / 1e6
