@@ -1187,8 +1187,8 @@ def launch_attention_bwd(
     if gluon:  # Hopper's single pass in Gluon (`attention_hopper`)
         triton.set_allocator(tma_scratch)  # its TMA descriptors; a context variable
         attention_hopper.launch_bwd_sm90(
-            q, k, v, dout.transpose(1, 2), dk, dv, grads_base, lse, delta, dq_acc,
-            causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
+            q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta,
+            dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
         )  # fmt: skip
     else:
         args = (

@@ -48,6 +48,7 @@ import functools
 import torch
 
 from triton_transformer._jit_helpers import longest_first
+from triton_transformer.utils import launcher
 
 try:  # Gluon ships with Triton >= 3.5
     from triton._C.libtriton import ir
@@ -355,22 +356,18 @@ def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain:
 def launch_bwd_sm90(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
     dk: torch.Tensor, dv: torch.Tensor, grads_base: torch.Tensor | None,
-    lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
+    grad_offsets: tuple[int, int], lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
     causal: bool, qk_scale: float, sm_scale: float, lpt_bytes: int,
 ) -> None:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v, dout (unit stride along d): fills
-    the (b, h, n_k, d) views dk, dv (any strides; views of `grads_base` when given, which the
-    kernel then gets with their offsets, as `attention.launch_attention_bwd` passes it) and
+    the (b, h, n_k, d) views dk, dv (any strides; views of `grads_base` when given, at element
+    offsets `grad_offsets` (`utils.offsets_in`), which the kernel then gets, as
+    `attention.launch_attention_bwd` passes it; (0, 0) otherwise) and
     adds the unscaled dQ into dq_acc (fp32, (b·h, n_q, d), zeroed). lse, delta: (b·h, n_q)
     fp32, the forward's log-sum-exp in log2 units and Σ dO·O. The caller sets Triton's
     allocator (device-side TMA descriptors)."""
-    from triton_transformer.utils import launcher, offsets_in
-
-    off_dk = off_dv = 0
-    dk_base, dv_base = dk, dv
-    if grads_base is not None:
-        dk_base = dv_base = grads_base
-        off_dk, off_dv = offsets_in(grads_base, dk, dv)
+    dk_base, dv_base = (dk, dv) if grads_base is None else (grads_base, grads_base)
+    off_dk, off_dv = grad_offsets
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     tiles = bwd_tiles(d, causal)
