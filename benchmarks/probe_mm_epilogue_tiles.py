@@ -31,8 +31,10 @@ from triton_transformer import matmul_plan as plan
 SHAPES = {"enwik8": (8192, 512, 2048), "gpt2": (16384, 768, 3072), "large": (16384, 1024, 4096)}
 
 
-def problems(M: int, D: int, H: int) -> dict:
-    """name -> (call(c), reference): the two fused products of one feed-forward."""
+def feed_forward_tensors(M: int, D: int, H: int) -> dict:
+    """One feed-forward's operands (bf16) and its fp32 references: x, w_in (H, D), dy, w_out
+    (D, H), h = relu(x @ w_inᵀ)² as the forward keeps it, and the two fused products' exact
+    results "fwd" and "grad"."""
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
     w_in = torch.randn(H, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
     dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
@@ -40,9 +42,16 @@ def problems(M: int, D: int, H: int) -> dict:
     pre = (x.float() @ w_in.float().t()).clamp_min(0)
     h = (pre * pre).to(torch.bfloat16)
     dpre = (dy.float() @ w_out.float()) * 2 * h.float().sqrt()
+    return dict(x=x, w_in=w_in, dy=dy, w_out=w_out, h=h, fwd=pre * pre, grad=dpre)
+
+
+def problems(M: int, D: int, H: int) -> dict:
+    """name -> (call(c), reference): the two fused products of one feed-forward."""
+    t = feed_forward_tensors(M, D, H)
+    x, w_in, dy, w_out, h = t["x"], t["w_in"], t["dy"], t["w_out"], t["h"]
     return {
-        "relu2 fwd": (lambda c: plan._mm2d_into(x, w_in.t(), c, relu_squared=True), pre * pre),
-        "relu2 grad": (lambda c: plan._mm2d_into(dy, w_out, c, grad=(h, True)), dpre),
+        "relu2 fwd": (lambda c: plan._mm2d_into(x, w_in.t(), c, relu_squared=True), t["fwd"]),
+        "relu2 grad": (lambda c: plan._mm2d_into(dy, w_out, c, grad=(h, True)), t["grad"]),
         "_mm": (lambda: torch.mm(x, w_in.t()), None),
     }
 

@@ -42,6 +42,27 @@ def run_without_interpreter(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+# Python source that makes Triton compile for sm_90 without a GPU: a stand-in driver whose
+# target is Hopper (front end and NVIDIA back end to PTX). Prepended to compile-check scripts.
+SM90_DRIVER = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+
+class Sm90(CudaDriver):
+    def __init__(self):
+        self.utils = None
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_current_stream(self, device=None):
+        return 0
+
+triton.runtime.driver.set_active(Sm90())
+"""
+
+
 def compile_trace_check(*groups: str) -> tuple[bool, int, str]:
     """tests/_compile_trace_check.py over `groups` (see its docstring): (every case passed,
     the number of cases run, the output to show on failure)."""

@@ -9,7 +9,7 @@ was the kernel that ran.
 
 import pytest
 import torch
-from helpers import deterministic_algorithms, run_without_interpreter
+from helpers import SM90_DRIVER, deterministic_algorithms, run_without_interpreter
 from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
 
 import triton_transformer.attention_hopper as ah
@@ -33,13 +33,13 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
-    ah._is_sm90.cache_clear()
+    ah.is_sm90.cache_clear()
     try:
-        assert ah._is_sm90(torch.device("cuda", 0)) is taken
+        assert ah.is_sm90(torch.device("cuda", 0)) is taken
         q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16)
         assert not ah.usable(q, q, 64, causal=True, plain=True)  # a CPU tensor
     finally:
-        ah._is_sm90.cache_clear()
+        ah.is_sm90.cache_clear()
 
 
 # (n queries, head dim, causal, taken): the default thresholds, where the kernel measured faster
@@ -55,7 +55,7 @@ DEFAULT_GATE = [
 def test_default_gate(monkeypatch):
     # on a (pretended) Hopper GPU: causal d64 heads from 1024 queries, the rest from 2048;
     # d128 causal only; and none of it with dropout or padding (`plain`), fp32, GQA or d48
-    monkeypatch.setattr(ah, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(ah, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
         q = torch.empty(1, 2, n, d, dtype=torch.bfloat16, device="meta")
         assert ah.usable(q, q, d, causal, plain=True) is taken, (n, d, causal)
@@ -70,22 +70,9 @@ def test_default_gate(monkeypatch):
 
 # Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
 # stand-in driver (no GPU), with the arguments of a packed-qkv launch.
-COMPILE_SCRIPT = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-
-class Sm90(CudaDriver):
-    def __init__(self):
-        self.utils = None
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-    def get_current_device(self):
-        return 0
-    def get_current_stream(self, device=None):
-        return 0
-
-triton.runtime.driver.set_active(Sm90())
+COMPILE_SCRIPT = (
+    SM90_DRIVER
+    + """
 import triton_transformer.attention_hopper as ah
 
 for d in ah.HEAD_DIMS:
@@ -106,6 +93,7 @@ for d in ah.HEAD_DIMS:
         assert "wgmma.mma_async" in kernel.asm["ptx"]
         print("ok", d, causal)
 """
+)
 
 
 # --- GPU ---------------------------------------------------------------------------------

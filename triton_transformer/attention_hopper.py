@@ -3,7 +3,7 @@
 Why a second kernel: Triton (3.6) waits for each tile product right after issuing it, so in
 `attention._attention_bwd_kernel` the tensor cores sit idle while the exponentials of P run,
 and the reverse. Gluon states the schedule explicitly: the products are issued asynchronously
-(`warpgroup_mma(..., is_async=True)`) and waited for only where their result is read, and the
+(`warpgroupmma(..., is_async=True)`) and waited for only where their result is read, and the
 next query block's q and dO arrive by TMA while this one computes.
 
 The math is `attention`'s single pass, for one key block K_j, V_j (BLOCK_N keys) over the
@@ -47,39 +47,10 @@ import functools
 
 import torch
 
+from triton_transformer import _gluon
+from triton_transformer._gluon import HAVE_GLUON, gl, gluon, hopper, is_sm90, mbarrier, tma
 from triton_transformer._jit_helpers import longest_first
 from triton_transformer.utils import launcher
-
-try:  # Gluon ships with Triton >= 3.5
-    from triton._C.libtriton import ir
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language import _core as gl_core
-    from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-    # the TMA load's name: `async_load` from Triton 3.7, `async_copy_global_to_shared` before
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # a barrier of the program's warps: `barrier` from Triton 3.7, `thread_barrier` before
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    _mma, _mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
-
-    if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
-        _tma_reduce_add = tma.async_atomic_add
-    else:  # Triton 3.6 has the operation but no function for it
-
-        @gl_core.builtin
-        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-            """Add the shared-memory tile `src` to the tile of `tensor_desc` at `coord` (one
-            TMA bulk reduction, in L2; rows and columns outside the tensor are dropped)."""
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(
-                ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-            )
-
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - an older Triton: the Triton kernel runs instead
-    HAVE_GLUON = False
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
 
@@ -183,13 +154,13 @@ if HAVE_GLUON:
         n_steps = gl.cdiv(N_Q - lo, BLOCK_M)
 
         mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * 2)
-        _tma_load(k_desc, [n0, 0], kv_bar, k_smem)
-        _tma_load(v_desc, [n0, 0], kv_bar, v_smem)
+        _gluon.tma_load(k_desc, [n0, 0], kv_bar, k_smem)
+        _gluon.tma_load(v_desc, [n0, 0], kv_bar, v_smem)
         tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * 2
         if n_steps > 0:
             mbarrier.expect(ready.index(0), tile_bytes)
-            _tma_load(q_desc, [lo, 0], ready.index(0), q_smem.index(0))
-            _tma_load(do_desc, [lo, 0], ready.index(0), do_smem.index(0))
+            _gluon.tma_load(q_desc, [lo, 0], ready.index(0), q_smem.index(0))
+            _gluon.tma_load(do_desc, [lo, 0], ready.index(0), do_smem.index(0))
         mbarrier.wait(kv_bar, phase=0)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -216,17 +187,19 @@ if HAVE_GLUON:
             stage = step % 2
             # every warp is past the previous step's products (its stage of q and dO may be
             # refilled) and has written its part of the previous step's dQ tile
-            _cta_barrier()
+            _gluon.cta_barrier()
             if step > 0:
-                _tma_reduce_add(dq_desc, [start_m - BLOCK_M, 0], dq_smem.index(1 - stage))
+                _gluon.tma_reduce_add(dq_desc, [start_m - BLOCK_M, 0], dq_smem.index(1 - stage))
             # the reduction of two steps back has read this step's dQ buffer (the other warps
             # pass the barrier below only after this one)
             tma.store_wait(1)
             if step + 1 < n_steps:
                 nxt = 1 - stage
                 mbarrier.expect(ready.index(nxt), tile_bytes)
-                _tma_load(q_desc, [start_m + BLOCK_M, 0], ready.index(nxt), q_smem.index(nxt))
-                _tma_load(do_desc, [start_m + BLOCK_M, 0], ready.index(nxt), do_smem.index(nxt))
+                _gluon.tma_load(q_desc, [start_m + BLOCK_M, 0], ready.index(nxt), q_smem.index(nxt))
+                _gluon.tma_load(
+                    do_desc, [start_m + BLOCK_M, 0], ready.index(nxt), do_smem.index(nxt)
+                )
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
             offs_m = start_m + cols_m
@@ -234,47 +207,51 @@ if HAVE_GLUON:
             delta = gl.load(delta_head + offs_m, mask=offs_m < N_Q, other=0.0)
             mbarrier.wait(ready.index(stage), phase=(step // 2) & 1)
 
-            st = _mma(k_a, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dpt = _mma(v_a, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = _gluon.mma(k_a, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = _gluon.mma(v_a, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             if KV_IN_REGS:  # (register operands stay live until their products are done)
-                st, k_a = _mma_wait(num_outstanding=1, deps=[st, k_a])
+                st, k_a = _gluon.mma_wait(num_outstanding=1, deps=[st, k_a])
             else:
-                st = _mma_wait(num_outstanding=1, deps=[st])
+                st = _gluon.mma_wait(num_outstanding=1, deps=[st])
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if CAUSAL:  # noqa: SIM102
                 if start_m < full_lo:  # the diagonal's blocks
                     pt = gl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pt, 0.0)
             if KV_IN_REGS:
-                dpt, v_a = _mma_wait(num_outstanding=0, deps=[dpt, v_a])
+                dpt, v_a = _gluon.mma_wait(num_outstanding=0, deps=[dpt, v_a])
             else:
-                dpt = _mma_wait(num_outstanding=0, deps=[dpt])
+                dpt = _gluon.mma_wait(num_outstanding=0, deps=[dpt])
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             ds_smem.store(dst)
             hopper.fence_async_shared()
-            _cta_barrier()  # all of dSᵀ written before any warpgroup reads it
+            _gluon.cta_barrier()  # all of dSᵀ written before any warpgroup reads it
 
             if DQ_T:
-                dq = _mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False, is_async=True)
+                dq = _gluon.mma(
+                    k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False, is_async=True
+                )
             else:
-                dq = _mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+                dq = _gluon.mma(
+                    ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True
+                )
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
-            dv = _mma(pt_a, do_s, dv, is_async=True)
+            dv = _gluon.mma(pt_a, do_s, dv, is_async=True)
             dst_a = gl.convert_layout(dst, a_layout)
-            dk = _mma(dst_a, q_s, dk, is_async=True)
-            dq = _mma_wait(num_outstanding=2, deps=[dq])
+            dk = _gluon.mma(dst_a, q_s, dk, is_async=True)
+            dq = _gluon.mma_wait(num_outstanding=2, deps=[dq])
             # added by the next step's first thread
             if DQ_T:
                 dq_smem.index(stage).permute((1, 0)).store(dq)
             else:
                 dq_smem.index(stage).store(dq)
             # Pᵀ and dSᵀ stay live until their products are done
-            dv, dk, pt_a, dst_a = _mma_wait(num_outstanding=0, deps=[dv, dk, pt_a, dst_a])
+            dv, dk, pt_a, dst_a = _gluon.mma_wait(num_outstanding=0, deps=[dv, dk, pt_a, dst_a])
             # (a fence between the store and the wait above crashes ptxas 12.8 and 12.9)
             hopper.fence_async_shared()
 
         if n_steps > 0:
-            _cta_barrier()
-            _tma_reduce_add(
+            _gluon.cta_barrier()
+            _gluon.tma_reduce_add(
                 dq_desc, [lo + (n_steps - 1) * BLOCK_M, 0], dq_smem.index((n_steps - 1) % 2)
             )
             tma.store_wait(0)
@@ -328,12 +305,6 @@ TAKEN_HEAD_DIMS = (32, 64)
 TAKEN_HEAD_DIMS_CAUSAL = (32, 64, 128)
 
 
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    """Hopper: the kernel's warpgroup products exist on compute capability 9.x only."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain: bool) -> bool:
     """Whether the kernel takes this backward: Gluon present, `ENABLED`, a Hopper GPU,
     the head dims and query counts above, a 16-bit dtype, multi-head attention (k as
@@ -344,7 +315,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain:
         HAVE_GLUON
         and ENABLED
         and plain
-        and _is_sm90(q.device)
+        and is_sm90(q.device)
         and head_dim in (TAKEN_HEAD_DIMS_CAUSAL if causal else TAKEN_HEAD_DIMS)
         and q.shape[2] >= (MIN_QUERIES_CAUSAL if causal and head_dim == 64 else MIN_QUERIES)
         and q.dtype in (torch.float16, torch.bfloat16)

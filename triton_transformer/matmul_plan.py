@@ -72,6 +72,10 @@ elementwise pass ("cublas+ew"), and every projection of the GPT-2 and large pres
 dX, dW): measured in the next GPU run (`bench_matmul.py --presets`), whose "table" column
 gives the entries to add here.
 
+On Hopper, eager launches of the relu² forward and relu²'s gradient (no dropout) that fill
+every SM with 128 x 256 tiles run `matmul_hopper`'s Gluon kernel instead of the TMA kernel
+(`_gluon_epilogue`): its epilogue's second tile arrives by TMA while the products run.
+
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
 torch.compile the TMA kernel is traced where inductor provides the descriptors' scratch
@@ -87,6 +91,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
+from triton_transformer import matmul_hopper
 from triton_transformer.matmul_kernels import (
     _mm_ptr_kernel,
     _mm_tma_kernel,
@@ -480,6 +485,24 @@ def _relu2_grad_flag(grad: tuple[torch.Tensor, bool] | None) -> int:
     return 0 if grad is None else 2 if grad[1] else 1
 
 
+def _gluon_epilogue(
+    relu_squared: bool,
+    residual: torch.Tensor | None,
+    aux: torch.Tensor | None,
+    drop: tuple | None,
+    swiglu: bool,
+    grad: tuple[torch.Tensor, bool] | None,
+) -> str | None:
+    """The `matmul_hopper` epilogue of a product with these epilogue arguments (those of
+    `_mm2d_into`), or None where the Gluon kernel has none: relu² alone, or relu²'s gradient
+    without a dropout mask."""
+    if residual is not None or aux is not None or drop is not None or swiglu:
+        return None
+    if grad is not None:
+        return "relu2grad_from_square" if grad[1] else "relu2grad"
+    return "relu2" if relu_squared else None
+
+
 def _mm2d_into(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -544,6 +567,17 @@ def _mm2d_into(
             epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
             traced and not compile_tma(),
         )  # fmt: skip
+        if plan[0] == "tma" and not traced and _FORCE_PATH is None:
+            # (a forced "tma" means the Triton kernel: tests and benchmarks compare them)
+            epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
+            kept = grad[0] if grad is not None else None
+            if epilogue is not None and a_lay[0] == 0 and matmul_hopper.usable(a, c, kept, plan[2]):
+                # b (K, N) as stored: row-major, or a transposed view of an (N, K) tensor
+                b_t = bool(b_lay[0])
+                triton.set_allocator(tma_scratch)
+                matmul_hopper.launch_mm_sm90(a, b.t() if b_t else b, c, b_t, epilogue, kept,
+                                             plan[2])  # fmt: skip
+                return
         if plan[0] == "tma":
             launch_mm_tma(
                 a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop,

@@ -1,0 +1,223 @@
+"""matmul_hopper: the relu² feed-forward's fused products in Gluon for Hopper, against float64
+products, and as the matmul planner's choice.
+
+Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (every epilogue, both
+layouts of B); on the GPU it runs every epilogue, layout and dtype at ragged shapes.
+"""
+
+import pytest
+import torch
+from helpers import SM90_DRIVER, run_without_interpreter
+from test_attention_hopper import needs_gluon, on_hopper
+
+import triton_transformer.matmul_hopper as mh
+
+COMPILE_SCRIPT = (
+    SM90_DRIVER
+    + """
+import triton_transformer.matmul_hopper as mh
+
+M, N, K = 1000, 520, 200
+a = torch.empty(M, K, dtype=torch.bfloat16)
+c = torch.empty(M, N, dtype=torch.bfloat16)
+for name, code in mh.EPILOGUES.items():
+    for b_t in (False, True):
+        b = torch.empty((N, K) if b_t else (K, N), dtype=torch.bfloat16)
+        for fn, tiles in ((mh._mm_sm90_kernel, mh.TILES_PIPELINED),
+                          (mh._mm_sm90_ws_kernel, mh.TILES_WS)):
+            tiles = {k: v for k, v in tiles.items() if k != "WARP_SPECIALIZE"}
+            kernel = fn.warmup(
+                a, b, c, c, M, N, K, K, b.stride(0), N, N, B_T=b_t, EPILOGUE=code, GROUP_M=8,
+                NUM_SMS=132, grid=(1,), **tiles,
+            )
+            assert "wgmma.mma_async" in kernel.asm["ptx"]
+            print("ok", name, b_t)
+"""
+)
+
+
+@needs_gluon
+def test_kernel_compiles_for_sm90():
+    proc = run_without_interpreter("-c", COMPILE_SCRIPT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == len(mh.EPILOGUES) * 2 * 2, proc.stdout
+
+
+@needs_gluon
+@pytest.mark.parametrize("major, taken", [(8, False), (9, True), (10, False)])
+def test_taken_on_hopper_only(major, taken, monkeypatch):
+    monkeypatch.setattr(mh, "is_sm90", lambda device: major == 9)
+    a = torch.empty(4096, 64, dtype=torch.bfloat16, device="meta")
+    c = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    assert mh.usable(a, c, None, 132) is taken
+
+
+@needs_gluon
+def test_usable_needs_tma_describable_tensors(monkeypatch):
+    monkeypatch.setattr(mh, "is_sm90", lambda device: True)
+    a = torch.empty(128, 64, dtype=torch.bfloat16)
+    c = torch.empty(128, 256, dtype=torch.bfloat16)
+    assert mh.usable(a, c, c, 1)
+    assert not mh.usable(a.float(), c.float(), None, 1)  # fp32
+    assert not mh.usable(a, c.half(), None, 1)  # mixed dtypes
+    assert not mh.usable(torch.empty(64, 128, dtype=torch.bfloat16).t(), c, None, 1)  # A (K, M)
+    odd_rows = torch.empty(128, 68, dtype=torch.bfloat16)[:, :64]  # a row stride of 136 bytes
+    assert not mh.usable(odd_rows, c, None, 1)
+    assert not mh.usable(a, c, torch.empty(256, 128, dtype=torch.bfloat16).t(), 1)  # kept (N, M)
+    shifted = torch.empty(128 * 64 + 1, dtype=torch.bfloat16)[1:].view(128, 64)
+    assert not mh.usable(shifted, c, None, 1)  # its start 2 bytes off alignment
+
+
+@needs_gluon
+def test_usable_needs_a_tile_per_sm(monkeypatch):
+    # problems with fewer output tiles than SMs go to the autotuned Triton kernel
+    monkeypatch.setattr(mh, "is_sm90", lambda device: True)
+    bm, bn = mh.TILES["BLOCK_M"], mh.TILES["BLOCK_N"]
+    a = torch.empty(bm * 12, 64, dtype=torch.bfloat16, device="meta")
+    c = torch.empty(bm * 12, bn * 11, dtype=torch.bfloat16, device="meta")
+    assert mh.usable(a, c, None, 132)  # 12 x 11 tiles
+    assert mh.usable(a[:-1], c[:-1], None, 132)  # one row fewer: still 12 row tiles
+    assert not mh.usable(a, c[:, : bn * 10], None, 132)  # 12 x 10
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+# (M, N, K): one tile and less, ragged edges in every dimension, several tiles per program
+SHAPES = [(8, 64, 16), (300, 264, 72), (1000, 1032, 200), (4096, 3072, 768)]
+
+
+def _problem(M, N, K, b_t, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(M, K, device="cuda", generator=g).to(dtype) + 0.25  # off-centre
+    b = torch.randn(N, K, device="cuda", generator=g).to(dtype) * K**-0.5
+    b = b if b_t else b.t().contiguous()
+    return a, b
+
+
+def _reference(a, b, b_t, epilogue, kept):
+    """The epilogue of a @ b in float64; kept: the forward's output (relu(P) or relu(P)²)."""
+    prod = a.double() @ (b.double().t() if b_t else b.double())
+    if epilogue == "relu2":
+        return prod.clamp_min(0) ** 2
+    relu = kept.double().sqrt() if epilogue == "relu2grad_from_square" else kept.double()
+    return prod * 2 * relu
+
+
+@on_hopper
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("epilogue", list(mh.EPILOGUES))
+@pytest.mark.parametrize("b_t", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["pipelined", "ws"])
+def test_against_float64(shape, epilogue, b_t, dtype, kernel):
+    import triton
+
+    from triton_transformer.utils import tma_scratch
+
+    M, N, K = shape
+    a, b = _problem(M, N, K, b_t, dtype)
+    kept = None
+    if epilogue != "relu2":  # what the forward kept: relu(P)² or relu(P), off-centre
+        pre = torch.randn(M, N, device="cuda") + 0.5
+        kept = (pre.clamp_min(0) ** (2 if epilogue.endswith("square") else 1)).to(dtype)
+    c = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    triton.set_allocator(tma_scratch)
+    tiles = mh.TILES_WS if kernel == "ws" else mh.TILES_PIPELINED
+    mh.launch_mm_sm90(a, b, c, b_t, epilogue, kept, tiles=tiles)
+    ref = _reference(a, b, b_t, epilogue, kept)
+    assert torch.isfinite(c).all()
+    err = (c.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, err
+    # elementwise too: a misplaced tile shows here even where the norm hides it
+    torch.testing.assert_close(c.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@on_hopper
+@pytest.mark.parametrize("kernel", ["pipelined", "ws"])
+def test_strided_rows(kernel):
+    # operands and outputs that are column slices of wider tensors (row strides above the width)
+    import triton
+
+    from triton_transformer.utils import tma_scratch
+
+    M, N, K = 500, 264, 136
+    a_wide = torch.randn(M, K + 64, device="cuda").to(torch.bfloat16)
+    b_wide = torch.randn(K, N + 8, device="cuda").to(torch.bfloat16) * K**-0.5
+    c_wide = torch.zeros(M, N + 40, device="cuda", dtype=torch.bfloat16)
+    kept_wide = torch.rand(M, N + 24, device="cuda").to(torch.bfloat16)
+    a, b, c, kept = a_wide[:, :K], b_wide[:, :N], c_wide[:, :N], kept_wide[:, :N]
+    triton.set_allocator(tma_scratch)
+    tiles = mh.TILES_WS if kernel == "ws" else mh.TILES_PIPELINED
+    mh.launch_mm_sm90(a, b, c, False, "relu2grad_from_square", kept, tiles=tiles)
+    ref = _reference(a, b, False, "relu2grad_from_square", kept)
+    assert (c.double() - ref).norm() / ref.norm() < 1e-2
+    assert (c_wide[:, N:] == 0).all()  # nothing written past the view's columns
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch):
+    """The epilogues of the Gluon kernel's launches."""
+    calls = []
+    real = mh.launch_mm_sm90
+
+    def counted(*args, **kwargs):
+        calls.append(args[4])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mh, "launch_mm_sm90", counted)
+    return calls
+
+
+@on_hopper
+def test_feed_forward_takes_it(gluon_launches):
+    # GPT-2's feed-forward at 4096 tokens (384 output tiles): the planner sends the relu²
+    # forward and relu²'s gradient to the Gluon kernel; against float64, all three gradients
+    from test_mlp import check_mlp, rand
+
+    M, D, H = 4096, 768, 3072
+    x = rand((M, D), torch.bfloat16, "cuda")
+    w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5)
+    w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
+    check_mlp(x, w_in, w_out, 0.0, "cuda", 1e-2)
+    assert sorted(gluon_launches) == ["relu2", "relu2grad_from_square"]
+
+
+@on_hopper
+@pytest.mark.parametrize("case", ["dropout", "disabled", "few tiles"])
+def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
+    # with a dropout mask (no such epilogue), switched off, or fewer output tiles than SMs,
+    # the Triton kernel runs, with the same results
+    from test_mlp import check_mlp, rand
+
+    M, D, H = (512, 256, 1024) if case == "few tiles" else (4096, 256, 3072)
+    if case == "disabled":
+        monkeypatch.setattr(mh, "ENABLED", False)
+    x = rand((M, D), torch.bfloat16, "cuda")
+    w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5)
+    w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
+    check_mlp(x, w_in, w_out, 0.1 if case == "dropout" else 0.0, "cuda", 1e-2)
+    assert gluon_launches == []
+
+
+@on_hopper
+def test_cuda_graph_replays_on_new_inputs():
+    # captured once, replayed on new operands: nothing of the first call is baked in
+    import triton
+
+    from triton_transformer.utils import tma_scratch
+
+    M, N, K = 2048, 4096, 256
+    a, b = _problem(M, N, K, True, torch.bfloat16)
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    triton.set_allocator(tma_scratch)
+    mh.launch_mm_sm90(a, b, c, True, "relu2")  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mh.launch_mm_sm90(a, b, c, True, "relu2")
+    for seed in (1, 2):
+        a2, b2 = _problem(M, N, K, True, torch.bfloat16, seed=seed)
+        a.copy_(a2)
+        b.copy_(b2)
+        graph.replay()
+        ref = _reference(a2, b2, True, "relu2", None)
+        assert (c.double() - ref).norm() / ref.norm() < 1e-2

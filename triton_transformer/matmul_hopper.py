@@ -1,0 +1,464 @@
+"""The relu² feed-forward's two fused products for Hopper GPUs, written in Gluon.
+
+    forward:   Y = relu(X Wᵀ)²                      (M, N) = (tokens, ff)
+    backward:  dP = (dY W) · 2·relu(P),  relu(P) = √Y (what the forward kept) or relu(P) itself
+
+Both are persistent matmuls whose epilogue touches a second (M, N) tile: the forward writes
+Y, the backward reads Y as well. In `matmul_kernels._mm_tma_kernel` (Triton 3.6) that read is
+a synchronous load in the epilogue: at GPT-2's feed-forward the backward product took 160 µs
+against the forward's 119 (`mm_epilogue_tiles_session13.md`), and loading the tile before the
+main loop kept it in registers (spills). Gluon states where the tile lives, in two kernels:
+
+- `_mm_sm90_kernel`, software-pipelined (8 warps, 128 x 256 tiles): the A and B tiles of each
+  K step arrive by TMA into a ring of STAGES buffers, STAGES - 1 steps ahead and across tile
+  boundaries; the products are issued asynchronously, one in flight while the next loads are
+  issued; the backward's Y tile is loaded by TMA into the output's buffer halfway through the
+  K loop, and the output leaves through it by an asynchronous TMA store. The epilogue still
+  stops the tensor cores.
+- `_mm_sm90_ws_kernel`, warp-specialized (the shipped one, `TILES`): a loader warp fills the
+  ring; two consumer warpgroups take alternate 128 x 128 tiles ("ping-pong", in turns), so
+  one's epilogue (Y's tile read from shared memory, the output written and stored) runs
+  while the other's products do. Each consumer loads its Y tile when its tile starts.
+
+Measured (H200, 2026-11-27, `mm_gluon_session18.md`, kernel µs, L2 flushed; Triton TMA
+kernel / pipelined / warp-specialized, cuBLAS's plain product alone in brackets): GPT-2's
+feed-forward (16384 x 768 -> 3072) forward 121.0 / 119.5 / 116.6 (111.2), backward 160.4 /
+145.1 / 128.7; the large preset's (16384 x 1024 -> 4096) forward 201.2 / 196.8 / 192.3
+(192.4), backward 259.7 / 225.5 / 209.2; enwik8's (8192 x 512 -> 2048) forward 32.1 / 33.1 /
+32.4 (29.6), backward 50.1 / 42.0 / 38.0.
+
+Scope: Hopper (sm_90), fp16 / bf16 operands and output, A (M, K) with unit column stride,
+B (K, N) or its transpose (N, K) with unit column stride, Y (M, N) with unit column stride,
+no dropout, no residual. `matmul_plan` takes it for eager launches where `usable` says so;
+torch.compile traces the Triton kernel (torch's `wrap_triton` does not take Gluon kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_transformer import _gluon
+from triton_transformer._gluon import HAVE_GLUON, gl, gluon, hopper, is_sm90, mbarrier, tma
+from triton_transformer.matmul_kernels import _grouped_tile
+from triton_transformer.utils import launcher
+
+__all__ = ["EPILOGUES", "HAVE_GLUON", "launch_mm_sm90", "usable"]
+
+# The epilogues (the kernel's EPILOGUE): relu² of the product, or relu²'s backward with the
+# forward's kept tile holding relu(P) ("relu2grad") or Y = relu(P)² ("relu2grad_from_square")
+EPILOGUES = {"relu2": 1, "relu2grad": 2, "relu2grad_from_square": 3}
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_loads(
+        off_m, off_n, k, stage, a_desc, b_desc, ready, a_smem, b_smem, B_T: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    ):  # fmt: skip
+        """The TMA loads of one K step (A's tile at (off_m, k), B's at (k, off_n)) into ring
+        buffer `stage`, which signals `ready[stage]` when both have landed."""
+        bar = ready.index(stage)
+        mbarrier.expect(bar, (BLOCK_M + BLOCK_N) * BLOCK_K * 2)
+        _gluon.tma_load(a_desc, [off_m, k], bar, a_smem.index(stage))
+        if B_T:
+            _gluon.tma_load(b_desc, [off_n, k], bar, b_smem.index(stage))
+        else:
+            _gluon.tma_load(b_desc, [k, off_n], bar, b_smem.index(stage))
+
+    @gluon.jit
+    def _next_step(
+        tile, k, stage, off_m, off_n, k_tiles, start, num_pid_m, num_pid_n,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_SMS: gl.constexpr,
+    ):  # fmt: skip
+        """The loader's position after one step: K step k (in elements) of this program's
+        tile number `tile` at (off_m, off_n), ring buffer `stage`. Incremental, so that the
+        main loop divides only once per tile."""
+        k += BLOCK_K
+        stage += 1
+        if stage == STAGES:
+            stage = 0
+        if k == k_tiles * BLOCK_K:
+            k = 0
+            tile += 1
+            pid_m, pid_n = _grouped_tile(start + tile * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+        return tile, k, stage, off_m, off_n
+
+    @gluon.jit
+    def _mm_sm90_kernel(
+        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y,
+        B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """C = epilogue(A @ B), one program per SM walking tiles start, start + NUM_SMS, ...
+        (grouped order, `_grouped_tile`). TMA pads out-of-bounds loads with zeros and clips
+        stores: ragged edges need no masks."""
+        dtype: gl.constexpr = A.dtype.element_ty
+        GRAD: gl.constexpr = EPILOGUE >= 2
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        a_desc = tma.make_tensor_descriptor(A, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
+        if B_T:  # B stored (N, K): its tiles are transposed in the product's operand view
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+            b_desc = tma.make_tensor_descriptor(
+                B, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout
+            )
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        else:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+            b_desc = tma.make_tensor_descriptor(
+                B, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout
+            )
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+        c_desc = tma.make_tensor_descriptor(C, [M, N], [stride_c, 1], [BLOCK_M, BLOCK_N], c_layout)
+        if GRAD:  # the forward's kept tile, read like C is written
+            y_desc = tma.make_tensor_descriptor(
+                Y, [M, N], [stride_y, 1], [BLOCK_M, BLOCK_N], c_layout
+            )
+        a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        # the output tile on its way out; the backward's Y tile on its way in before that
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        y_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(y_bar, count=1)
+        # each warp owns 16 rows of the (BLOCK_M, BLOCK_N) fp32 accumulator
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)  # the grid <= the tiles
+        y_step = k_tiles // 2  # where the backward's Y tile is loaded
+
+        # the loader runs STAGES - 1 steps ahead of the products, across tiles
+        pid_m, pid_n = _grouped_tile(start, num_pid_m, num_pid_n, GROUP_M)
+        ld_tile = 0
+        ld_k = 0
+        ld_stage = 0
+        ld_off_m = pid_m * BLOCK_M
+        ld_off_n = pid_n * BLOCK_N
+        for _ in gl.static_range(STAGES - 1):
+            if ld_tile < my_tiles:
+                _issue_loads(
+                    ld_off_m, ld_off_n, ld_k, ld_stage, a_desc, b_desc, ready, a_smem, b_smem,
+                    B_T, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+            ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n = _next_step(
+                ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n, k_tiles, start, num_pid_m,
+                num_pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS,
+            )  # fmt: skip
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        stage = 0
+        phase = 0
+        for t in range(my_tiles):
+            pid_m, pid_n = _grouped_tile(start + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = zero
+            for ki in range(k_tiles):
+                mbarrier.wait(ready.index(stage), phase)
+                if B_T:  # noqa: SIM108 (constexpr branches)
+                    b_op = b_smem.index(stage).permute((1, 0))
+                else:
+                    b_op = b_smem.index(stage)
+                acc = _gluon.mma(a_smem.index(stage), b_op, acc, is_async=True)
+                # the previous step's product is done in this warpgroup, and after the barrier
+                # in every one: its buffer takes the loads STAGES - 1 steps ahead
+                acc = _gluon.mma_wait(num_outstanding=1, deps=[acc])
+                _gluon.cta_barrier()
+                if ld_tile < my_tiles:
+                    _issue_loads(
+                        ld_off_m, ld_off_n, ld_k, ld_stage, a_desc, b_desc, ready, a_smem,
+                        b_smem, B_T, BLOCK_M, BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
+                ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n = _next_step(
+                    ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n, k_tiles, start, num_pid_m,
+                    num_pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS,
+                )  # fmt: skip
+                if GRAD:  # noqa: SIM102
+                    if ki == y_step:
+                        # the previous tile's output has left c_smem (the thread that issued
+                        # its store waits; the barrier holds the rest): Y's tile goes there
+                        tma.store_wait(0)
+                        _gluon.cta_barrier()
+                        mbarrier.expect(y_bar, BLOCK_M * BLOCK_N * 2)
+                        _gluon.tma_load(y_desc, [off_m, off_n], y_bar, c_smem)
+                stage += 1
+                if stage == STAGES:
+                    stage = 0
+                    phase ^= 1
+            acc = _gluon.mma_wait(num_outstanding=0, deps=[acc])
+
+            if GRAD:  # dP = acc · 2·relu(P), relu(P) = √Y or the kept relu(P)
+                mbarrier.wait(y_bar, t & 1)
+                kept = c_smem.load(acc_layout).to(gl.float32)
+                if EPILOGUE == 3:
+                    kept = gl.sqrt(kept)
+                acc = acc * (2.0 * kept)
+                _gluon.cta_barrier()  # every warp has read Y before the output overwrites it
+            else:
+                tma.store_wait(0)  # the previous tile's output has left c_smem
+                _gluon.cta_barrier()
+            if EPILOGUE == 1:
+                acc = gl.maximum(acc, 0.0)
+                acc = acc * acc
+            c_smem.store(acc.to(dtype))
+            hopper.fence_async_shared()
+            _gluon.cta_barrier()  # every warp's part written before the one store
+            _gluon.tma_store(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(y_bar)
+
+    # --- warp-specialized: a loader warp and two consumer warpgroups in ping-pong ----------
+
+    @gluon.jit
+    def _ws_loader(
+        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+    ):  # fmt: skip
+        """The loader partition (one warp): every K step of this program's tiles, in order,
+        into the ring; waits for a buffer's `empty` barrier, which its consumer signals."""
+        (a_desc, b_desc, _y_desc, _c_desc, a_smem, b_smem, _c_smem, ready, empty, _y_bar,
+         _turn, M, N, K) = args  # fmt: skip
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)
+        step = 0
+        for t in range(my_tiles):
+            pid_m, pid_n = _grouped_tile(start + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
+            for ki in range(k_tiles):
+                stage = step % STAGES
+                # a fresh barrier counts as having completed the phase before 0
+                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                _issue_loads(
+                    pid_m * BLOCK_M, pid_n * BLOCK_N, ki * BLOCK_K, stage, a_desc, b_desc, ready,
+                    a_smem, b_smem, B_T, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                step += 1
+
+    @gluon.jit
+    def _ws_consume(
+        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+        which: gl.constexpr,
+    ):  # fmt: skip
+        """Consumer `which` (one warpgroup): tiles which, which + 2, ... of this program,
+        products from the ring, then its epilogue through its own buffer c_smem[which] while
+        the other consumer's products run."""
+        (_a_desc, _b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
+         turn, M, N, K) = args  # fmt: skip
+        dtype: gl.constexpr = c_desc.dtype
+        GRAD: gl.constexpr = EPILOGUE >= 2
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)
+        buf = c_smem.index(which)
+        bar = y_bar.index(which)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for t in range(which, my_tiles, 2):
+            pid_m, pid_n = _grouped_tile(start + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            if GRAD:  # Y's tile into the buffer, once this consumer's last output has left it
+                tma.store_wait(0)
+                _gluon.cta_barrier()
+                mbarrier.expect(bar, BLOCK_M * BLOCK_N * 2)
+                _gluon.tma_load(y_desc, [off_m, off_n], bar, buf)
+            # Turns: the ring's barriers tell phases apart only by parity, so a consumer waits
+            # on them only once the other has passed all of its previous tile's buffers (its
+            # (t // 2)-th turn; consumer 0's first passes on the fresh barrier)
+            mbarrier.wait(turn.index(which), ((t // 2) & 1) ^ (1 - which))
+            step = t * k_tiles
+            acc = zero
+            for ki in range(k_tiles):
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                if B_T:  # noqa: SIM108 (constexpr branches)
+                    b_op = b_smem.index(stage).permute((1, 0))
+                else:
+                    b_op = b_smem.index(stage)
+                acc = _gluon.mma(a_smem.index(stage), b_op, acc, is_async=True)
+                acc = _gluon.mma_wait(num_outstanding=1, deps=[acc])
+                # the previous step's product is done: its buffer goes back to the loader
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            mbarrier.arrive(turn.index(1 - which))  # the other consumer's turn
+            acc = _gluon.mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+
+            if GRAD:  # dP = acc · 2·relu(P), relu(P) = √Y or the kept relu(P)
+                mbarrier.wait(bar, (t // 2) & 1)  # this consumer's (t // 2)-th tile
+                kept = buf.load(acc_layout).to(gl.float32)
+                if EPILOGUE == 3:
+                    kept = gl.sqrt(kept)
+                acc = acc * (2.0 * kept)
+                _gluon.cta_barrier()  # every warp has read Y before the output overwrites it
+            else:
+                tma.store_wait(0)  # this consumer's previous output has left the buffer
+                _gluon.cta_barrier()
+            if EPILOGUE == 1:
+                acc = gl.maximum(acc, 0.0)
+                acc = acc * acc
+            buf.store(acc.to(dtype))
+            hopper.fence_async_shared()
+            _gluon.cta_barrier()  # every warp's part written before the one store
+            _gluon.tma_store(c_desc, [off_m, off_n], buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _ws_consumer_1(
+        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+    ):  # fmt: skip
+        """The second consumer, as a worker partition."""
+        _ws_consume(args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)
+
+    @gluon.jit
+    def _mm_sm90_ws_kernel(
+        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y,
+        B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """`_mm_sm90_kernel`'s product, warp-specialized: a loader warp fills the ring of
+        STAGES buffers; two consumer warpgroups (the default partition and a worker; num_warps
+        = 4) take alternate tiles, so that one's epilogue overlaps the other's products."""
+        dtype: gl.constexpr = A.dtype.element_ty
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        a_desc = tma.make_tensor_descriptor(A, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
+        if B_T:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+            b_desc = tma.make_tensor_descriptor(
+                B, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout
+            )
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        else:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+            b_desc = tma.make_tensor_descriptor(
+                B, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout
+            )
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+        c_desc = tma.make_tensor_descriptor(C, [M, N], [stride_c, 1], [BLOCK_M, BLOCK_N], c_layout)
+        y_desc = tma.make_tensor_descriptor(Y, [M, N], [stride_y, 1], [BLOCK_M, BLOCK_N], c_layout)
+        a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        y_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(y_bar.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
+        args = (a_desc, b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
+                turn, M, N, K)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (
+                    _ws_consume,
+                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0),
+                ),
+                (
+                    _ws_consumer_1,
+                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS),
+                ),
+                (
+                    _ws_loader,
+                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS),
+                ),
+            ],
+            [4, 1],
+            [232, 40],
+        )
+
+
+# The two kernels' tiles. `_mm_sm90_kernel`: 128 x 256 output tiles on two warpgroups (128
+# fp32 accumulator registers per thread), three 48 KiB stages plus the 64 KiB output tile
+# (208 of the 227 KiB of shared memory). `_mm_sm90_ws_kernel`: 128 x 128 tiles per consumer
+# warpgroup, STAGES 32 KiB stages plus two 32 KiB output tiles (five: 224 KiB). Measured:
+# the module docstring (5 stages measured 2-4% faster than 4; 64 x 256 consumer tiles slower).
+TILES_PIPELINED = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
+TILES_WS = {
+    "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 5, "num_warps": 4,
+    "WARP_SPECIALIZE": True,
+}  # fmt: skip
+TILES = TILES_WS
+ENABLED = True
+
+
+def usable(a: torch.Tensor, c: torch.Tensor, kept: torch.Tensor | None, num_sms: int) -> bool:
+    """Whether the kernel takes the product c = epilogue(a @ b): Gluon present, `ENABLED`, a
+    Hopper GPU, fp16 / bf16 a and c of one dtype, a, c and `kept` TMA-describable row by row,
+    and at least one of `TILES`' output tiles per SM (smaller problems run the autotuned
+    Triton kernel, which picks smaller tiles). The caller has checked b (a TMA-describable
+    (K, N) tensor or transposed view), the epilogue (relu² or its backward, no dropout or
+    residual) and that nothing traces the launch."""
+    if not (HAVE_GLUON and ENABLED and is_sm90(a.device)):
+        return False
+    if a.dtype not in (torch.float16, torch.bfloat16) or c.dtype != a.dtype:
+        return False
+    tiles = -(-a.shape[0] // TILES["BLOCK_M"]) * -(-c.shape[1] // TILES["BLOCK_N"])
+    tensors = (a, c) if kept is None else (a, c, kept)
+    return tiles >= num_sms and all(_tma_ok(t) for t in tensors)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D 16-bit tensor TMA can describe row by row: unit column stride, 16-byte aligned
+    row stride and start (judged by the storage offset: storages are 256-byte aligned)."""
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * 2) % 16 == 0
+        and (t.storage_offset() * 2) % 16 == 0
+    )
+
+
+def launch_mm_sm90(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_t: bool, epilogue: str,
+    kept: torch.Tensor | None = None, num_sms: int | None = None, tiles: dict | None = None,
+) -> None:  # fmt: skip
+    """c (M, N) = epilogue(a (M, K) @ b) with b (K, N), or b (N, K) read transposed when b_t
+    (a weight W as Wᵀ). epilogue: a key of `EPILOGUES`; kept (M, N): the forward's tile the
+    backward epilogues read. tiles: `TILES` unless given (benchmarks). The caller sets
+    Triton's allocator (device-side descriptors)."""
+    M, K = a.shape
+    N = c.shape[1]
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    tiles = dict(tiles or TILES)
+    kernel = _mm_sm90_kernel
+    if tiles.pop("WARP_SPECIALIZE", False):
+        # 4 warps per consumer partition; 168 registers per thread at launch (3 warpgroups in
+        # 65536), which the partitions redistribute: 232 per consumer, 40 for the loader
+        kernel = _mm_sm90_ws_kernel
+        tiles["maxnreg"] = 168
+    n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
+    y = kept if kept is not None else c
+    launcher(kernel)[(min(num_sms, n_tiles),)](
+        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0),
+        B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles,
+    )  # fmt: skip
