@@ -3,7 +3,7 @@ TMA kernel, cuBLAS's product plus our elementwise pass, and cuBLAS's product alo
 enwik8, GPT-2 and large presets' shapes. Kernel time (`common.kernel_ms`, L2 flushed), TFLOP/s,
 and each output's error against an fp32 reference.
 
-    python3 benchmarks/probe_mm_gluon.py --out DIR [--tiles BM,BN,BK,STAGES,WARPS[,ws] ...]
+    python3 benchmarks/probe_mm_gluon.py --out DIR [--tiles BM,BN,BK,STAGES ...]
 
 The products: the forward h = relu(x @ W_inᵀ)² ("relu2 fwd", W_in read transposed) and the
 backward's d(pre) = (dy @ W_out) · 2·√h ("relu2 grad"). --tiles times Gluon tiles besides
@@ -32,10 +32,9 @@ from triton_transformer.utils import tma_scratch
 
 
 def _tiles(text: str) -> dict:
-    """BM,BN,BK,STAGES,WARPS[,ws]: ws picks the warp-specialized kernel (WARPS = 4)."""
-    bm, bn, bk, stages, warps, *ws = text.split(",")
-    tiles = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), STAGES=int(stages))
-    return dict(tiles, num_warps=int(warps), WARP_SPECIALIZE=ws == ["ws"])
+    """BM,BN,BK,STAGES: the tiles of one consumer warpgroup and the ring's depth."""
+    bm, bn, bk, stages = (int(v) for v in text.split(","))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages)
 
 
 def _planned(path: str, call):

@@ -7,21 +7,23 @@ Both are persistent matmuls whose epilogue touches a second (M, N) tile: the for
 Y, the backward reads Y as well. In `matmul_kernels._mm_tma_kernel` (Triton 3.6) that read is
 a synchronous load in the epilogue: at GPT-2's feed-forward the backward product took 160 µs
 against the forward's 119 (`mm_epilogue_tiles_session13.md`), and loading the tile before the
-main loop kept it in registers (spills). Gluon states where the tile lives, in two kernels:
+main loop kept it in registers (spills). Here the work is split between warps
+(`gl.warp_specialize`), as cuBLAS and CUTLASS do on Hopper:
 
-- `_mm_sm90_kernel`, software-pipelined (8 warps, 128 x 256 tiles): the A and B tiles of each
-  K step arrive by TMA into a ring of STAGES buffers, STAGES - 1 steps ahead and across tile
-  boundaries; the products are issued asynchronously, one in flight while the next loads are
-  issued; the backward's Y tile is loaded by TMA into the output's buffer halfway through the
-  K loop, and the output leaves through it by an asynchronous TMA store. The epilogue still
-  stops the tensor cores.
-- `_mm_sm90_ws_kernel`, warp-specialized (the shipped one, `TILES`): a loader warp fills the
-  ring; two consumer warpgroups take alternate 128 x 128 tiles ("ping-pong", in turns), so
-  one's epilogue (Y's tile read from shared memory, the output written and stored) runs
-  while the other's products do. Each consumer loads its Y tile when its tile starts.
+- a loader warp brings the A and B tiles of each K step by TMA into a ring of STAGES
+  shared-memory buffers, in the order the products consume them, across tiles;
+- two consumer warpgroups take alternate 128 x 128 output tiles ("ping-pong", in turns):
+  while one runs its products (asynchronous warpgroup products, one in flight), the other
+  runs its epilogue. Each consumer loads its tile of Y by TMA into its own output buffer
+  when its tile starts, reads it there in the epilogue, and stores the output from the same
+  buffer by an asynchronous TMA store.
+
+A software-pipelined version without the split (8 warps, 128 x 256 tiles, the next loads
+issued between products, Y loaded halfway through the K loop; commit 24ae204) was faster than
+the Triton kernel on the backward but kept the tensor cores idle during its epilogue.
 
 Measured (H200, 2026-11-27, `mm_gluon_session18.md`, kernel µs, L2 flushed; Triton TMA
-kernel / pipelined / warp-specialized, cuBLAS's plain product alone in brackets): GPT-2's
+kernel / the pipelined version / this kernel, cuBLAS's plain product alone in brackets): GPT-2's
 feed-forward (16384 x 768 -> 3072) forward 121.0 / 119.5 / 116.6 (111.2), backward 160.4 /
 145.1 / 128.7; the large preset's (16384 x 1024 -> 4096) forward 201.2 / 196.8 / 192.3
 (192.4), backward 259.7 / 225.5 / 209.2; enwik8's (8192 x 512 -> 2048) forward 32.1 / 33.1 /
@@ -65,162 +67,6 @@ if HAVE_GLUON:
             _gluon.tma_load(b_desc, [off_n, k], bar, b_smem.index(stage))
         else:
             _gluon.tma_load(b_desc, [k, off_n], bar, b_smem.index(stage))
-
-    @gluon.jit
-    def _next_step(
-        tile, k, stage, off_m, off_n, k_tiles, start, num_pid_m, num_pid_n,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_SMS: gl.constexpr,
-    ):  # fmt: skip
-        """The loader's position after one step: K step k (in elements) of this program's
-        tile number `tile` at (off_m, off_n), ring buffer `stage`. Incremental, so that the
-        main loop divides only once per tile."""
-        k += BLOCK_K
-        stage += 1
-        if stage == STAGES:
-            stage = 0
-        if k == k_tiles * BLOCK_K:
-            k = 0
-            tile += 1
-            pid_m, pid_n = _grouped_tile(start + tile * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-        return tile, k, stage, off_m, off_n
-
-    @gluon.jit
-    def _mm_sm90_kernel(
-        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y,
-        B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """C = epilogue(A @ B), one program per SM walking tiles start, start + NUM_SMS, ...
-        (grouped order, `_grouped_tile`). TMA pads out-of-bounds loads with zeros and clips
-        stores: ragged edges need no masks."""
-        dtype: gl.constexpr = A.dtype.element_ty
-        GRAD: gl.constexpr = EPILOGUE >= 2
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        a_desc = tma.make_tensor_descriptor(A, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
-        if B_T:  # B stored (N, K): its tiles are transposed in the product's operand view
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-            b_desc = tma.make_tensor_descriptor(
-                B, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout
-            )
-            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
-        else:
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-            b_desc = tma.make_tensor_descriptor(
-                B, [K, N], [stride_b, 1], [BLOCK_K, BLOCK_N], b_layout
-            )
-            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        c_desc = tma.make_tensor_descriptor(C, [M, N], [stride_c, 1], [BLOCK_M, BLOCK_N], c_layout)
-        if GRAD:  # the forward's kept tile, read like C is written
-            y_desc = tma.make_tensor_descriptor(
-                Y, [M, N], [stride_y, 1], [BLOCK_M, BLOCK_N], c_layout
-            )
-        a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-        # the output tile on its way out; the backward's Y tile on its way in before that
-        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        y_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(y_bar, count=1)
-        # each warp owns 16 rows of the (BLOCK_M, BLOCK_N) fp32 accumulator
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-
-        start = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)  # the grid <= the tiles
-        y_step = k_tiles // 2  # where the backward's Y tile is loaded
-
-        # the loader runs STAGES - 1 steps ahead of the products, across tiles
-        pid_m, pid_n = _grouped_tile(start, num_pid_m, num_pid_n, GROUP_M)
-        ld_tile = 0
-        ld_k = 0
-        ld_stage = 0
-        ld_off_m = pid_m * BLOCK_M
-        ld_off_n = pid_n * BLOCK_N
-        for _ in gl.static_range(STAGES - 1):
-            if ld_tile < my_tiles:
-                _issue_loads(
-                    ld_off_m, ld_off_n, ld_k, ld_stage, a_desc, b_desc, ready, a_smem, b_smem,
-                    B_T, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-            ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n = _next_step(
-                ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n, k_tiles, start, num_pid_m,
-                num_pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS,
-            )  # fmt: skip
-        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        stage = 0
-        phase = 0
-        for t in range(my_tiles):
-            pid_m, pid_n = _grouped_tile(start + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = zero
-            for ki in range(k_tiles):
-                mbarrier.wait(ready.index(stage), phase)
-                if B_T:  # noqa: SIM108 (constexpr branches)
-                    b_op = b_smem.index(stage).permute((1, 0))
-                else:
-                    b_op = b_smem.index(stage)
-                acc = _gluon.mma(a_smem.index(stage), b_op, acc, is_async=True)
-                # the previous step's product is done in this warpgroup, and after the barrier
-                # in every one: its buffer takes the loads STAGES - 1 steps ahead
-                acc = _gluon.mma_wait(num_outstanding=1, deps=[acc])
-                _gluon.cta_barrier()
-                if ld_tile < my_tiles:
-                    _issue_loads(
-                        ld_off_m, ld_off_n, ld_k, ld_stage, a_desc, b_desc, ready, a_smem,
-                        b_smem, B_T, BLOCK_M, BLOCK_N, BLOCK_K,
-                    )  # fmt: skip
-                ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n = _next_step(
-                    ld_tile, ld_k, ld_stage, ld_off_m, ld_off_n, k_tiles, start, num_pid_m,
-                    num_pid_n, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS,
-                )  # fmt: skip
-                if GRAD:  # noqa: SIM102
-                    if ki == y_step:
-                        # the previous tile's output has left c_smem (the thread that issued
-                        # its store waits; the barrier holds the rest): Y's tile goes there
-                        tma.store_wait(0)
-                        _gluon.cta_barrier()
-                        mbarrier.expect(y_bar, BLOCK_M * BLOCK_N * 2)
-                        _gluon.tma_load(y_desc, [off_m, off_n], y_bar, c_smem)
-                stage += 1
-                if stage == STAGES:
-                    stage = 0
-                    phase ^= 1
-            acc = _gluon.mma_wait(num_outstanding=0, deps=[acc])
-
-            if GRAD:  # dP = acc · 2·relu(P), relu(P) = √Y or the kept relu(P)
-                mbarrier.wait(y_bar, t & 1)
-                kept = c_smem.load(acc_layout).to(gl.float32)
-                if EPILOGUE == 3:
-                    kept = gl.sqrt(kept)
-                acc = acc * (2.0 * kept)
-                _gluon.cta_barrier()  # every warp has read Y before the output overwrites it
-            else:
-                tma.store_wait(0)  # the previous tile's output has left c_smem
-                _gluon.cta_barrier()
-            if EPILOGUE == 1:
-                acc = gl.maximum(acc, 0.0)
-                acc = acc * acc
-            c_smem.store(acc.to(dtype))
-            hopper.fence_async_shared()
-            _gluon.cta_barrier()  # every warp's part written before the one store
-            _gluon.tma_store(c_desc, [off_m, off_n], c_smem)
-        tma.store_wait(0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(y_bar)
-
-    # --- warp-specialized: a loader warp and two consumer warpgroups in ping-pong ----------
 
     @gluon.jit
     def _ws_loader(
@@ -335,15 +181,17 @@ if HAVE_GLUON:
         _ws_consume(args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)
 
     @gluon.jit
-    def _mm_sm90_ws_kernel(
+    def _mm_sm90_kernel(
         A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y,
         B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """`_mm_sm90_kernel`'s product, warp-specialized: a loader warp fills the ring of
+        """C = epilogue(A @ B), one program per SM walking tiles start, start + NUM_SMS, ...
+        (grouped order, `_grouped_tile`), warp-specialized: a loader warp fills the ring of
         STAGES buffers; two consumer warpgroups (the default partition and a worker; num_warps
-        = 4) take alternate tiles, so that one's epilogue overlaps the other's products."""
+        = 4) take alternate tiles, so that one's epilogue overlaps the other's products. TMA
+        pads out-of-bounds loads with zeros and clips stores: ragged edges need no masks."""
         dtype: gl.constexpr = A.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -396,17 +244,10 @@ if HAVE_GLUON:
         )
 
 
-# The two kernels' tiles. `_mm_sm90_kernel`: 128 x 256 output tiles on two warpgroups (128
-# fp32 accumulator registers per thread), three 48 KiB stages plus the 64 KiB output tile
-# (208 of the 227 KiB of shared memory). `_mm_sm90_ws_kernel`: 128 x 128 tiles per consumer
-# warpgroup, STAGES 32 KiB stages plus two 32 KiB output tiles (five: 224 KiB). Measured:
-# the module docstring (5 stages measured 2-4% faster than 4; 64 x 256 consumer tiles slower).
-TILES_PIPELINED = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "STAGES": 3, "num_warps": 8}
-TILES_WS = {
-    "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 5, "num_warps": 4,
-    "WARP_SPECIALIZE": True,
-}  # fmt: skip
-TILES = TILES_WS
+# 128 x 128 tiles per consumer warpgroup (128 fp32 accumulator registers per thread), five
+# 32 KiB stages plus two 32 KiB output tiles: 224 of the 227 KiB of shared memory. Measured
+# (`mm_gluon_session18.md`): 5 stages 2-4% faster than 4; 64 x 256 consumer tiles slower.
+TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 5}
 ENABLED = True
 
 
@@ -449,16 +290,13 @@ def launch_mm_sm90(
     N = c.shape[1]
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    tiles = dict(tiles or TILES)
-    kernel = _mm_sm90_kernel
-    if tiles.pop("WARP_SPECIALIZE", False):
-        # 4 warps per consumer partition; 168 registers per thread at launch (3 warpgroups in
-        # 65536), which the partitions redistribute: 232 per consumer, 40 for the loader
-        kernel = _mm_sm90_ws_kernel
-        tiles["maxnreg"] = 168
+    tiles = tiles or TILES
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
-    launcher(kernel)[(min(num_sms, n_tiles),)](
+    # 4 warps per consumer partition; 168 registers per thread at launch (3 warpgroups in
+    # 65536), which the partitions redistribute: 232 per consumer, 40 for the loader
+    launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](
         a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0),
-        B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles,
+        B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, num_warps=4,
+        maxnreg=168, **tiles,
     )  # fmt: skip
