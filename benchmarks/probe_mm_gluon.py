@@ -38,15 +38,16 @@ def _tiles(text: str) -> dict:
 
 
 def _planned(path: str, call):
-    """call() on the planner's `path` ("tma": the Triton kernel, "cublas+ew"), Gluon off."""
+    """call() on the planner's forced `path` ("tma": the Triton kernel, "cublas+ew"; a forced
+    path never takes the Gluon kernel)."""
 
     def run():
-        saved = plan._FORCE_PATH, mh.ENABLED
-        plan._FORCE_PATH, mh.ENABLED = path, False
+        saved = plan._FORCE_PATH
+        plan._FORCE_PATH = path
         try:
             call()
         finally:
-            plan._FORCE_PATH, mh.ENABLED = saved
+            plan._FORCE_PATH = saved
 
     return run
 

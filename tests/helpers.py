@@ -13,9 +13,11 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from triton_transformer._gluon import HAVE_GLUON
 from triton_transformer.training.config import Config, apply_overrides
 
 
@@ -61,6 +63,21 @@ class Sm90(CudaDriver):
 
 triton.runtime.driver.set_active(Sm90())
 """
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# tests of the Gluon kernels (`attention_hopper`, `matmul_hopper`): Gluon present; on_hopper:
+# a GPU test that also needs a Hopper GPU (their only target)
+needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
+
+
+def on_hopper(test):
+    """A GPU test that needs Gluon and a Hopper GPU."""
+    test = pytest.mark.skipif(not _is_hopper(), reason="Hopper only")(needs_gluon(test))
+    return pytest.mark.gpu(test)
 
 
 def compile_trace_check(*groups: str) -> tuple[bool, int, str]:

@@ -9,13 +9,17 @@ was the kernel that ran.
 
 import pytest
 import torch
-from helpers import SM90_DRIVER, deterministic_algorithms, run_without_interpreter
+from helpers import (
+    SM90_DRIVER,
+    deterministic_algorithms,
+    needs_gluon,
+    on_hopper,
+    run_without_interpreter,
+)
 from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
 
 import triton_transformer.attention_hopper as ah
 from triton_transformer.attention import attention, attention_packed
-
-needs_gluon = pytest.mark.skipif(not ah.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
 @needs_gluon
@@ -97,16 +101,6 @@ for d in ah.HEAD_DIMS:
 
 
 # --- GPU ---------------------------------------------------------------------------------
-
-
-def _is_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def on_hopper(test):
-    """A GPU test that needs Gluon and a Hopper GPU (the kernel's only target)."""
-    test = pytest.mark.skipif(not _is_hopper(), reason="Hopper only")(needs_gluon(test))
-    return pytest.mark.gpu(test)
 
 
 @pytest.fixture

@@ -7,8 +7,7 @@ layouts of B); on the GPU it runs every epilogue, layout and dtype at ragged sha
 
 import pytest
 import torch
-from helpers import SM90_DRIVER, run_without_interpreter
-from test_attention_hopper import needs_gluon, on_hopper
+from helpers import SM90_DRIVER, needs_gluon, on_hopper, run_without_interpreter
 
 import triton_transformer.matmul_hopper as mh
 
@@ -25,7 +24,7 @@ for name, code in mh.EPILOGUES.items():
         b = torch.empty((N, K) if b_t else (K, N), dtype=torch.bfloat16)
         kernel = mh._mm_sm90_kernel.warmup(
             a, b, c, c, M, N, K, K, b.stride(0), N, N, B_T=b_t, EPILOGUE=code, GROUP_M=8,
-            NUM_SMS=132, num_warps=4, grid=(1,), **mh.TILES,
+            NUM_SMS=132, grid=(1,), **mh.TILES, **mh.LAUNCH,
         )
         assert "wgmma.mma_async" in kernel.asm["ptx"]
         print("ok", name, b_t)
@@ -41,28 +40,50 @@ def test_kernel_compiles_for_sm90():
 
 
 @needs_gluon
-@pytest.mark.parametrize("major, taken", [(8, False), (9, True), (10, False)])
-def test_taken_on_hopper_only(major, taken, monkeypatch):
-    monkeypatch.setattr(mh, "is_sm90", lambda device: major == 9)
+@pytest.mark.parametrize("hopper", [False, True])
+def test_usable_needs_hopper(hopper, monkeypatch):
+    # `usable` consults the shared Hopper check (`_gluon.is_sm90`, whose compute-capability
+    # logic test_attention_hopper covers)
+    monkeypatch.setattr(mh, "is_sm90", lambda device: hopper)
     a = torch.empty(4096, 64, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
     c = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    assert mh.usable(a, c, None, 132) is taken
+    assert mh.usable(a, b, c, None, 132) is hopper
 
 
 @needs_gluon
-def test_usable_needs_tma_describable_tensors(monkeypatch):
+def test_usable_needs_one_dtype_and_tma_describable_tensors(monkeypatch):
     monkeypatch.setattr(mh, "is_sm90", lambda device: True)
     a = torch.empty(128, 64, dtype=torch.bfloat16)
-    c = torch.empty(128, 256, dtype=torch.bfloat16)
-    assert mh.usable(a, c, c, 1)
-    assert not mh.usable(a.float(), c.float(), None, 1)  # fp32
-    assert not mh.usable(a, c.half(), None, 1)  # mixed dtypes
-    assert not mh.usable(torch.empty(64, 128, dtype=torch.bfloat16).t(), c, None, 1)  # A (K, M)
+    b = torch.empty(64, 128, dtype=torch.bfloat16)
+    c = torch.empty(128, 128, dtype=torch.bfloat16)
+    assert mh.usable(a, b, c, c, 1)
+    assert not mh.usable(a.float(), b.float(), c.float(), None, 1)  # fp32
+    assert not mh.usable(a, b, c.half(), None, 1)  # the output in another dtype
+    assert not mh.usable(a, b.half(), c, None, 1)  # B in another dtype
+    # the kept tile in another dtype: fp32 would overrun the kernel's 16-bit buffer, fp16
+    # read as bf16 would be wrong
+    assert not mh.usable(a, b, c, c.float(), 1)
+    assert not mh.usable(a, b, c, c.half(), 1)
+    assert not mh.usable(torch.empty(64, 128, dtype=torch.bfloat16).t(), b, c, None, 1)  # A (K, M)
     odd_rows = torch.empty(128, 68, dtype=torch.bfloat16)[:, :64]  # a row stride of 136 bytes
-    assert not mh.usable(odd_rows, c, None, 1)
-    assert not mh.usable(a, c, torch.empty(256, 128, dtype=torch.bfloat16).t(), 1)  # kept (N, M)
+    assert not mh.usable(odd_rows, b, c, None, 1)
+    assert not mh.usable(a, b, c, torch.empty(128, 128, dtype=torch.bfloat16).t(), 1)  # kept (N, M)
+    assert not mh.usable(a, b, c, torch.empty(1, 128, dtype=torch.bfloat16).expand(128, 128), 1)
     shifted = torch.empty(128 * 64 + 1, dtype=torch.bfloat16)[1:].view(128, 64)
-    assert not mh.usable(shifted, c, None, 1)  # its start 2 bytes off alignment
+    assert not mh.usable(shifted, b, c, None, 1)  # its start 2 bytes off alignment
+
+
+@needs_gluon
+def test_launch_rejects_what_the_planner_screens():
+    a = torch.empty(128, 0, dtype=torch.bfloat16)
+    b = torch.empty(0, 128, dtype=torch.bfloat16)
+    c = torch.empty(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="empty product"):
+        mh.launch_mm_sm90(a, b, c, False, "relu2")
+    a, b = torch.empty(128, 64, dtype=torch.bfloat16), torch.empty(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pass kept"):
+        mh.launch_mm_sm90(a, b, c, False, "relu2grad_from_square")
 
 
 @needs_gluon
@@ -71,16 +92,22 @@ def test_usable_needs_a_tile_per_sm(monkeypatch):
     monkeypatch.setattr(mh, "is_sm90", lambda device: True)
     bm, bn = mh.TILES["BLOCK_M"], mh.TILES["BLOCK_N"]
     a = torch.empty(bm * 12, 64, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(64, bn * 11, dtype=torch.bfloat16, device="meta")
     c = torch.empty(bm * 12, bn * 11, dtype=torch.bfloat16, device="meta")
-    assert mh.usable(a, c, None, 132)  # 12 x 11 tiles
-    assert mh.usable(a[:-1], c[:-1], None, 132)  # one row fewer: still 12 row tiles
-    assert not mh.usable(a, c[:, : bn * 10], None, 132)  # 12 x 10
+    assert mh.usable(a, b, c, None, 132)  # 12 x 11 tiles
+    assert mh.usable(a[:-1], b, c[:-1], None, 132)  # one row fewer: still 12 row tiles
+    assert not mh.usable(a, b[:, : bn * 10], c[:, : bn * 10], None, 132)  # 12 x 10
 
 
 # --- GPU ---------------------------------------------------------------------------------
 
 # (M, N, K): one tile and less, ragged edges in every dimension, several tiles per program
-SHAPES = [(8, 64, 16), (300, 264, 72), (1000, 1032, 200), (4096, 3072, 768)]
+# (GPT-2's feed-forward at 4096 tokens), and several tiles per program with fewer K steps than
+# ring buffers (the consumers' turns keep the second from reading the ring a phase early)
+SHAPES = [
+    (8, 64, 16), (300, 264, 72), (1000, 1032, 200), (4096, 3072, 768), (4096, 4096, 72),
+    (2048, 4136, 256),
+]  # fmt: skip
 
 
 def _problem(M, N, K, b_t, dtype, seed=0):
@@ -125,6 +152,23 @@ def test_against_float64(shape, epilogue, b_t, dtype):
     assert err < 1e-2, err
     # elementwise too: a misplaced tile shows here even where the norm hides it
     torch.testing.assert_close(c.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@on_hopper
+def test_gradient_in_place():
+    # the output written over the kept tile (each tile's kept values are read before its
+    # output is stored)
+    import triton
+
+    from triton_transformer.utils import tma_scratch
+
+    M, N, K = 2048, 4096, 256
+    a, b = _problem(M, N, K, False, torch.bfloat16)
+    kept = (torch.randn(M, N, device="cuda") + 0.5).clamp_min(0).pow(2).to(torch.bfloat16)
+    ref = _reference(a, b, False, "relu2grad_from_square", kept)
+    triton.set_allocator(tma_scratch)
+    mh.launch_mm_sm90(a, b, kept, False, "relu2grad_from_square", kept)
+    assert (kept.double() - ref).norm() / ref.norm() < 1e-2
 
 
 @on_hopper
@@ -179,8 +223,14 @@ def test_feed_forward_takes_it(gluon_launches):
 @pytest.mark.parametrize("case", ["dropout", "disabled", "few tiles"])
 def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
     # with a dropout mask (no such epilogue), switched off, or fewer output tiles than SMs,
-    # the Triton kernel runs, with the same results
+    # the Triton TMA kernel runs (the relu² forward at least), with the same results
     from test_mlp import check_mlp, rand
+
+    import triton_transformer.matmul_plan as plan_module
+
+    tma_launches = []
+    real = plan_module.launch_mm_tma
+    monkeypatch.setattr(plan_module, "launch_mm_tma", lambda *a: tma_launches.append(1) or real(*a))
 
     M, D, H = (512, 256, 1024) if case == "few tiles" else (4096, 256, 3072)
     if case == "disabled":
@@ -190,6 +240,7 @@ def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
     w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
     check_mlp(x, w_in, w_out, 0.1 if case == "dropout" else 0.0, "cuda", 1e-2)
     assert gluon_launches == []
+    assert tma_launches
 
 
 @on_hopper

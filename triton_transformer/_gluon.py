@@ -39,7 +39,8 @@ try:  # Gluon ships with Triton >= 3.5
             )
 
     HAVE_GLUON = True
-except ImportError:  # pragma: no cover - an older Triton: the Triton kernels run instead
+except (ImportError, AttributeError):  # pragma: no cover - a Triton whose Gluon lacks these
+    # (older, or a future rename): the Triton kernels run instead
     HAVE_GLUON = False
     gluon = gl = hopper = mbarrier = tma = None
     tma_load = tma_store = cta_barrier = mma = mma_wait = tma_reduce_add = None

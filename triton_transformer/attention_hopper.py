@@ -3,7 +3,7 @@
 Why a second kernel: Triton (3.6) waits for each tile product right after issuing it, so in
 `attention._attention_bwd_kernel` the tensor cores sit idle while the exponentials of P run,
 and the reverse. Gluon states the schedule explicitly: the products are issued asynchronously
-(`warpgroupmma(..., is_async=True)`) and waited for only where their result is read, and the
+(`warpgroup_mma(..., is_async=True)`) and waited for only where their result is read, and the
 next query block's q and dO arrive by TMA while this one computes.
 
 The math is `attention`'s single pass, for one key block K_j, V_j (BLOCK_N keys) over the

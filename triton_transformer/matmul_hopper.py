@@ -31,8 +31,10 @@ feed-forward (16384 x 768 -> 3072) forward 121.0 / 119.5 / 116.6 (111.2), backwa
 
 Scope: Hopper (sm_90), fp16 / bf16 operands and output, A (M, K) with unit column stride,
 B (K, N) or its transpose (N, K) with unit column stride, Y (M, N) with unit column stride,
-no dropout, no residual. `matmul_plan` takes it for eager launches where `usable` says so;
-torch.compile traces the Triton kernel (torch's `wrap_triton` does not take Gluon kernels).
+no dropout, no residual, no relu(P) kept beside the forward's output (the model's fp16 path
+keeps it and runs the Triton kernel). `matmul_plan` takes it for eager launches where
+`usable` says so; traced code runs the Triton kernel or cuBLAS + the elementwise pass (torch's
+`wrap_triton` does not take Gluon kernels).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ __all__ = ["EPILOGUES", "HAVE_GLUON", "launch_mm_sm90", "usable"]
 # forward's kept tile holding relu(P) ("relu2grad") or Y = relu(P)² ("relu2grad_from_square")
 EPILOGUES = {"relu2": 1, "relu2grad": 2, "relu2grad_from_square": 3}
 
+# registers per thread of the worker partitions: the second consumer, the loader (see `LAUNCH`)
+_CONSUMER_REGS = gl.constexpr(232) if HAVE_GLUON else 232
+_LOADER_REGS = gl.constexpr(40) if HAVE_GLUON else 40
+
 
 if HAVE_GLUON:
 
@@ -58,8 +64,9 @@ if HAVE_GLUON:
         off_m, off_n, k, stage, a_desc, b_desc, ready, a_smem, b_smem, B_T: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     ):  # fmt: skip
-        """The TMA loads of one K step (A's tile at (off_m, k), B's at (k, off_n)) into ring
-        buffer `stage`, which signals `ready[stage]` when both have landed."""
+        """The TMA loads of one K step (A's tile at (off_m, k); B's at (k, off_n), or at (off_n,
+        k) when B is stored (N, K)) into ring buffer `stage`, which signals `ready[stage]`
+        when both have landed."""
         bar = ready.index(stage)
         mbarrier.expect(bar, (BLOCK_M + BLOCK_N) * BLOCK_K * 2)
         _gluon.tma_load(a_desc, [off_m, k], bar, a_smem.index(stage))
@@ -177,7 +184,8 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     ):  # fmt: skip
-        """The second consumer, as a worker partition."""
+        """The second consumer, as a worker partition (workers share one signature, the
+        loader's: `which` cannot be passed)."""
         _ws_consume(args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)
 
     @gluon.jit
@@ -240,39 +248,50 @@ if HAVE_GLUON:
                 ),
             ],
             [4, 1],
-            [232, 40],
+            [_CONSUMER_REGS, _LOADER_REGS],
         )
 
 
 # 128 x 128 tiles per consumer warpgroup (128 fp32 accumulator registers per thread), five
 # 32 KiB stages plus two 32 KiB output tiles: 224 of the 227 KiB of shared memory. Measured
-# (`mm_gluon_session18.md`): 5 stages 2-4% faster than 4; 64 x 256 consumer tiles slower.
+# (`mm_gluon_session18.md`): 5 stages 0.5-4% faster than 4; 64 x 256 consumer tiles 4-8%
+# slower.
 TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 5}
+# The launch: 4 warps per consumer partition (the kernel's accumulator layout assumes it) and
+# 168 registers per thread (three warpgroups in the SM's 65536), which the partitions then
+# redistribute: `_CONSUMER_REGS` per consumer thread, `_LOADER_REGS` for the loader's warpgroup
+# (3 x 168 = 2 x 232 + 40).
+LAUNCH = {"num_warps": 4, "maxnreg": 168}
 ENABLED = True
 
 
-def usable(a: torch.Tensor, c: torch.Tensor, kept: torch.Tensor | None, num_sms: int) -> bool:
+def usable(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, kept: torch.Tensor | None, num_sms: int
+) -> bool:
     """Whether the kernel takes the product c = epilogue(a @ b): Gluon present, `ENABLED`, a
-    Hopper GPU, fp16 / bf16 a and c of one dtype, a, c and `kept` TMA-describable row by row,
-    and at least one of `TILES`' output tiles per SM (smaller problems run the autotuned
-    Triton kernel, which picks smaller tiles). The caller has checked b (a TMA-describable
-    (K, N) tensor or transposed view), the epilogue (relu² or its backward, no dropout or
-    residual) and that nothing traces the launch."""
+    Hopper GPU, fp16 / bf16 a, b, c and `kept` all of one dtype, a, c and `kept`
+    TMA-describable row by row, and at least one of `TILES`' output tiles per SM (smaller
+    problems run the autotuned Triton kernel, which picks smaller tiles). The caller has
+    checked b's layout (a TMA-describable (K, N) tensor or transposed view), the epilogue
+    (relu² or its backward, no dropout or residual) and that nothing traces the launch."""
     if not (HAVE_GLUON and ENABLED and is_sm90(a.device)):
         return False
-    if a.dtype not in (torch.float16, torch.bfloat16) or c.dtype != a.dtype:
+    tensors = (a, b, c) if kept is None else (a, b, c, kept)
+    if a.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != a.dtype for t in tensors):
         return False
     tiles = -(-a.shape[0] // TILES["BLOCK_M"]) * -(-c.shape[1] // TILES["BLOCK_N"])
-    tensors = (a, c) if kept is None else (a, c, kept)
-    return tiles >= num_sms and all(_tma_ok(t) for t in tensors)
+    rows = (a, c) if kept is None else (a, c, kept)
+    return tiles >= num_sms and all(_tma_ok(t) for t in rows)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """A 2-D 16-bit tensor TMA can describe row by row: unit column stride, 16-byte aligned
-    row stride and start (judged by the storage offset: storages are 256-byte aligned)."""
+    """A 2-D 16-bit tensor TMA can describe row by row: unit column stride, a positive
+    16-byte aligned row stride and start (judged by the storage offset: storages are
+    256-byte aligned)."""
     return (
         t.dim() == 2
         and t.stride(1) == 1
+        and t.stride(0) > 0
         and (t.stride(0) * 2) % 16 == 0
         and (t.storage_offset() * 2) % 16 == 0
     )
@@ -288,15 +307,16 @@ def launch_mm_sm90(
     Triton's allocator (device-side descriptors)."""
     M, K = a.shape
     N = c.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        raise ValueError(f"an empty product ({M} x {K} @ {K} x {N}): the caller handles it")
+    if epilogue != "relu2" and kept is None:
+        raise ValueError(f"the {epilogue!r} epilogue reads the forward's kept tile: pass kept")
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     tiles = tiles or TILES
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
-    # 4 warps per consumer partition; 168 registers per thread at launch (3 warpgroups in
-    # 65536), which the partitions redistribute: 232 per consumer, 40 for the loader
     launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](
         a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0),
-        B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, num_warps=4,
-        maxnreg=168, **tiles,
+        B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles, **LAUNCH,
     )  # fmt: skip

@@ -73,8 +73,8 @@ dX, dW): measured in the next GPU run (`bench_matmul.py --presets`), whose "tabl
 gives the entries to add here.
 
 On Hopper, eager launches of the relu² forward and relu²'s gradient (no dropout) that fill
-every SM with 128 x 256 tiles run `matmul_hopper`'s Gluon kernel instead of the TMA kernel
-(`_gluon_epilogue`): its epilogue's second tile arrives by TMA while the products run.
+every SM with `matmul_hopper.TILES` run its warp-specialized Gluon kernel instead of the TMA
+kernel (`_launch_gluon`): one consumer's epilogue runs while the other's products do.
 
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
@@ -494,13 +494,31 @@ def _gluon_epilogue(
     grad: tuple[torch.Tensor, bool] | None,
 ) -> str | None:
     """The `matmul_hopper` epilogue of a product with these epilogue arguments (those of
-    `_mm2d_into`), or None where the Gluon kernel has none: relu² alone, or relu²'s gradient
-    without a dropout mask."""
+    `_mm2d_into`), or None where the Gluon kernel has none: relu² alone (no kept relu(y)
+    beside it), or relu²'s gradient without a dropout mask."""
     if residual is not None or aux is not None or drop is not None or swiglu:
         return None
     if grad is not None:
         return "relu2grad_from_square" if grad[1] else "relu2grad"
     return "relu2" if relu_squared else None
+
+
+def _launch_gluon(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_lay: tuple[int, int], num_sms: int,
+    relu_squared: bool, residual: torch.Tensor | None, aux: torch.Tensor | None,
+    drop: tuple | None, swiglu: bool, grad: tuple[torch.Tensor, bool] | None,
+) -> bool:  # fmt: skip
+    """Run an eager "tma" problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it
+    has the epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's
+    TMA layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N)."""
+    epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
+    kept = grad[0] if grad is not None else None
+    if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
+        return False
+    b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
+    triton.set_allocator(tma_scratch)
+    matmul_hopper.launch_mm_sm90(a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms)
+    return True
 
 
 def _mm2d_into(
@@ -567,16 +585,10 @@ def _mm2d_into(
             epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
             traced and not compile_tma(),
         )  # fmt: skip
-        if plan[0] == "tma" and not traced and _FORCE_PATH is None:
+        if plan[0] == "tma" and not traced and _FORCE_PATH is None:  # noqa: SIM102
             # (a forced "tma" means the Triton kernel: tests and benchmarks compare them)
-            epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
-            kept = grad[0] if grad is not None else None
-            if epilogue is not None and a_lay[0] == 0 and matmul_hopper.usable(a, c, kept, plan[2]):
-                # b (K, N) as stored: row-major, or a transposed view of an (N, K) tensor
-                b_t = bool(b_lay[0])
-                triton.set_allocator(tma_scratch)
-                matmul_hopper.launch_mm_sm90(a, b.t() if b_t else b, c, b_t, epilogue, kept,
-                                             plan[2])  # fmt: skip
+            if _launch_gluon(a, b, c, b_lay, plan[2], relu_squared, residual, aux, drop,
+                             swiglu, grad):  # fmt: skip
                 return
         if plan[0] == "tma":
             launch_mm_tma(
