@@ -65,6 +65,14 @@ triton.runtime.driver.set_active(Sm90())
 """
 
 
+def check_compiles(script: str, expected_ok: int) -> None:
+    """Run a compile-check script (`SM90_DRIVER` + code printing "ok" per kernel compiled)
+    without the interpreter: it must exit cleanly having printed `expected_ok` oks."""
+    proc = run_without_interpreter("-c", script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == expected_ok, proc.stdout
+
+
 def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 

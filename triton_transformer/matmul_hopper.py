@@ -76,20 +76,31 @@ if HAVE_GLUON:
             _gluon.tma_load(b_desc, [k, off_n], bar, b_smem.index(stage))
 
     @gluon.jit
-    def _ws_loader(
-        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-    ):  # fmt: skip
+    def _schedule(M, N, K, meta: gl.constexpr):
+        """This program's share of the work, the same in every partition: its first tile
+        (tiles start, start + NUM_SMS, ...), the tile grid, K steps per tile, its tile count
+        (the grid has at most one program per tile)."""
+        start = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, meta[2])
+        num_pid_n = gl.cdiv(N, meta[3])
+        k_tiles = gl.cdiv(K, meta[4])
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, meta[7])
+        return start, num_pid_m, num_pid_n, k_tiles, my_tiles
+
+    @gluon.jit
+    def _ws_loader(args, meta: gl.constexpr):
         """The loader partition (one warp): every K step of this program's tiles, in order,
         into the ring; waits for a buffer's `empty` barrier, which its consumer signals."""
         (a_desc, b_desc, _y_desc, _c_desc, a_smem, b_smem, _c_smem, ready, empty, _y_bar,
          _turn, M, N, K) = args  # fmt: skip
-        start = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)
+        B_T: gl.constexpr = meta[0]
+        BLOCK_M: gl.constexpr = meta[2]
+        BLOCK_N: gl.constexpr = meta[3]
+        BLOCK_K: gl.constexpr = meta[4]
+        STAGES: gl.constexpr = meta[5]
+        GROUP_M: gl.constexpr = meta[6]
+        NUM_SMS: gl.constexpr = meta[7]
+        start, num_pid_m, num_pid_n, k_tiles, my_tiles = _schedule(M, N, K, meta)
         step = 0
         for t in range(my_tiles):
             pid_m, pid_n = _grouped_tile(start + t * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
@@ -104,27 +115,25 @@ if HAVE_GLUON:
                 step += 1
 
     @gluon.jit
-    def _ws_consume(
-        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-        which: gl.constexpr,
-    ):  # fmt: skip
+    def _ws_consume(args, meta: gl.constexpr, which: gl.constexpr):
         """Consumer `which` (one warpgroup): tiles which, which + 2, ... of this program,
         products from the ring, then its epilogue through its own buffer c_smem[which] while
         the other consumer's products run."""
         (_a_desc, _b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
          turn, M, N, K) = args  # fmt: skip
+        B_T: gl.constexpr = meta[0]
+        EPILOGUE: gl.constexpr = meta[1]
+        BLOCK_M: gl.constexpr = meta[2]
+        BLOCK_N: gl.constexpr = meta[3]
+        STAGES: gl.constexpr = meta[5]
+        GROUP_M: gl.constexpr = meta[6]
+        NUM_SMS: gl.constexpr = meta[7]
         dtype: gl.constexpr = c_desc.dtype
         GRAD: gl.constexpr = EPILOGUE >= 2
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        start = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        my_tiles = gl.cdiv(num_pid_m * num_pid_n - start, NUM_SMS)
+        start, num_pid_m, num_pid_n, k_tiles, my_tiles = _schedule(M, N, K, meta)
         buf = c_smem.index(which)
         bar = y_bar.index(which)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
@@ -179,14 +188,10 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _ws_consumer_1(
-        args, B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-    ):  # fmt: skip
+    def _ws_consumer_1(args, meta: gl.constexpr):
         """The second consumer, as a worker partition (workers share one signature, the
         loader's: `which` cannot be passed)."""
-        _ws_consume(args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 1)
+        _ws_consume(args, meta, 1)
 
     @gluon.jit
     def _mm_sm90_kernel(
@@ -232,20 +237,14 @@ if HAVE_GLUON:
             mbarrier.init(turn.index(i), count=1)
         args = (a_desc, b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
                 turn, M, N, K)  # fmt: skip
+        # the partitions' compile-time parameters, in this order (worker partitions share one
+        # signature: one tuple keeps it short)
+        meta: gl.constexpr = (B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)
         gl.warp_specialize(
             [
-                (
-                    _ws_consume,
-                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS, 0),
-                ),
-                (
-                    _ws_consumer_1,
-                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS),
-                ),
-                (
-                    _ws_loader,
-                    (args, B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS),
-                ),
+                (_ws_consume, (args, meta, 0)),
+                (_ws_consumer_1, (args, meta)),
+                (_ws_loader, (args, meta)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _LOADER_REGS],
