@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,7 +27,6 @@ from probe_mm_epilogue_tiles import SHAPES, feed_forward_tensors
 
 from triton_transformer import matmul_hopper as mh
 from triton_transformer import matmul_plan as plan
-from triton_transformer.utils import tma_scratch
 
 
 def _tiles(text: str) -> dict:
@@ -98,7 +96,6 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = common.env_info()
-    triton.set_allocator(tma_scratch)
     variants = [mh.TILES] + [t for t in args.tiles if t != mh.TILES]
     rows = []
     for preset, (M, D, H) in SHAPES.items():

@@ -131,10 +131,6 @@ def _reference(a, b, b_t, epilogue, kept):
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_against_float64(shape, epilogue, b_t, dtype):
-    import triton
-
-    from triton_transformer.utils import tma_scratch
-
     M, N, K = shape
     a, b = _problem(M, N, K, b_t, dtype)
     kept = None
@@ -142,7 +138,6 @@ def test_against_float64(shape, epilogue, b_t, dtype):
         pre = torch.randn(M, N, device="cuda") + 0.5
         kept = (pre.clamp_min(0) ** (2 if epilogue.endswith("square") else 1)).to(dtype)
     c = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    triton.set_allocator(tma_scratch)
     mh.launch_mm_sm90(a, b, c, b_t, epilogue, kept)
     ref = _reference(a, b, b_t, epilogue, kept)
     assert torch.isfinite(c).all()
@@ -156,15 +151,10 @@ def test_against_float64(shape, epilogue, b_t, dtype):
 def test_gradient_in_place():
     # the output written over the kept tile (each tile's kept values are read before its
     # output is stored)
-    import triton
-
-    from triton_transformer.utils import tma_scratch
-
     M, N, K = 2048, 4096, 256
     a, b = _problem(M, N, K, False, torch.bfloat16)
     kept = (torch.randn(M, N, device="cuda") + 0.5).clamp_min(0).pow(2).to(torch.bfloat16)
     ref = _reference(a, b, False, "relu2grad_from_square", kept)
-    triton.set_allocator(tma_scratch)
     mh.launch_mm_sm90(a, b, kept, False, "relu2grad_from_square", kept)
     assert (kept.double() - ref).norm() / ref.norm() < 1e-2
 
@@ -172,17 +162,12 @@ def test_gradient_in_place():
 @on_hopper
 def test_strided_rows():
     # operands and outputs that are column slices of wider tensors (row strides above the width)
-    import triton
-
-    from triton_transformer.utils import tma_scratch
-
     M, N, K = 500, 264, 136
     a_wide = torch.randn(M, K + 64, device="cuda").to(torch.bfloat16)
     b_wide = torch.randn(K, N + 8, device="cuda").to(torch.bfloat16) * K**-0.5
     c_wide = torch.zeros(M, N + 40, device="cuda", dtype=torch.bfloat16)
     kept_wide = torch.rand(M, N + 24, device="cuda").to(torch.bfloat16)
     a, b, c, kept = a_wide[:, :K], b_wide[:, :N], c_wide[:, :N], kept_wide[:, :N]
-    triton.set_allocator(tma_scratch)
     mh.launch_mm_sm90(a, b, c, False, "relu2grad_from_square", kept)
     ref = _reference(a, b, False, "relu2grad_from_square", kept)
     assert (c.double() - ref).norm() / ref.norm() < 1e-2
@@ -244,14 +229,9 @@ def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
 @on_hopper
 def test_cuda_graph_replays_on_new_inputs():
     # captured once, replayed on new operands: nothing of the first call is baked in
-    import triton
-
-    from triton_transformer.utils import tma_scratch
-
     M, N, K = 2048, 4096, 256
     a, b = _problem(M, N, K, True, torch.bfloat16)
     c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    triton.set_allocator(tma_scratch)
     mh.launch_mm_sm90(a, b, c, True, "relu2")  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

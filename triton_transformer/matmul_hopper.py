@@ -40,11 +40,12 @@ keeps it and runs the Triton kernel). `matmul_plan` takes it for eager launches 
 from __future__ import annotations
 
 import torch
+import triton
 
 from triton_transformer import _gluon
 from triton_transformer._gluon import HAVE_GLUON, gl, gluon, hopper, is_sm90, mbarrier, tma
 from triton_transformer.matmul_kernels import _grouped_tile
-from triton_transformer.utils import launcher
+from triton_transformer.utils import launcher, tma_scratch
 
 __all__ = ["EPILOGUES", "HAVE_GLUON", "launch_mm_sm90", "usable"]
 
@@ -302,8 +303,7 @@ def launch_mm_sm90(
 ) -> None:  # fmt: skip
     """c (M, N) = epilogue(a (M, K) @ b) with b (K, N), or b (N, K) read transposed when b_t
     (a weight W as Wᵀ). epilogue: a key of `EPILOGUES`; kept (M, N): the forward's tile the
-    backward epilogues read. tiles: `TILES` unless given (benchmarks). The caller sets
-    Triton's allocator (device-side descriptors)."""
+    backward epilogues read. tiles: `TILES` unless given (benchmarks)."""
     M, K = a.shape
     N = c.shape[1]
     if M == 0 or N == 0 or K == 0:
@@ -313,6 +313,9 @@ def launch_mm_sm90(
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     tiles = tiles or TILES
+    # the device-side descriptors' scratch: a context variable of Triton, so set in whichever
+    # thread launches (autograd's too), as `matmul_plan.launch_mm_tma` does
+    triton.set_allocator(tma_scratch)
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
     launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](

@@ -516,7 +516,6 @@ def _launch_gluon(
     if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
         return False
     b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
-    triton.set_allocator(tma_scratch)
     matmul_hopper.launch_mm_sm90(a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms)
     return True
 
