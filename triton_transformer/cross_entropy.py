@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from triton_transformer import cross_entropy_hopper
 from triton_transformer._jit_helpers import (
     lse_from_stats,
     online_lse_update,
@@ -58,6 +59,7 @@ from triton_transformer.utils import (
     check_not_capturing,
     check_triton_tensor,
     first_order_only,
+    is_traced,
     launcher,
     refuse_second_backward,
     row_launch_params,
@@ -313,6 +315,15 @@ def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
 def launch_cross_entropy_fwd(
     logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize
 ):
+    """The forward kernel over logits (outer, inner, V), labels (outer, inner): loss_rows and
+    (unless write_grad) lse; write_grad: the logits overwritten with their gradient. An eager
+    in-place forward over long rows on Hopper runs `cross_entropy_hopper`'s kernel (one read
+    of each row instead of two)."""
+    if write_grad and not is_traced(logits) and cross_entropy_hopper.usable(logits):
+        cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
+            logits, labels, ignore_index, n_valid, loss_rows, normalize
+        )
+        return
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     block_m, block_n, single_pass, num_warps = _cross_entropy_fwd_config(
