@@ -266,8 +266,9 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # layer_norm kernels and inductor's
     # fused native_layer_norm(_backward) ones
     ("layernorm", ("_ln_", "_colsum", "layer_norm", "layernorm", "gammabeta", "rowwisemoments")),
-    # ours (_cross_entropy_*); PyTorch's log_softmax + nll_loss (cunn_SoftMax*) and inductor's
-    ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss", "cunn_softmax")),
+    # ours (_cross_entropy_*, the Gluon _ce_inplace_sm90_kernel); PyTorch's log_softmax +
+    # nll_loss (cunn_SoftMax*) and inductor's
+    ("cross-entropy", ("cross_entropy", "_ce_inplace", "log_softmax", "nll_loss", "cunn_softmax")),
     # ours (_embedding_*); PyTorch's index_select forward and embedding_dense_backward (which
     # sorts the ids and sums segments)
     ("embedding", ("embedding", "index_select", "indexselect", "compute_grad_weight",
