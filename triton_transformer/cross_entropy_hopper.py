@@ -15,10 +15,20 @@ kernel moves 0.82 GB in 358 µs against the copy rate's ~205 µs (`step_gpt2_ker
 
 Here each program copies a whole row into shared memory by TMA (a 16-bit row of up to ~56,000
 classes is at most ~110 KiB: two programs per SM), then reads it three times from there:
-the maximum (and x_y), the sum of exponentials, the gradient, which is stored to global memory
-from registers. Global traffic is one read and one write. The programs are persistent (rows
+the maximum, the sum of exponentials, the gradient, which is stored to global memory from
+registers. Global traffic is one read and one write. The programs are persistent (rows
 pid, pid + grid, ...): while a program writes one row's gradient, the TMA loads of its next
 row are already under way, one box at a time as each box is read for the last time.
+
+The passes are bound by instructions as much as by memory: a first version that masked and
+label-tested every element in every pass was no faster than the Triton kernel. So only the
+row's last box is masked, x_y is one global load, the gradient's scale is folded into its
+exponent, and the one-hot term is one store after the row's (see the kernel).
+
+Measured (H200, 2026-11-27, `ce_gluon_probe_session19.md`, kernel µs with L2 flushed, this
+kernel / the Triton kernel): 4096 x 50,304 bf16 (GPT-2's loss chunk) 237.8 / 325.4 (0.82 of
+the copy bandwidth, counting one read and one write); 16384 x 50,304 901.4 / 1235.9; 8192 x
+32,000 288.6 / 403.4; 4096 x 100,352 (one program per SM) 518.9 / 643.9.
 
 The row is described to TMA as boxes of 64 columns (a 2-D view of the tensor as rows of 64
 elements: V and the row stride must be multiples of 64). A box that reaches past the row's
@@ -42,7 +52,7 @@ from triton_transformer.utils import launcher, sm_count, tma_scratch
 
 __all__ = ["ENABLED", "launch_cross_entropy_inplace_sm90", "row_boxes", "usable"]
 
-ENABLED = True
+ENABLED = True  # (benchmarks and tests turn it off to compare with the Triton kernel)
 # Shared memory one program may take: two programs per SM up to SMEM_TWO_PER_SM, else one
 # (H100 / H200: 227 KiB per program at most, 228 KiB per SM with 1 KiB reserved per program).
 SMEM_TWO_PER_SM = 112 * 1024
@@ -229,7 +239,8 @@ def usable(logits: torch.Tensor) -> bool:
     `ENABLED`, a Hopper GPU, fp16 / bf16, V a multiple of `BOX_COLS` above
     `cross_entropy.FWD_MAX_BLOCK` (shorter rows stay in the Triton kernel's registers) that
     fits shared memory, evenly strided rows (`_row_stride`) whose stride is a multiple of
-    `BOX_COLS`, and a 16-byte aligned start. The caller checks that nothing traces the launch."""
+    `BOX_COLS`, a 16-byte aligned start, and box-row coordinates within TMA's int32. The
+    caller checks that nothing traces the launch."""
     from triton_transformer.cross_entropy import FWD_MAX_BLOCK
 
     if not (HAVE_GLUON and ENABLED and is_sm90(logits.device)):
@@ -245,7 +256,15 @@ def usable(logits: torch.Tensor) -> bool:
         and logits.stride(2) == 1
         and (logits.storage_offset() * logits.element_size()) % 16 == 0
         and row_boxes(n_cols, logits.element_size()) is not None
+        and _total_box_rows(logits, stride) < 2**31
     )
+
+
+def _total_box_rows(logits: torch.Tensor, stride: int) -> int:
+    """Rows of `BOX_COLS` elements from the first row's start to the last row's end: the
+    kernel's 2-D view of the logits for TMA."""
+    n_rows = logits.shape[0] * logits.shape[1]
+    return ((n_rows - 1) * stride + logits.shape[2]) // BOX_COLS
 
 
 def _row_stride(logits: torch.Tensor) -> int | None:
@@ -272,7 +291,7 @@ def launch_cross_entropy_inplace_sm90(
         return
     stride = _row_stride(logits)
     box, n_boxes, per_sm = row_boxes(n_cols, logits.element_size())
-    total_box_rows = ((n_rows - 1) * stride + n_cols) // BOX_COLS
+    total_box_rows = _total_box_rows(logits, stride)
     # the device-side descriptor's scratch (a context variable of Triton: set by each launch)
     triton.set_allocator(tma_scratch)
     launcher(_ce_inplace_sm90_kernel)[(min(n_rows, per_sm * sm_count(logits.device)),)](
