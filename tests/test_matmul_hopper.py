@@ -23,7 +23,7 @@ for name, code in mh.EPILOGUES.items():
     for b_t in (False, True):
         b = torch.empty((N, K) if b_t else (K, N), dtype=torch.bfloat16)
         kernel = mh._mm_sm90_kernel.warmup(
-            a, b, c, c, M, N, K, K, b.stride(0), N, N, B_T=b_t, EPILOGUE=code, GROUP_M=8,
+            a, b, c, c, M, N, K, K, b.stride(0), N, N, 1.0, B_T=b_t, EPILOGUE=code, GROUP_M=8,
             NUM_SMS=132, grid=(1,), **mh.TILES, **mh.LAUNCH,
         )
         assert "wgmma.mma_async" in kernel.asm["ptx"]
@@ -174,6 +174,24 @@ def test_strided_rows():
     assert (c_wide[:, N:] == 0).all()  # nothing written past the view's columns
 
 
+@on_hopper
+@pytest.mark.parametrize("b_t", [False, True])
+def test_gradient_after_dropout(b_t):
+    # the forward's output after a dropout of p holds the mask: dP = (dY W) · 2·√Y / √(1 - p)
+    # against float64's (dY W) · 2·relu(P) · keep / (1 - p)
+    M, N, K, p = 1000, 1032, 200, 0.3
+    a, b = _problem(M, N, K, b_t, torch.bfloat16)
+    relu = (torch.randn(M, N, device="cuda") + 0.5).clamp_min(0)
+    keep = (torch.rand(M, N, device="cuda") >= p).double()
+    y = (relu.double() ** 2 * keep / (1 - p)).to(torch.bfloat16)
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    mh.launch_mm_sm90(a, b, c, b_t, "relu2grad_from_square", y, grad_scale=(1 - p) ** -0.5)
+    prod = a.double() @ (b.double().t() if b_t else b.double())
+    ref = prod * 2 * relu.double() * keep / (1 - p)
+    assert (c[keep == 0] == 0).all()
+    assert (c.double() - ref).norm() / ref.norm() < 1e-2
+
+
 @pytest.fixture
 def gluon_launches(monkeypatch):
     """The epilogues of the Gluon kernel's launches."""
@@ -205,8 +223,9 @@ def test_feed_forward_takes_it(gluon_launches):
 @on_hopper
 @pytest.mark.parametrize("case", ["dropout", "disabled", "few tiles"])
 def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
-    # with a dropout mask (no such epilogue), switched off, or fewer output tiles than SMs,
-    # the Triton TMA kernel runs (the relu² forward at least), with the same results
+    # with a dropout mask (no such epilogue in the forward; the backward, from the forward's
+    # output, takes the kernel), switched off, or fewer output tiles than SMs, the Triton TMA
+    # kernel runs (the relu² forward at least), with the same results
     from test_mlp import check_mlp, rand
 
     import triton_transformer.matmul_plan as plan_module
@@ -222,7 +241,7 @@ def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
     w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5)
     w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
     check_mlp(x, w_in, w_out, 0.1 if case == "dropout" else 0.0, "cuda", 1e-2)
-    assert gluon_launches == []
+    assert gluon_launches == (["relu2grad_from_square"] if case == "dropout" else [])
     assert tma_launches
 
 

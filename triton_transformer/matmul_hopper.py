@@ -3,6 +3,13 @@
     forward:   Y = relu(X Wᵀ)²                      (M, N) = (tokens, ff)
     backward:  dP = (dY W) · 2·relu(P),  relu(P) = √Y (what the forward kept) or relu(P) itself
 
+With the forward's dropout, Y = relu(P)² · keep / (1 - p) is what the backward reads, and
+relu(P) · keep = √(Y (1 - p)) holds the mask already (keep is 0 or 1):
+
+    dP = (dY W) · 2·relu(P) · keep / (1 - p) = (dY W) · 2·√Y · s,   s = 1 / √(1 - p)
+
+so the backward runs without the mask, as the same epilogue times the scalar s (`grad_scale`).
+
 Both are persistent matmuls whose epilogue touches a second (M, N) tile: the forward writes
 Y, the backward reads Y as well. In `matmul_kernels._mm_tma_kernel` (Triton 3.6) that read is
 a synchronous load in the epilogue: at GPT-2's feed-forward the backward product took 160 µs
@@ -31,8 +38,9 @@ feed-forward (16384 x 768 -> 3072) forward 121.0 / 119.5 / 116.6 (111.2), backwa
 
 Scope: Hopper (sm_90), fp16 / bf16 operands and output, A (M, K) with unit column stride,
 B (K, N) or its transpose (N, K) with unit column stride, Y (M, N) with unit column stride,
-no dropout, no residual, no relu(P) kept beside the forward's output (the model's fp16 path
-keeps it and runs the Triton kernel). `matmul_plan` takes it for eager launches where
+no dropout in the forward (the backward from Y takes it through `grad_scale`), no residual,
+no relu(P) kept beside the forward's output (the model's fp16 path keeps it and runs the
+Triton kernel). `matmul_plan` takes it for eager launches where
 `usable` says so; traced code runs the Triton kernel or cuBLAS + the elementwise pass (torch's
 `wrap_triton` does not take Gluon kernels).
 """
@@ -93,7 +101,7 @@ if HAVE_GLUON:
         """The loader partition (one warp): every K step of this program's tiles, in order,
         into the ring; waits for a buffer's `empty` barrier, which its consumer signals."""
         (a_desc, b_desc, _y_desc, _c_desc, a_smem, b_smem, _c_smem, ready, empty, _y_bar,
-         _turn, M, N, K) = args  # fmt: skip
+         _turn, M, N, K, _grad_scale) = args  # fmt: skip
         B_T: gl.constexpr = meta[0]
         BLOCK_M: gl.constexpr = meta[2]
         BLOCK_N: gl.constexpr = meta[3]
@@ -121,7 +129,7 @@ if HAVE_GLUON:
         products from the ring, then its epilogue through its own buffer c_smem[which] while
         the other consumer's products run."""
         (_a_desc, _b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
-         turn, M, N, K) = args  # fmt: skip
+         turn, M, N, K, grad_scale) = args  # fmt: skip
         B_T: gl.constexpr = meta[0]
         EPILOGUE: gl.constexpr = meta[1]
         BLOCK_M: gl.constexpr = meta[2]
@@ -169,12 +177,12 @@ if HAVE_GLUON:
             acc = _gluon.mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
-            if GRAD:  # dP = acc · 2·relu(P), relu(P) = √Y or the kept relu(P)
+            if GRAD:  # dP = acc · 2·relu(P) · grad_scale, relu(P) = √Y or the kept relu(P)
                 mbarrier.wait(bar, (t // 2) & 1)  # this consumer's (t // 2)-th tile
                 kept = buf.load(acc_layout).to(gl.float32)
                 if EPILOGUE == 3:
                     kept = gl.sqrt(kept)
-                acc = acc * (2.0 * kept)
+                acc = acc * ((2.0 * grad_scale) * kept)
                 _gluon.cta_barrier()  # every warp has read Y before the output overwrites it
             else:
                 tma.store_wait(0)  # this consumer's previous output has left the buffer
@@ -196,16 +204,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mm_sm90_kernel(
-        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y,
+        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y, grad_scale,
         B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """C = epilogue(A @ B), one program per SM walking tiles start, start + NUM_SMS, ...
-        (grouped order, `_grouped_tile`), warp-specialized: a loader warp fills the ring of
-        STAGES buffers; two consumer warpgroups (the default partition and a worker; num_warps
-        = 4) take alternate tiles, so that one's epilogue overlaps the other's products. TMA
-        pads out-of-bounds loads with zeros and clips stores: ragged edges need no masks."""
+        """C = epilogue(A @ B) (the backward epilogues times grad_scale), one program per SM
+        walking tiles start, start + NUM_SMS, ... (grouped order, `_grouped_tile`),
+        warp-specialized: a loader warp fills the ring of STAGES buffers; two consumer
+        warpgroups (the default partition and a worker; num_warps = 4) take alternate tiles,
+        so that one's epilogue overlaps the other's products. TMA pads out-of-bounds loads
+        with zeros and clips stores: ragged edges need no masks."""
         dtype: gl.constexpr = A.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -237,7 +246,7 @@ if HAVE_GLUON:
             mbarrier.init(y_bar.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
         args = (a_desc, b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
-                turn, M, N, K)  # fmt: skip
+                turn, M, N, K, grad_scale)  # fmt: skip
         # the partitions' compile-time parameters, in this order (worker partitions share one
         # signature: one tuple keeps it short)
         meta: gl.constexpr = (B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)
@@ -300,10 +309,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def launch_mm_sm90(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_t: bool, epilogue: str,
     kept: torch.Tensor | None = None, num_sms: int | None = None, tiles: dict | None = None,
+    grad_scale: float = 1.0,
 ) -> None:  # fmt: skip
     """c (M, N) = epilogue(a (M, K) @ b) with b (K, N), or b (N, K) read transposed when b_t
     (a weight W as Wᵀ). epilogue: a key of `EPILOGUES`; kept (M, N): the forward's tile the
-    backward epilogues read. tiles: `TILES` unless given (benchmarks)."""
+    backward epilogues read; grad_scale: their factor (1 / √(1 - p) after a dropout of p, from
+    its output Y). tiles: `TILES` unless given (benchmarks)."""
     M, K = a.shape
     N = c.shape[1]
     if M == 0 or N == 0 or K == 0:
@@ -319,6 +330,6 @@ def launch_mm_sm90(
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
     launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](
-        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0),
+        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0), grad_scale,
         B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles, **LAUNCH,
     )  # fmt: skip

@@ -109,6 +109,7 @@ from triton_transformer.utils import (
     is_traced,
     launcher,
     next_power_of_2,
+    sm_count,
     tma_scratch,
     widened_for_interpreter,
 )
@@ -495,12 +496,15 @@ def _gluon_epilogue(
 ) -> str | None:
     """The `matmul_hopper` epilogue of a product with these epilogue arguments (those of
     `_mm2d_into`), or None where the Gluon kernel has none: relu² alone (no kept relu(y)
-    beside it), or relu²'s gradient without a dropout mask."""
-    if residual is not None or aux is not None or drop is not None or swiglu:
+    beside it, no dropout), or relu²'s gradient: without a dropout mask, or read from the
+    forward's output after its dropout, which holds the mask (`matmul_hopper`'s docstring)."""
+    if residual is not None or aux is not None or swiglu:
         return None
     if grad is not None:
-        return "relu2grad_from_square" if grad[1] else "relu2grad"
-    return "relu2" if relu_squared else None
+        if grad[1]:
+            return "relu2grad_from_square"
+        return "relu2grad" if drop is None else None
+    return "relu2" if relu_squared and drop is None else None
 
 
 def _launch_gluon(
@@ -508,15 +512,19 @@ def _launch_gluon(
     relu_squared: bool, residual: torch.Tensor | None, aux: torch.Tensor | None,
     drop: tuple | None, swiglu: bool, grad: tuple[torch.Tensor, bool] | None,
 ) -> bool:  # fmt: skip
-    """Run an eager "tma" problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it
-    has the epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's
-    TMA layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N)."""
+    """Run an eager problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it has
+    the epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's TMA
+    layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N)."""
     epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
     kept = grad[0] if grad is not None else None
     if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
         return False
     b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
-    matmul_hopper.launch_mm_sm90(a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms)
+    # relu²'s gradient after a dropout of p, from its output: 2·√Y · 1 / √(1 - p)
+    grad_scale = 1.0 if drop is None else (1.0 - drop[0]) ** -0.5
+    matmul_hopper.launch_mm_sm90(
+        a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms, grad_scale=grad_scale
+    )
     return True
 
 
@@ -584,10 +592,15 @@ def _mm2d_into(
             epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
             traced and not compile_tma(),
         )  # fmt: skip
-        if plan[0] == "tma" and not traced and _FORCE_PATH is None:  # noqa: SIM102
-            # (a forced "tma" means the Triton kernel: tests and benchmarks compare them)
-            if _launch_gluon(a, b, c, b_lay, plan[2], relu_squared, residual, aux, drop,
-                             swiglu, grad):  # fmt: skip
+        # Hopper's Gluon kernel for eager "tma" problems it has the epilogue of, and for relu²'s
+        # gradient after a dropout, read from the forward's output, whatever the plan (it
+        # needs no mask there: 128.7 µs at GPT-2's feed-forward against the Triton kernel's
+        # 160.4 without the mask and cuBLAS + the pass's 185.2, `mm_gluon_session18.md`).
+        # A forced "tma" means the Triton kernel: tests and benchmarks compare them.
+        gluon_first = plan[0] == "tma" or (epi == "+relu2grad+drop" and grad[1])
+        if gluon_first and not traced and _FORCE_PATH is None:  # noqa: SIM102
+            if _launch_gluon(a, b, c, b_lay, sm_count(device), relu_squared, residual, aux,
+                             drop, swiglu, grad):  # fmt: skip
                 return
         if plan[0] == "tma":
             launch_mm_tma(
