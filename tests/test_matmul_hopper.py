@@ -19,12 +19,13 @@ import triton_transformer.matmul_hopper as mh
 M, N, K = 1000, 520, 200
 a = torch.empty(M, K, dtype=torch.bfloat16)
 c = torch.empty(M, N, dtype=torch.bfloat16)
+seed = torch.empty((), dtype=torch.int64)
 for name, code in mh.EPILOGUES.items():
     for b_t in (False, True):
         b = torch.empty((N, K) if b_t else (K, N), dtype=torch.bfloat16)
         kernel = mh._mm_sm90_kernel.warmup(
-            a, b, c, c, M, N, K, K, b.stride(0), N, N, 1.0, B_T=b_t, EPILOGUE=code, GROUP_M=8,
-            NUM_SMS=132, grid=(1,), **mh.TILES, **mh.LAUNCH,
+            a, b, c, c, M, N, K, K, b.stride(0), N, N, 1.0, seed, 6554, B_T=b_t, EPILOGUE=code,
+            GROUP_M=8, NUM_SMS=132, grid=(1,), **mh.TILES, **mh.LAUNCH,
         )
         assert "wgmma.mma_async" in kernel.asm["ptx"]
         print("ok", name, b_t)
@@ -82,6 +83,10 @@ def test_launch_rejects_what_the_planner_screens():
     a, b = torch.empty(128, 64, dtype=torch.bfloat16), torch.empty(64, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pass kept"):
         mh.launch_mm_sm90(a, b, c, False, "relu2grad_from_square")
+    with pytest.raises(ValueError, match="seed"):
+        mh.launch_mm_sm90(a, b, c, False, "relu2_dropout", p=0.1)
+    with pytest.raises(ValueError, match="no dropout"):
+        mh.launch_mm_sm90(a, b, c, False, "relu2", p=0.1)
 
 
 @needs_gluon
@@ -127,7 +132,7 @@ def _reference(a, b, b_t, epilogue, kept):
 
 @on_hopper
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("epilogue", list(mh.EPILOGUES))
+@pytest.mark.parametrize("epilogue", [e for e in mh.EPILOGUES if e != "relu2_dropout"])
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_against_float64(shape, epilogue, b_t, dtype):
@@ -185,11 +190,35 @@ def test_gradient_after_dropout(b_t):
     keep = (torch.rand(M, N, device="cuda") >= p).double()
     y = (relu.double() ** 2 * keep / (1 - p)).to(torch.bfloat16)
     c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    mh.launch_mm_sm90(a, b, c, b_t, "relu2grad_from_square", y, grad_scale=(1 - p) ** -0.5)
+    mh.launch_mm_sm90(a, b, c, b_t, "relu2grad_from_square", y, p=p)
     prod = a.double() @ (b.double().t() if b_t else b.double())
     ref = prod * 2 * relu.double() * keep / (1 - p)
     assert (c[keep == 0] == 0).all()
     assert (c.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@on_hopper
+@pytest.mark.parametrize("shape", [(300, 264, 72), (4096, 3072, 768), (2048, 4136, 256)])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_dropout_forward_draws_the_package_mask(shape, b_t):
+    # relu(P)² · keep / (1 - p) with keep the package's mask (`dropout_keep_tile`, as
+    # `relu2_grad_op` regenerates it): the same elements dropped, the kept against float64
+    from test_mlp import keep_mask
+
+    from triton_transformer.utils import draw_seeds
+
+    M, N, K = shape
+    p = 0.3
+    a, b = _problem(M, N, K, b_t, torch.bfloat16)
+    seed = draw_seeds("cuda", 1)[0]
+    c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    mh.launch_mm_sm90(a, b, c, b_t, "relu2_dropout", p=p, seed=seed)
+    keep = keep_mask(p, seed, (M, N), "cuda")
+    ref = torch.where(keep, _reference(a, b, b_t, "relu2", None) / (1 - p), 0.0)
+    assert (c[~keep] == 0).all()
+    assert 0.6 < keep.float().mean().item() < 0.8
+    assert (c.double() - ref).norm() / ref.norm() < 1e-2
+    torch.testing.assert_close(c.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
 @pytest.fixture
@@ -221,11 +250,24 @@ def test_feed_forward_takes_it(gluon_launches):
 
 
 @on_hopper
-@pytest.mark.parametrize("case", ["dropout", "disabled", "few tiles"])
+def test_feed_forward_with_dropout_takes_it(gluon_launches):
+    # the forward draws the mask in the kernel's epilogue; relu²'s gradient reads it from the
+    # forward's output; against float64 with the package's mask, all three gradients
+    from test_mlp import check_mlp, rand
+
+    M, D, H = 4096, 768, 3072
+    x = rand((M, D), torch.bfloat16, "cuda")
+    w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5)
+    w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
+    check_mlp(x, w_in, w_out, 0.1, "cuda", 1e-2)
+    assert sorted(gluon_launches) == ["relu2_dropout", "relu2grad_from_square"]
+
+
+@on_hopper
+@pytest.mark.parametrize("case", ["disabled", "few tiles"])
 def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
-    # with a dropout mask (no such epilogue in the forward; the backward, from the forward's
-    # output, takes the kernel), switched off, or fewer output tiles than SMs, the Triton TMA
-    # kernel runs (the relu² forward at least), with the same results
+    # switched off, or with fewer output tiles than SMs, the Triton TMA kernel runs (the relu²
+    # forward at least), with the same results
     from test_mlp import check_mlp, rand
 
     import triton_transformer.matmul_plan as plan_module
@@ -240,8 +282,8 @@ def test_feed_forward_not_taken(case, gluon_launches, monkeypatch):
     x = rand((M, D), torch.bfloat16, "cuda")
     w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5)
     w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5)
-    check_mlp(x, w_in, w_out, 0.1 if case == "dropout" else 0.0, "cuda", 1e-2)
-    assert gluon_launches == (["relu2grad_from_square"] if case == "dropout" else [])
+    check_mlp(x, w_in, w_out, 0.0, "cuda", 1e-2)
+    assert gluon_launches == []
     assert tma_launches
 
 

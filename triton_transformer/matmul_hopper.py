@@ -8,7 +8,10 @@ relu(P) · keep = √(Y (1 - p)) holds the mask already (keep is 0 or 1):
 
     dP = (dY W) · 2·relu(P) · keep / (1 - p) = (dY W) · 2·√Y · s,   s = 1 / √(1 - p)
 
-so the backward runs without the mask, as the same epilogue times the scalar s (`grad_scale`).
+so the backward runs without the mask, as the same epilogue times the scalar s. The forward's
+dropout draws the mask of `_jit_helpers.dropout_keep_tile` (one Philox4x32-7 call per row and
+group of 8 columns; the package's one scheme) after the tile has left the registers for the
+output buffer, in a layout of 8 consecutive columns per thread (`_keep_tile`).
 
 Both are persistent matmuls whose epilogue touches a second (M, N) tile: the forward writes
 Y, the backward reads Y as well. In `matmul_kernels._mm_tma_kernel` (Triton 3.6) that read is
@@ -38,9 +41,8 @@ feed-forward (16384 x 768 -> 3072) forward 121.0 / 119.5 / 116.6 (111.2), backwa
 
 Scope: Hopper (sm_90), fp16 / bf16 operands and output, A (M, K) with unit column stride,
 B (K, N) or its transpose (N, K) with unit column stride, Y (M, N) with unit column stride,
-no dropout in the forward (the backward from Y takes it through `grad_scale`), no residual,
-no relu(P) kept beside the forward's output (the model's fp16 path keeps it and runs the
-Triton kernel). `matmul_plan` takes it for eager launches where
+no residual, no relu(P) kept beside the forward's output (the model's fp16 path keeps it and
+runs the Triton kernel). `matmul_plan` takes it for eager launches where
 `usable` says so; traced code runs the Triton kernel or cuBLAS + the elementwise pass (torch's
 `wrap_triton` does not take Gluon kernels).
 """
@@ -53,13 +55,13 @@ import triton
 from triton_transformer import _gluon
 from triton_transformer._gluon import HAVE_GLUON, gl, gluon, hopper, is_sm90, mbarrier, tma
 from triton_transformer.matmul_kernels import _grouped_tile
-from triton_transformer.utils import launcher, tma_scratch
+from triton_transformer.utils import dropout_threshold, launcher, tma_scratch
 
 __all__ = ["EPILOGUES", "HAVE_GLUON", "launch_mm_sm90", "usable"]
 
 # The epilogues (the kernel's EPILOGUE): relu² of the product, or relu²'s backward with the
 # forward's kept tile holding relu(P) ("relu2grad") or Y = relu(P)² ("relu2grad_from_square")
-EPILOGUES = {"relu2": 1, "relu2grad": 2, "relu2grad_from_square": 3}
+EPILOGUES = {"relu2": 1, "relu2grad": 2, "relu2grad_from_square": 3, "relu2_dropout": 4}
 
 # registers per thread of the worker partitions: the second consumer, the loader (see `LAUNCH`)
 _CONSUMER_REGS = gl.constexpr(232) if HAVE_GLUON else 232
@@ -67,6 +69,58 @@ _LOADER_REGS = gl.constexpr(40) if HAVE_GLUON else 40
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _philox(c0, c1, k0, k1):
+        """Philox4x32-7 of the counter (c0, c1, 0, 0) under the key (k0, k1), uint32: the
+        generator `tl.randint4x(seed, counter, n_rounds=7)` runs (Salmon et al., SC'11)."""
+        c2 = gl.zeros_like(c0)
+        c3 = gl.zeros_like(c0)
+        for _ in gl.static_range(7):
+            prev_c0, prev_c2 = c0, c2
+            c0 = gl.umulhi(prev_c2, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = gl.umulhi(prev_c0, 0xD2511F53) ^ c3 ^ k1
+            c1 = prev_c2 * 0xCD9E8D57
+            c3 = prev_c0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _keep_tile(
+        SEED, off_m, off_n, N, threshold, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
+    ):  # fmt: skip
+        """The dropout keep mask (bool) of the (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of an
+        (M, N) output, `_jit_helpers.dropout_keep_tile`'s: one Philox call per row and group of
+        8 columns (counter row · ⌈N / 8⌉ + column // 8, int64), column 8g + j kept when half
+        j % 2 of word j // 2, a 16-bit uniform, is >= threshold. Each thread draws whole
+        groups, so the result holds 8 consecutive columns per thread (its layout is the one
+        the caller loads the tile in)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (BLOCK_N // 8), BLOCK_N // 8],
+                                                [4, 1], [1, 0])  # fmt: skip
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        groups = off_n // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, layout))
+        counter = rows.to(gl.int64)[:, None] * ((N + 7) // 8) + groups[None, :]
+        seed = gl.load(SEED)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        w0, w1, w2, w3 = _philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32), k0, k1)
+        lo0, hi0 = _keeps(w0, threshold)
+        lo1, hi1 = _keeps(w1, threshold)
+        lo2, hi2 = _keeps(w2, threshold)
+        lo3, hi3 = _keeps(w3, threshold)
+        # column 8g + 4·b2 + 2·b1 + b0 takes half b0 of word 2·b2 + b1: each join appends the
+        # next bit of j as the new fastest dimension, b2 first
+        lo = gl.join(gl.join(lo0, lo2), gl.join(lo1, lo3))
+        hi = gl.join(gl.join(hi0, hi2), gl.join(hi1, hi3))
+        return gl.reshape(gl.join(lo, hi), [BLOCK_M, BLOCK_N])
+
+    @gluon.jit
+    def _keeps(word, threshold):
+        """Whether the low and the high 16-bit uniform of each Philox word keep their element."""
+        lo = (word & 0xFFFF).to(gl.int32) >= threshold
+        hi = ((word >> 16) & 0xFFFF).to(gl.int32) >= threshold
+        return lo, hi
 
     @gluon.jit
     def _issue_loads(
@@ -101,7 +155,7 @@ if HAVE_GLUON:
         """The loader partition (one warp): every K step of this program's tiles, in order,
         into the ring; waits for a buffer's `empty` barrier, which its consumer signals."""
         (a_desc, b_desc, _y_desc, _c_desc, a_smem, b_smem, _c_smem, ready, empty, _y_bar,
-         _turn, M, N, K, _grad_scale) = args  # fmt: skip
+         _turn, M, N, K, _scale, _seed, _threshold) = args  # fmt: skip
         B_T: gl.constexpr = meta[0]
         BLOCK_M: gl.constexpr = meta[2]
         BLOCK_N: gl.constexpr = meta[3]
@@ -129,7 +183,7 @@ if HAVE_GLUON:
         products from the ring, then its epilogue through its own buffer c_smem[which] while
         the other consumer's products run."""
         (_a_desc, _b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
-         turn, M, N, K, grad_scale) = args  # fmt: skip
+         turn, M, N, K, scale, SEED, threshold) = args  # fmt: skip
         B_T: gl.constexpr = meta[0]
         EPILOGUE: gl.constexpr = meta[1]
         BLOCK_M: gl.constexpr = meta[2]
@@ -177,20 +231,27 @@ if HAVE_GLUON:
             acc = _gluon.mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
-            if GRAD:  # dP = acc · 2·relu(P) · grad_scale, relu(P) = √Y or the kept relu(P)
+            if GRAD:  # dP = acc · 2·relu(P) · scale, relu(P) = √Y or the kept relu(P)
                 mbarrier.wait(bar, (t // 2) & 1)  # this consumer's (t // 2)-th tile
                 kept = buf.load(acc_layout).to(gl.float32)
                 if EPILOGUE == 3:
                     kept = gl.sqrt(kept)
-                acc = acc * ((2.0 * grad_scale) * kept)
+                acc = acc * ((2.0 * scale) * kept)
                 _gluon.cta_barrier()  # every warp has read Y before the output overwrites it
             else:
                 tma.store_wait(0)  # this consumer's previous output has left the buffer
                 _gluon.cta_barrier()
-            if EPILOGUE == 1:
+            if EPILOGUE == 1 or EPILOGUE == 4:
                 acc = gl.maximum(acc, 0.0)
                 acc = acc * acc
+            if EPILOGUE == 4:  # relu² · keep / (1 - p): scaled here, the dropped zeroed below
+                acc = acc * scale
             buf.store(acc.to(dtype))
+            if EPILOGUE == 4:  # the mask, drawn with the tile out of the registers
+                _gluon.cta_barrier()  # every warp's part of the tile written
+                keep = _keep_tile(SEED, off_m, off_n, N, threshold, BLOCK_M, BLOCK_N)
+                y = buf.load(keep.type.layout)
+                buf.store(gl.where(keep, y, gl.zeros_like(y)))
             hopper.fence_async_shared()
             _gluon.cta_barrier()  # every warp's part written before the one store
             _gluon.tma_store(c_desc, [off_m, off_n], buf)
@@ -204,12 +265,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mm_sm90_kernel(
-        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y, grad_scale,
+        A, B, C, Y, M, N, K, stride_a, stride_b, stride_c, stride_y, scale, SEED, threshold,
         B_T: gl.constexpr, EPILOGUE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """C = epilogue(A @ B) (the backward epilogues times grad_scale), one program per SM
+        """C = epilogue(A @ B) (times scale, and for relu2_dropout the mask of SEED at threshold),
+        one program per SM
         walking tiles start, start + NUM_SMS, ... (grouped order, `_grouped_tile`),
         warp-specialized: a loader warp fills the ring of STAGES buffers; two consumer
         warpgroups (the default partition and a worker; num_warps = 4) take alternate tiles,
@@ -246,7 +308,7 @@ if HAVE_GLUON:
             mbarrier.init(y_bar.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
         args = (a_desc, b_desc, y_desc, c_desc, a_smem, b_smem, c_smem, ready, empty, y_bar,
-                turn, M, N, K, grad_scale)  # fmt: skip
+                turn, M, N, K, scale, SEED, threshold)  # fmt: skip
         # the partitions' compile-time parameters, in this order (worker partitions share one
         # signature: one tuple keeps it short)
         meta: gl.constexpr = (B_T, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_SMS)
@@ -309,18 +371,27 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def launch_mm_sm90(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_t: bool, epilogue: str,
     kept: torch.Tensor | None = None, num_sms: int | None = None, tiles: dict | None = None,
-    grad_scale: float = 1.0,
+    p: float = 0.0, seed: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """c (M, N) = epilogue(a (M, K) @ b) with b (K, N), or b (N, K) read transposed when b_t
     (a weight W as Wᵀ). epilogue: a key of `EPILOGUES`; kept (M, N): the forward's tile the
-    backward epilogues read; grad_scale: their factor (1 / √(1 - p) after a dropout of p, from
-    its output Y). tiles: `TILES` unless given (benchmarks)."""
+    backward epilogues read. p: the forward's dropout: "relu2_dropout" draws its mask from
+    `seed` (a 0-dim int64 device tensor) and scales the kept by 1 / (1 - p);
+    "relu2grad_from_square" reads its output Y, which holds the mask, and scales by
+    1 / √(1 - p) (no seed). tiles: `TILES` unless given (benchmarks)."""
     M, K = a.shape
     N = c.shape[1]
     if M == 0 or N == 0 or K == 0:
         raise ValueError(f"an empty product ({M} x {K} @ {K} x {N}): the caller handles it")
-    if epilogue != "relu2" and kept is None:
+    if epilogue.startswith("relu2grad") and kept is None:
         raise ValueError(f"the {epilogue!r} epilogue reads the forward's kept tile: pass kept")
+    if (epilogue == "relu2_dropout") != (seed is not None):
+        raise ValueError("the relu2_dropout epilogue, and only it, draws its mask from a seed")
+    if p > 0.0 and epilogue not in ("relu2_dropout", "relu2grad_from_square"):
+        raise ValueError(f"the {epilogue!r} epilogue has no dropout (p={p})")
+    scale = 1.0
+    if p > 0.0:
+        scale = 1.0 / (1.0 - p) if epilogue == "relu2_dropout" else (1.0 - p) ** -0.5
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     tiles = tiles or TILES
@@ -330,6 +401,7 @@ def launch_mm_sm90(
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
     launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](
-        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0), grad_scale,
+        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0), scale,
+        seed if seed is not None else c, dropout_threshold(p),
         B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles, **LAUNCH,
     )  # fmt: skip

@@ -495,8 +495,8 @@ def _gluon_epilogue(
     grad: tuple[torch.Tensor, bool] | None,
 ) -> str | None:
     """The `matmul_hopper` epilogue of a product with these epilogue arguments (those of
-    `_mm2d_into`), or None where the Gluon kernel has none: relu² alone (no kept relu(y)
-    beside it, no dropout), or relu²'s gradient: without a dropout mask, or read from the
+    `_mm2d_into`), or None where the Gluon kernel has none: relu² and its dropout (no kept
+    relu(y) beside it), or relu²'s gradient: without a dropout mask, or read from the
     forward's output after its dropout, which holds the mask (`matmul_hopper`'s docstring)."""
     if residual is not None or aux is not None or swiglu:
         return None
@@ -504,7 +504,9 @@ def _gluon_epilogue(
         if grad[1]:
             return "relu2grad_from_square"
         return "relu2grad" if drop is None else None
-    return "relu2" if relu_squared and drop is None else None
+    if relu_squared:
+        return "relu2" if drop is None else "relu2_dropout"
+    return None
 
 
 def _launch_gluon(
@@ -520,11 +522,11 @@ def _launch_gluon(
     if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
         return False
     b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
-    # relu²'s gradient after a dropout of p, from its output: 2·√Y · 1 / √(1 - p)
-    grad_scale = 1.0 if drop is None else (1.0 - drop[0]) ** -0.5
+    p, seed = drop if drop is not None else (0.0, None)
     matmul_hopper.launch_mm_sm90(
-        a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms, grad_scale=grad_scale
-    )
+        a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms, p=p,
+        seed=seed if epilogue == "relu2_dropout" else None,
+    )  # fmt: skip
     return True
 
 
@@ -594,8 +596,8 @@ def _mm2d_into(
         )  # fmt: skip
         # Hopper's Gluon kernel for eager "tma" problems it has the epilogue of, and for relu²'s
         # gradient after a dropout, read from the forward's output, whatever the plan (it
-        # needs no mask there: 128.7 µs at GPT-2's feed-forward against the Triton kernel's
-        # 160.4 without the mask and cuBLAS + the pass's 185.2, `mm_gluon_session18.md`).
+        # needs no mask there; GPT-2 preset at dropout 0.1: the step 1.014× the one with
+        # cuBLAS + the pass regenerating the mask, `step_gpt2_dropout_session19*.md`).
         # A forced "tma" means the Triton kernel: tests and benchmarks compare them.
         gluon_first = plan[0] == "tma" or (epi == "+relu2grad+drop" and grad[1])
         if gluon_first and not traced and _FORCE_PATH is None:  # noqa: SIM102
