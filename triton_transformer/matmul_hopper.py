@@ -192,7 +192,7 @@ if HAVE_GLUON:
         GROUP_M: gl.constexpr = meta[6]
         NUM_SMS: gl.constexpr = meta[7]
         dtype: gl.constexpr = c_desc.dtype
-        GRAD: gl.constexpr = EPILOGUE >= 2
+        GRAD: gl.constexpr = EPILOGUE == 2 or EPILOGUE == 3  # the backward's, reading Y
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
