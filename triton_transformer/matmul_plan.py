@@ -72,9 +72,11 @@ elementwise pass ("cublas+ew"), and every projection of the GPT-2 and large pres
 dX, dW): measured in the next GPU run (`bench_matmul.py --presets`), whose "table" column
 gives the entries to add here.
 
-On Hopper, eager launches of the relu² forward and relu²'s gradient (no dropout) that fill
-every SM with `matmul_hopper.TILES` run its warp-specialized Gluon kernel instead of the TMA
-kernel (`_launch_gluon`): one consumer's epilogue runs while the other's products do.
+On Hopper, eager launches of the relu² forward (its dropout drawn in the epilogue) and relu²'s
+gradient (after a dropout: from the forward's output, which holds the mask) that fill every
+SM with `matmul_hopper.TILES` run its warp-specialized Gluon kernel instead of the TMA kernel
+or cuBLAS + the pass (`_launch_gluon`): one consumer's epilogue runs while the other's
+products do.
 
 Notes: the first call of a shape autotunes (several kernel runs), so warm up before capturing
 a CUDA graph. Later eager calls launch the tuned config directly (`_TUNED`). Under
