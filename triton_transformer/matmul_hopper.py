@@ -274,13 +274,12 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """C = epilogue(A @ B) (times scale, and for relu2_dropout the mask of SEED at threshold),
-        one program per SM
-        walking tiles start, start + NUM_SMS, ... (grouped order, `_grouped_tile`),
-        warp-specialized: a loader warp fills the ring of STAGES buffers; two consumer
-        warpgroups (the default partition and a worker; num_warps = 4) take alternate tiles,
-        so that one's epilogue overlaps the other's products. TMA pads out-of-bounds loads
-        with zeros and clips stores: ragged edges need no masks."""
+        """C = epilogue(A @ B) (times scale; relu2_dropout: and the mask of SEED at
+        threshold), one program per SM walking tiles start, start + NUM_SMS, ... (grouped
+        order, `_grouped_tile`), warp-specialized: a loader warp fills the ring of STAGES
+        buffers; two consumer warpgroups (the default partition and a worker; num_warps = 4)
+        take alternate tiles, so that one's epilogue overlaps the other's products. TMA pads
+        out-of-bounds loads with zeros and clips stores: ragged edges need no masks."""
         dtype: gl.constexpr = A.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
