@@ -89,6 +89,27 @@ def test_launch_rejects_what_the_planner_screens():
         mh.launch_mm_sm90(a, b, c, False, "relu2", p=0.1)
 
 
+def test_planner_epilogues():
+    # which of the planner's epilogue arguments the Gluon kernel has: relu² with or without
+    # its dropout; relu²'s gradient from the forward's output Y (which holds a dropout's mask)
+    # or from relu(P) without a dropout; nothing with a residual, a kept relu(P) beside the
+    # output, SwiGLU, a plain product, or relu(P)'s gradient after a dropout (no mask in it)
+    from triton_transformer.matmul_plan import _gluon_epilogue
+
+    t = torch.empty(2, 2)
+    drop = (0.1, torch.zeros((), dtype=torch.int64))
+    assert _gluon_epilogue(True, None, None, None, False, None) == "relu2"
+    assert _gluon_epilogue(True, None, None, drop, False, None) == "relu2_dropout"
+    assert _gluon_epilogue(False, None, None, None, False, (t, True)) == "relu2grad_from_square"
+    assert _gluon_epilogue(False, None, None, drop, False, (t, True)) == "relu2grad_from_square"
+    assert _gluon_epilogue(False, None, None, None, False, (t, False)) == "relu2grad"
+    assert _gluon_epilogue(False, None, None, drop, False, (t, False)) is None
+    assert _gluon_epilogue(True, t, None, None, False, None) is None
+    assert _gluon_epilogue(True, None, t, None, False, None) is None
+    assert _gluon_epilogue(False, None, None, None, True, None) is None
+    assert _gluon_epilogue(False, None, None, None, False, None) is None
+
+
 @needs_gluon
 def test_usable_needs_a_tile_per_sm(monkeypatch):
     # problems with fewer output tiles than SMs go to the autotuned Triton kernel
