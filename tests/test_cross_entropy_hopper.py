@@ -123,8 +123,8 @@ def launches(monkeypatch):
 
 
 # (outer, inner, V): few rows; more rows than programs (two per SM); a vocabulary just above
-# the register path's (257 rows of 64 in 5 boxes of 64: the last box holds one row of the
-# row); one program per SM; (outer, inner)
+# the register path's (257 rows of 64 in 5 boxes of 64: the last box holds only the
+# last 64 columns); one program per SM; (outer, inner)
 GPU_SHAPES = [(1, 5, 50304), (1, 700, 50304), (3, 300, 16448), (1, 300, 100352), (2, 150, 32000)]
 
 
