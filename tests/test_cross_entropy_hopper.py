@@ -79,6 +79,9 @@ def test_usable_gate(monkeypatch):
     assert ceh.usable(wide[:, :, 8 : V + 8])  # a start 16 bytes in
     assert not ceh.usable(wide[:, :, 4 : V + 4])  # a start 8 bytes in: TMA needs 16
     assert not ceh.usable(logits(4, 16, V).transpose(0, 1))  # rows not evenly strided
+    # 2**31 box rows or more: past TMA's int32 coordinates (a meta tensor: no memory)
+    assert ceh.usable(logits(1, (2**31 - 1) * 64 // V, V))
+    assert not ceh.usable(logits(1, 2**31 * 64 // V + 1, V))
     monkeypatch.setattr(ceh, "is_sm90", lambda device: False)
     assert not ceh.usable(logits(1, 64, V))
 
