@@ -192,12 +192,13 @@ scalars = dict.fromkeys(
     ("lr_value", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay",
      "max_norm", "clip_eps"), "fp32",
 )  # fmt: skip
-for param, grad in (("*fp32", "*fp32"), (bf16, bf16), ("*fp32", bf16)):
+for param, grad, copies in (("*fp32", "*fp32", False), (bf16, bf16, False),
+                            ("*fp32", bf16, False), ("*fp32", bf16, True)):  # fmt: skip
     compile_sm90(
         adamw._adamw_kernel,
-        dict(scalars, TABLE="*i64", BLOCK_TENSOR="*i32", P0=param, G0=grad, LR="*fp32",
-             CLIP_NORM="*fp32"), set(),
-        dict(LR_ON_DEVICE=True, CLIP=True, BLOCK=4096),
+        dict(scalars, TABLE="*i64", BLOCK_TENSOR="*i32", P0=param, G0=grad,
+             C0=bf16 if copies else param, LR="*fp32", CLIP_NORM="*fp32"), set(),
+        dict(LR_ON_DEVICE=True, CLIP=True, COPIES=copies, BLOCK=4096),
     )  # fmt: skip
 compile_sm90(
     adamw._grad_sq_sum_kernel,

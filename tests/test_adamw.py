@@ -240,15 +240,105 @@ def test_rebuilt_table_equals_a_fresh_one(device):
     states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
     steps = [torch.zeros((), device=device) for _ in params]
     old_grads = [torch.zeros_like(p) for p in params]
-    lists = [params, old_grads, *states, steps]
+    copies = [torch.zeros_like(p) if i % 3 else None for i, p in enumerate(params)]
+    lists = [params, old_grads, *states, steps, copies]
     first = TensorTable(lists, table_key(lists))
     new_grads = [torch.zeros_like(p) for p in params]
-    lists = [params, new_grads, *states, steps]
+    copies = [torch.zeros_like(p) if i % 3 else None for i, p in enumerate(params)]
+    lists = [params, new_grads, *states, steps, copies]
     rebuilt = TensorTable(lists, table_key(lists), like=first)
     fresh = TensorTable(lists, table_key(lists))
     assert torch.equal(rebuilt.rows, fresh.rows) and not torch.equal(rebuilt.rows, first.rows)
     assert rebuilt.block_tensor is first.block_tensor
     assert torch.equal(rebuilt.block_tensor, fresh.block_tensor)
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_cast_copies_hold_each_update(device, use_triton, copy_dtype):
+    """`cast_copies`: after every step each copy equals its parameter cast (rounded to
+    nearest even) bit for bit, parameters without a copy are untouched by the option, and
+    the updates equal an optimizer's without copies."""
+    params = [off_centre(s, torch.float32, device).requires_grad_() for s in shapes()]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = AdamW(params, lr=3e-2, betas=BETAS, use_triton=use_triton)
+    ref = AdamW(twins, lr=3e-2, betas=BETAS, use_triton=use_triton)
+    copied = params[1:3]  # one ragged tensor, one spanning two blocks
+    opt.cast_copies(copied, copy_dtype)
+    for step in range(3):
+        for p, t in zip(params, twins, strict=True):
+            p.grad = off_centre(p.shape, torch.float32, device, scale=2.0)
+            t.grad = p.grad.clone()
+        for o in (opt, ref):
+            o.clip_grad_norm(1.0)
+            o.step()
+        for p, t in zip(params, twins, strict=True):
+            assert torch.equal(p, t), step
+        current = opt.current_copies()
+        assert [id(p) for p, _ in current] == [id(p) for p in copied]
+        for p, c in current:
+            assert c.dtype == copy_dtype and torch.equal(c, p.detach().to(copy_dtype)), step
+
+
+def test_a_changed_parameter_leaves_its_copy_out(device):
+    """A parameter changed in place outside `step` (its version moves) has no current copy
+    until the next step rewrites it; the others keep theirs."""
+    params = [off_centre((7, 3), torch.float32, device).requires_grad_() for _ in range(2)]
+    opt = AdamW(params, lr=1e-2, use_triton=True)
+    opt.cast_copies(params, torch.bfloat16)
+    assert len(opt.current_copies()) == 2  # written from the parameters at once
+    with torch.no_grad():
+        params[0].add_(1.0)
+    assert [p for p, _ in opt.current_copies()] == [params[1]]
+    for p in params:
+        p.grad = off_centre(p.shape, torch.float32, device)
+    opt.step()
+    current = opt.current_copies()
+    assert len(current) == 2
+    for p, c in current:
+        assert torch.equal(c, p.detach().to(torch.bfloat16))
+
+
+def test_reuse_weight_casts_takes_the_copies(device):
+    """`bmm.reuse_weight_casts(module, copies=...)` hands `linear` the optimizer's copies
+    instead of casting (the same tensors), and still casts a weight without one."""
+    from triton_transformer import bmm
+
+    model, _ = _twin_models(device)
+    opt = AdamW(_groups(model), lr=1e-2, use_triton=True)
+    first, last = model[0].weight, model[2].weight
+    assert bmm.trainable_casts(model, torch.bfloat16) == [first, last]
+    opt.cast_copies([first], torch.bfloat16)
+    (copy,) = [c for _, c in opt.current_copies()]
+    with bmm.reuse_weight_casts(model, copies=opt.current_copies()):
+        assert bmm._weight_in(first, torch.bfloat16) is copy
+        cast = bmm._weight_in(last, torch.bfloat16)
+        assert torch.equal(cast, last.detach().to(torch.bfloat16))
+    with bmm.reuse_weight_casts(model):  # without them: a cast of its own
+        assert bmm._weight_in(first, torch.bfloat16) is not copy
+
+
+def test_cast_copies_errors(device):
+    p = off_centre((5,), torch.float32, device).requires_grad_()
+    opt = AdamW([p], lr=1e-2, use_triton=True)
+    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        opt.cast_copies([p.detach().clone()], torch.bfloat16)
+    with pytest.raises(ValueError, match="a floating dtype"):
+        opt.cast_copies([p], torch.int32)
+    opt.cast_copies([p], torch.bfloat16)
+    opt.cast_copies([p], torch.bfloat16)  # again: nothing new
+    q = off_centre((5,), torch.float32, device).requires_grad_()
+    opt.add_param_group({"params": [q]})
+    with pytest.raises(ValueError, match=r"keeps copies in torch\.bfloat16, not torch\.float16"):
+        opt.cast_copies([q], torch.float16)
+    g = [torch.zeros_like(p)]
+    state = [[torch.zeros_like(p)], [torch.zeros_like(p)], [torch.zeros((), device=device)]]
+    with pytest.raises(ValueError, match="one per parameter"):
+        adamw_([p], g, *state, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+               copies=[])  # fmt: skip
+    with pytest.raises(ValueError, match="the parameter's shape"):
+        adamw_([p], g, *state, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+               copies=[torch.zeros(4, device=device)])  # fmt: skip
 
 
 def test_no_gradient_outlives_zero_grad(device):

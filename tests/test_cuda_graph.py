@@ -54,3 +54,34 @@ def test_replays_draw_fresh_dropout_masks(use_triton):
     losses = [step()[0].item() for _ in range(5)]
     assert step.captured
     assert len(set(losses[2:])) == 3, losses  # the captured call and two replays
+
+
+def test_optimizer_copies_train_as_casts():
+    """The Triton step reads the bf16 weight copies its AdamW wrote in the last update
+    (`AdamW.cast_copies`): graphed, its losses equal a step that casts the weights itself
+    at every forward. A copy one update behind would change the losses from the second step
+    on by far more than the tolerance."""
+    from triton_transformer.adamw import AdamW
+    from triton_transformer.bmm import reuse_weight_casts
+
+    batches = torch.randint(0, 256, (6, 4, 65), generator=torch.Generator().manual_seed(1))
+    model = make_model(True)
+    inputs = StaticInputs((4, 65), torch.int64, torch.device("cuda"))
+    step = GraphedStep(make_step(model, inputs.device_buffer), warmup_steps=2)
+
+    twin = make_model(True)
+    params = [p for p in twin.parameters() if p.requires_grad]
+    opt = AdamW(params, lr=torch.tensor(1e-3, device="cuda"), use_triton=True)
+    losses, ref = [], []
+    for b in batches:
+        inputs.load(b)
+        losses.append(step()[0].item())
+        opt.zero_grad(set_to_none=True)
+        with reuse_weight_casts(twin), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = twin(b.cuda())
+        loss.backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        ref.append(loss.item())
+    assert step.captured
+    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=0)

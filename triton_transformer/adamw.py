@@ -48,7 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_transformer.utils import TRITON_DTYPES, check_triton_tensor, launcher
+from triton_transformer.utils import (
+    TRITON_DTYPES,
+    check_triton_tensor,
+    interpreter_enabled,
+    launcher,
+)
 
 __all__ = ["AdamW", "adamw_", "grad_norm"]
 
@@ -60,8 +65,12 @@ NUM_WARPS = 4
 CLIP_EPS = 1e-6  # clip_grad_norm_'s: c = max_norm / (norm + 1e-6)
 
 # The tensor table: one row per tensor, these columns (the kernels read them by number).
-_P, _G, _M, _V, _STEP, _NUMEL, _FIRST_BLOCK = range(7)
-_COLUMNS = tl.constexpr(7)
+# _COPY: the address of the parameter's low-precision copy that the update also writes
+# (`AdamW.cast_copies`), 0 for none.
+_P, _G, _M, _V, _STEP, _NUMEL, _FIRST_BLOCK, _COPY = range(8)
+_COLUMNS = tl.constexpr(8)
+# the columns of a table's address lists, in the order `TensorTable` takes them
+_ADDRESS_COLUMNS = (_P, _G, _M, _V, _STEP, _COPY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,13 +90,16 @@ def _block_of(TABLE, BLOCK_TENSOR, BLOCK: tl.constexpr):
 
 @triton.jit
 def _adamw_kernel(
-    TABLE, BLOCK_TENSOR, P0, G0, LR, CLIP_NORM,
+    TABLE, BLOCK_TENSOR, P0, G0, C0, LR, CLIP_NORM,
     lr_value, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, max_norm, clip_eps,
-    LR_ON_DEVICE: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr,
+    LR_ON_DEVICE: tl.constexpr, CLIP: tl.constexpr, COPIES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One AdamW step for BLOCK elements of one tensor of TABLE (p, g, m, v as P0's and
     G0's dtypes, m and v as p's; step counts fp32, already incremented). CLIP: scale g by
-    min(1, max_norm / (CLIP_NORM + clip_eps)), CLIP_NORM a 0-dim fp32 device tensor."""
+    min(1, max_norm / (CLIP_NORM + clip_eps)), CLIP_NORM a 0-dim fp32 device tensor.
+    COPIES: also write the new p, rounded to C0's dtype, to the tensor's copy (if its row
+    has one)."""
     row, offs, mask = _block_of(TABLE, BLOCK_TENSOR, BLOCK)
     p_type = tl.pointer_type(P0.dtype.element_ty)
     p_ptr = tl.load(row + 0).to(p_type)
@@ -118,6 +130,14 @@ def _adamw_kernel(
     tl.store(m_ptr + offs, m.to(P0.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(P0.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p.to(P0.dtype.element_ty), mask=mask)
+    if COPIES:
+        # the copy holds the stored p, as a cast of the parameter would (p is rounded to
+        # P0's dtype first: a fp32 parameter is exactly the fp32 value here)
+        copy_addr = tl.load(row + 7)
+        if copy_addr != 0:
+            copy_ptr = copy_addr.to(tl.pointer_type(C0.dtype.element_ty))
+            p_stored = p.to(P0.dtype.element_ty)
+            tl.store(copy_ptr + offs, p_stored.to(C0.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -163,8 +183,12 @@ def _write_addresses(rows: torch.Tensor, column: int, addresses: list[int]) -> N
 
 class TensorTable:
     """The device table of one launch's tensors (see the module docstring): the addresses
-    of each tensor's parameter, gradient, moments and step count, its element count and its
-    first block; and the block map. `key` is the tuple of addresses it was built from.
+    of each tensor's parameter, gradient, moments and step count (and low-precision copy),
+    its element count and its first block; and the block map. `key` is the tuple of
+    addresses it was built from.
+
+    tensors: [params, grads, exp_avgs, exp_avg_sqs, steps] and optionally a sixth list, the
+    copies the update writes (None where a parameter has none; one dtype).
 
     With `like`, a table of the same element counts (a previous table of the same group),
     the new one is `like`'s rows copied on the device with the address columns that changed
@@ -179,13 +203,14 @@ class TensorTable:
         device = params[0].device
         self.key, self.block = key, BLOCK
         self.numels = tuple(p.numel() for p in params)
-        self.addresses = [[t.data_ptr() for t in ts] for ts in tensors]
+        self.addresses = [[0 if t is None else t.data_ptr() for t in ts] for ts in tensors]
+        columns = _ADDRESS_COLUMNS[: len(tensors)]
         if like is not None and (like.numels, like.block, len(like.addresses)) == (
             self.numels, BLOCK, len(self.addresses)
         ):  # fmt: skip
             self.rows = like.rows.clone()
             self.block_tensor, self.n_blocks = like.block_tensor, like.n_blocks
-            for column, (new, old) in enumerate(zip(self.addresses, like.addresses, strict=True)):
+            for column, new, old in zip(columns, self.addresses, like.addresses, strict=True):
                 if new != old:
                     _write_addresses(self.rows, column, new)
         else:
@@ -197,7 +222,7 @@ class TensorTable:
             numels = torch.tensor(self.numels, dtype=torch.int64)
             blocks = (numels + BLOCK - 1) // BLOCK
             rows = torch.zeros(len(params), _COLUMNS.value, dtype=torch.int64)
-            for column, addresses in enumerate(self.addresses):
+            for column, addresses in zip(columns, self.addresses, strict=True):
                 rows[:, column] = torch.tensor(addresses, dtype=torch.int64)
             rows[:, _NUMEL] = numels
             rows[:, _FIRST_BLOCK] = torch.cumsum(blocks, 0) - blocks
@@ -208,13 +233,18 @@ class TensorTable:
         # the kernels' pointer types come from these (empty: no gradient kept alive)
         self.param0 = torch.empty(0, dtype=params[0].dtype, device=device)
         self.grad0 = torch.empty(0, dtype=tensors[1][0].dtype, device=device)
+        copies = [c for c in tensors[5] if c is not None] if len(tensors) > 5 else []
+        self.copy0 = torch.empty(0, dtype=copies[0].dtype, device=device) if copies else None
 
 
 def table_key(tensors: Sequence[Sequence[torch.Tensor]]) -> tuple:
     """What tells a table's tensors apart from one step to the next: the addresses of the
-    parameters and of the gradients (the moments and step counts are the optimizer's own,
-    and move only when a state dict is loaded, which drops the tables)."""
-    return tuple(p.data_ptr() for p in tensors[0]) + tuple(g.data_ptr() for g in tensors[1])
+    parameters, of the gradients and of the copies (the moments and step counts are the
+    optimizer's own, and move only when a state dict is loaded, which drops the tables)."""
+    copies = tuple(0 if c is None else c.data_ptr() for c in tensors[5]) if len(tensors) > 5 else ()
+    return (
+        tuple(p.data_ptr() for p in tensors[0]) + tuple(g.data_ptr() for g in tensors[1]) + copies
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,12 +265,14 @@ def launch_adamw(
     clip: (global gradient norm, 0-dim fp32 device tensor; max_norm) or None."""
     on_device = isinstance(lr, torch.Tensor)
     norm, max_norm = clip if clip is not None else (table.rows, 0.0)
+    copies = table.copy0 is not None
     launcher(_adamw_kernel)[(table.n_blocks,)](
         table.rows, table.block_tensor, table.param0, table.grad0,
-        lr if on_device else table.rows, norm,
+        table.copy0 if copies else table.param0, lr if on_device else table.rows, norm,
         0.0 if on_device else float(lr), beta1, beta2, math.log2(beta1) if beta1 else -math.inf,
         math.log2(beta2) if beta2 else -math.inf, eps, weight_decay, float(max_norm), CLIP_EPS,
-        LR_ON_DEVICE=on_device, CLIP=clip is not None, BLOCK=table.block, num_warps=NUM_WARPS,
+        LR_ON_DEVICE=on_device, CLIP=clip is not None, COPIES=copies, BLOCK=table.block,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -279,6 +311,37 @@ def _check_lists(params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
             )
         if s.numel() != 1:
             raise ValueError(f"tensor {i}: a step count must be a 1-element tensor")
+
+
+def _check_copies(params: Sequence[torch.Tensor], copies: Sequence[torch.Tensor | None]) -> None:
+    if len(copies) != len(params):
+        raise ValueError(f"copies: one per parameter ({len(params)}), got {len(copies)}")
+    dtypes = {c.dtype for c in copies if c is not None}
+    if len(dtypes) > 1:
+        raise ValueError(f"copies: one dtype for all, got {sorted(map(str, dtypes))}")
+    for i, (p, c) in enumerate(zip(params, copies, strict=True)):
+        if c is not None and (c.shape != p.shape or c.device != p.device):
+            raise ValueError(
+                f"copy {i}: must have the parameter's shape {tuple(p.shape)} and device "
+                f"{p.device}, got {tuple(c.shape)} on {c.device}"
+            )
+        if c is not None and not (c.is_floating_point() and c.is_contiguous()):
+            raise ValueError(f"copy {i}: must be a contiguous floating tensor, got {c.dtype}")
+
+
+def _staging(copies: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
+    """fp32 stand-ins for 16-bit copies under Triton's interpreter, which rounds fp32 to
+    16 bits by truncation, not to nearest even as a cast does: the kernel writes these, then
+    `_unstage` casts them on the host. None where the kernel can write the copies (the GPU)."""
+    if not interpreter_enabled() or all(c is None or c.dtype == torch.float32 for c in copies):
+        return None
+    return [None if c is None else torch.empty(c.shape, device=c.device) for c in copies]
+
+
+def _unstage(copies: Sequence[torch.Tensor | None], staged: Sequence[torch.Tensor | None]) -> None:
+    for c, s in zip(copies, staged, strict=True):
+        if c is not None:
+            c.copy_(s)
 
 
 def _triton_ready(p, g, m, v, s) -> bool:
@@ -325,6 +388,7 @@ def adamw_(
     clip: tuple[torch.Tensor, float] | None = None,
     use_triton: bool = False,
     table: TensorTable | None = None,
+    copies: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """One AdamW step of every tensor, in place: the update of the module docstring.
 
@@ -339,10 +403,15 @@ def adamw_(
         use_triton: one kernel launch per (parameter dtype, gradient dtype) instead of the
             torch reference. Tensors the kernel cannot take (non-contiguous ones, a step count
             not fp32) take the reference update.
-        table: a prebuilt `TensorTable` of exactly these tensors (`AdamW` caches them);
-            None builds one (an upload per call).
+        table: a prebuilt `TensorTable` of exactly these tensors, copies included
+            (`AdamW` caches them); None builds one (an upload per call).
+        copies: per parameter None or a tensor of its shape (one floating dtype for all)
+            that receives the updated parameter cast to its dtype, as `copy.copy_(p)` after
+            the update would (the Triton path writes it in the update's launch).
     """
     _check_lists(params, grads, exp_avgs, exp_avg_sqs, steps)
+    if copies is not None:
+        _check_copies(params, copies)
     if not params:
         return
     torch._foreach_add_(list(steps), 1)
@@ -350,19 +419,30 @@ def adamw_(
     if clip is not None:
         norm, max_norm = clip
         scale = torch.clamp(max_norm / (norm.float() + CLIP_EPS), max=1.0)
+    copies = list(copies) if copies is not None else [None] * len(params)
     kernel_lists: dict[tuple, list[list[torch.Tensor]]] = {}
-    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+    rows = zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies, strict=True)
+    for p, g, m, v, s, c in rows:
         if use_triton and _triton_ready(p, g, m, v, s):
-            lists = kernel_lists.setdefault((p.dtype, g.dtype, p.device), [[], [], [], [], []])
-            for column, t in zip(lists, (p, g, m, v, s), strict=True):
+            lists = kernel_lists.setdefault((p.dtype, g.dtype, p.device), [[], [], [], [], [], []])
+            for column, t in zip(lists, (p, g, m, v, s, c), strict=True):
                 column.append(t)
         else:
             _reference_update(p, g, m, v, s, lr, beta1, beta2, eps, weight_decay, scale)
+            if c is not None:
+                c.copy_(p)
     for lists in kernel_lists.values():
+        if all(c is None for c in lists[5]):
+            lists = lists[:5]
         use = table if table is not None and len(kernel_lists) == 1 else None
+        staged = None
         if use is None or len(use.rows) != len(lists[0]):
-            use = TensorTable(lists, table_key(lists))
+            staged = _staging(lists[5]) if len(lists) > 5 else None
+            targets = lists if staged is None else [*lists[:5], staged]
+            use = TensorTable(targets, table_key(targets))
         launch_adamw(use, lr, beta1, beta2, eps, weight_decay, clip)
+        if staged is not None:
+            _unstage(lists[5], staged)
 
 
 @torch.no_grad()
@@ -428,6 +508,12 @@ class AdamW(torch.optim.Optimizer):
 
     `clip_grad_norm(max_norm)` returns the global gradient norm and makes the next `step`
     clip by it (see the module docstring); the `.grad` tensors are not rewritten.
+
+    `cast_copies(params, dtype)` keeps a low-precision copy of each of those parameters that
+    every `step` rewrites in the update's own launch (2 bytes more written per element),
+    and `current_copies()` hands them to `bmm.reuse_weight_casts`, which then casts none of
+    those weights before the next forward (a pass reading 4 and writing 2 bytes per element;
+    GPT-2 preset: 163 M parameters, six launches).
     """
 
     def __init__(
@@ -460,6 +546,40 @@ class AdamW(torch.optim.Optimizer):
         self._last: dict[int, tuple[list, list[list[torch.Tensor]], TensorTable]] = {}
         self._captured: list[TensorTable] = []  # tables a CUDA graph may replay: kept alive
         self._clip: tuple[torch.Tensor, float] | None = None
+        # id(param) -> [param, its copy, what the kernel writes (the copy, or an fp32 stand-in
+        # under the interpreter, `_staging`), the param's version when the copy was written]
+        self._copies: dict[int, list] = {}
+
+    @torch.no_grad()
+    def cast_copies(self, params: Iterable[torch.Tensor], dtype: torch.dtype) -> None:
+        """From now on keep each of `params` (parameters of this optimizer) also as a copy in
+        `dtype`, written from the parameter now and rewritten by every `step` that updates
+        it. One dtype per optimizer; parameters already in `dtype` or already copied are
+        skipped."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"cast_copies: a floating dtype, got {dtype}")
+        known = {id(p) for group in self.param_groups for p in group["params"]}
+        for p in params:
+            if id(p) not in known:
+                raise ValueError("cast_copies: a tensor that is not a parameter of this optimizer")
+            current = next(iter(self._copies.values()), None)
+            if current is not None and current[1].dtype != dtype:
+                raise ValueError(
+                    f"cast_copies: this optimizer keeps copies in {current[1].dtype}, not {dtype}"
+                )
+            if p.dtype == dtype or id(p) in self._copies:
+                continue
+            copy = p.detach().to(dtype, memory_format=torch.contiguous_format)
+            staged = _staging([copy])
+            self._copies[id(p)] = [p, copy, copy if staged is None else staged[0], p._version]
+        self._tables.clear()  # the tables gain the copies' column
+        self._last.clear()
+
+    def current_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, copy) of every `cast_copies` copy that holds its parameter's value: the
+        parameter's version counter has not moved since the copy was written (an in-place
+        change of the parameter outside `step` leaves its copy out until the next step)."""
+        return [(p, c) for p, c, _, version in self._copies.values() if p._version == version]
 
     def _group_tensors(self, group: dict) -> list[list[torch.Tensor]]:
         """[params, grads, exp_avgs, exp_avg_sqs, steps] of the group's parameters that have
@@ -467,6 +587,8 @@ class AdamW(torch.optim.Optimizer):
         tensor on the parameter's device (a state dict of torch's non-capturable AdamW
         keeps it on the CPU)."""
         lists: list[list[torch.Tensor]] = [[], [], [], [], []]
+        if self._copies:
+            lists.append([])
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -481,9 +603,14 @@ class AdamW(torch.optim.Optimizer):
             elif step.device != p.device or step.dtype != torch.float32:
                 step = state["step"] = step.to(device=p.device, dtype=torch.float32)
             for column, t in zip(
-                lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=True
+                lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=False
             ):
                 column.append(t)
+            if self._copies:
+                entry = self._copies.get(id(p))
+                lists[5].append(None if entry is None else entry[2])
+        if self._copies and all(c is None for c in lists[5]):
+            lists.pop()
         return lists
 
     def _table(self, index: int, lists: list[list[torch.Tensor]]) -> TensorTable | None:
@@ -491,7 +618,7 @@ class AdamW(torch.optim.Optimizer):
         while the optimizer lives if made during a CUDA graph capture); None when the
         group's tensors need more than one launch (mixed dtypes, tensors the kernel cannot
         take), which `adamw_` sorts out itself."""
-        if not all(_triton_ready(*ts) for ts in zip(*lists, strict=True)):
+        if not all(_triton_ready(*ts) for ts in zip(*lists[:5], strict=True)):
             return None
         kinds = {(p.dtype, g.dtype, p.device) for p, g in zip(lists[0], lists[1], strict=True)}
         if len(kinds) != 1:
@@ -578,13 +705,27 @@ class AdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], clip=self._clip)  # fmt: skip
+            copies = lists[5] if len(lists) > 5 else None
             if table is None:
-                adamw_(*lists, use_triton=self.use_triton, **hyper)
+                adamw_(*lists[:5], copies=copies, use_triton=self.use_triton, **hyper)
             else:  # checked when the table was made: one launch, no per-tensor checks
                 torch._foreach_add_(lists[4], 1)
                 launch_adamw(table, **hyper)
+            if copies is not None:
+                self._copies_written(lists[0])
         self._clip = None
         return loss
+
+    def _copies_written(self, params: list[torch.Tensor]) -> None:
+        """After a step updated `params`: cast fp32 stand-ins into their copies (the
+        interpreter, `_staging`), and record each copied parameter's version."""
+        for p in params:
+            entry = self._copies.get(id(p))
+            if entry is None:
+                continue
+            if entry[2] is not entry[1]:
+                entry[1].copy_(entry[2])
+            entry[3] = p._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; also drops a `clip_grad_norm` that no `step` used (the gradients it

@@ -49,7 +49,7 @@ import math
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -657,14 +657,8 @@ class _WeightCasts:
         """Cast every nn.Linear weight of the module that is not in dtype, all in one
         `torch._foreach_copy_` (one kernel for the lot, not one launch per weight)."""
         self.batched.add(dtype)
-        weights = {
-            id(m.weight): m.weight
-            for root in self.modules
-            for m in root.modules()
-            if isinstance(m, nn.Linear)
-        }
-        todo = [w for w in weights.values() if w.dtype != dtype and w.is_floating_point()]
-        todo = [w for w in todo if (id(w), dtype) not in self.copies]
+        todo = [w for w in cast_weights(*self.modules, dtype=dtype)
+                if (id(w), dtype) not in self.copies]  # fmt: skip
         if not todo:
             return
         copies = [torch.empty_like(w, dtype=dtype) for w in todo]
@@ -672,6 +666,20 @@ class _WeightCasts:
             torch._foreach_copy_(copies, [w.detach() for w in todo])
         for w, copy in zip(todo, copies, strict=True):
             self.copies[id(w), dtype] = (w, w._version, copy)
+
+
+def cast_weights(*modules: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """The weights `reuse_weight_casts(module, dtype)` casts: every nn.Linear weight of the
+    modules that is a floating tensor of another dtype, each once."""
+    weights = {id(m.weight): m.weight for root in modules for m in root.modules()
+               if isinstance(m, nn.Linear)}  # fmt: skip
+    return [w for w in weights.values() if w.dtype != dtype and w.is_floating_point()]
+
+
+def trainable_casts(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """`cast_weights` that require grad: those an optimizer can keep copies of
+    (`adamw.AdamW.cast_copies`)."""
+    return [w for w in cast_weights(module, dtype=dtype) if w.requires_grad]
 
 
 # The outermost `reuse_weight_casts` context's state (nested ones share it); None outside any.
@@ -690,7 +698,9 @@ TRACED_CAST = "_triton_transformer_cast"
 
 @contextlib.contextmanager
 def reuse_weight_casts(
-    module: nn.Module | None = None, dtype: torch.dtype | None = None
+    module: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    copies: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> Iterator[None]:
     """Within this context `linear` casts each wider weight (fp32 under bf16 autocast) to the
     activations' dtype once and reuses that copy: the micro-batches of one optimizer step read
@@ -707,12 +717,18 @@ def reuse_weight_casts(
     does so on every call, once per micro-batch; see TRACED_CAST). Traced code does not see a
     weight changed in place inside the context: keep the weights fixed there, as a training
     step does.
+    copies: (weight, copy) pairs of copies that hold their weights' current values, which the
+    context takes as its casts instead of casting those weights (`adamw.AdamW.current_copies`:
+    written by the last optimizer step). Ignored by a nested context, like module and dtype.
     """
     if dtype is not None and module is None:
         raise ValueError("reuse_weight_casts: a dtype needs the module whose weights to cast")
     global _weight_casts
     outer = _weight_casts
     state = _WeightCasts(module) if outer is None else outer
+    if outer is None:
+        for weight, copy in copies:
+            state.copies[id(weight), copy.dtype] = (weight, weight._version, copy)
     _weight_casts = state
     try:
         if outer is None and dtype is not None:

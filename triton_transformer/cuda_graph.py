@@ -29,7 +29,7 @@ import torch
 
 from triton_transformer import block_graphs
 from triton_transformer.adamw import AdamW
-from triton_transformer.bmm import reuse_weight_casts
+from triton_transformer.bmm import reuse_weight_casts, trainable_casts
 
 T = TypeVar("T")
 
@@ -103,19 +103,26 @@ def capturable_train_step(
     wrapped `Transformer`) has `use_triton` set. Returns (loss, grad norm) device tensors.
     The trainer's own step is `training.step.OptimizerStep`; this minimal one is what the
     CUDA-graph tests and `benchmarks/bench_step.py` time."""
+    uses_triton = any(getattr(m, "use_triton", False) is True for m in model.modules())
     if triton_optimizer is None:
-        triton_optimizer = any(getattr(m, "use_triton", False) is True for m in model.modules())
+        triton_optimizer = uses_triton
     params = [p for p in model.parameters() if p.requires_grad]
     lr_tensor = torch.tensor(lr, device="cuda")
     if triton_optimizer:
         opt = AdamW(params, lr=lr_tensor, use_triton=True)
+        if uses_triton:  # the update writes the bf16 weight copies the next forward reads
+            opt.cast_copies(trainable_casts(model, torch.bfloat16), torch.bfloat16)
     else:
         opt = torch.optim.AdamW(params, lr=lr_tensor, fused=True, capturable=True)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         opt.zero_grad(set_to_none=True)  # capture then allocates the grads in its pool
-        # the Triton path's bf16 weight copies: one foreach cast of them all
-        with reuse_weight_casts(model), torch.autocast("cuda", dtype=torch.bfloat16):
+        # the Triton path's bf16 weight copies: the optimizer's, or one foreach cast of them all
+        copies = opt.current_copies() if isinstance(opt, AdamW) else ()
+        with (
+            reuse_weight_casts(model, copies=copies),
+            torch.autocast("cuda", dtype=torch.bfloat16),
+        ):
             loss = model(batch)
         loss.backward()
         if triton_optimizer:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from triton_transformer.adamw import AdamW
-from triton_transformer.bmm import accumulate_grads_in_place, reuse_weight_casts
+from triton_transformer.bmm import accumulate_grads_in_place, reuse_weight_casts, trainable_casts
 from triton_transformer.cuda_graph import GraphedStep, StaticInputs
 from triton_transformer.training.config import TrainConfig
 from triton_transformer.training.distributed import DistInfo, all_reduce_sum
@@ -242,6 +242,9 @@ class OptimizerStep:
         self.autocast = autocast
         self.device = device
         self.cast_dtype = cast_dtype
+        if cast_dtype is not None and isinstance(optimizer, AdamW) and optimizer.use_triton:
+            # the update writes the weights' cast copies that the next step's forward reads
+            optimizer.cast_copies(trainable_casts(params_model, cast_dtype), cast_dtype)
         self.phase = "idle"  # see the module docstring
         self.running: int | None = None  # the number of the step `run` was last asked for
         self.rng_at_start: dict | None = None  # the RNG streams before that step's draws
@@ -337,6 +340,12 @@ class OptimizerStep:
             return self.train_model.no_sync()
         return contextlib.nullcontext()
 
+    def _casts(self) -> contextlib.AbstractContextManager:
+        """`bmm.reuse_weight_casts` for a step: the weights cast to cast_dtype once, or taken
+        from the copies the package's AdamW wrote in the last update."""
+        copies = self.optimizer.current_copies() if isinstance(self.optimizer, AdamW) else ()
+        return reuse_weight_casts(self.params_model, self.cast_dtype, copies=copies)
+
     def _accumulating(self) -> contextlib.AbstractContextManager:
         """`bmm.accumulate_grads_in_place` around the micro-batches, in compiled forwards
         too (traced=True) unless under DDP, whose hooks must see every weight's gradient."""
@@ -350,7 +359,7 @@ class OptimizerStep:
         total = torch.zeros((), device=self.device)
         # the weights are fixed until the optimizer step: one cast of them all, shared; the
         # micro-batches' weight gradients add up inside the weight-gradient products
-        with reuse_weight_casts(self.params_model, self.cast_dtype), self._accumulating():
+        with self._casts(), self._accumulating():
             for i in range(n):
                 if i and self.should_stop():
                     raise StepInterrupted  # phase stays "forward": the caller discards it
@@ -407,7 +416,7 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)  # capture allocates them in its pool
         n = self.t.grad_accum_steps
         batches = self._inputs.device_buffer
-        with reuse_weight_casts(self.params_model, self.cast_dtype), self._accumulating():
+        with self._casts(), self._accumulating():
             total = sum(self._micro_batch(batches[i], last=i == n - 1) for i in range(n))
         grad_norm = self._clip()
         self.optimizer.step()
