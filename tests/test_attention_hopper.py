@@ -16,7 +16,15 @@ from helpers import (
     needs_gluon,
     on_hopper,
 )
-from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
+from test_attention import (
+    TOL,
+    TOL_DQK,
+    check_attention,
+    dropout_mask,
+    make_qkv,
+    ref_attention,
+    rel_err,
+)
 
 import triton_transformer.attention_hopper as ah
 from triton_transformer.attention import attention, attention_packed
@@ -24,7 +32,7 @@ from triton_transformer.attention import attention, attention_packed
 
 @needs_gluon
 def test_kernel_compiles_for_sm90():
-    check_compiles(COMPILE_SCRIPT, len(ah.HEAD_DIMS) * 2)
+    check_compiles(COMPILE_SCRIPT, len(ah.HEAD_DIMS) * 2 * 2)
 
 
 @needs_gluon
@@ -39,7 +47,7 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
     try:
         assert ah.is_sm90(torch.device("cuda", 0)) is taken
         q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16)
-        assert not ah.usable(q, q, 64, causal=True, plain=True)  # a CPU tensor
+        assert not ah.usable(q, q, 64, causal=True, no_key_mask=True)  # a CPU tensor
     finally:
         ah.is_sm90.cache_clear()
 
@@ -51,23 +59,32 @@ DEFAULT_GATE = [
     (2048, 32, True, True), (1024, 128, True, False), (2048, 128, True, True),
     (2048, 128, False, False),
 ]  # fmt: skip
+# the same through dropout: every head dim, causal or not, from 512 queries
+DROPOUT_GATE = [
+    (511, 64, True, False), (512, 64, True, True), (512, 64, False, True),
+    (512, 128, False, True), (1024, 32, True, True), (511, 128, True, False),
+]  # fmt: skip
 
 
 @needs_gluon
 def test_default_gate(monkeypatch):
     # on a (pretended) Hopper GPU: causal d64 heads from 1024 queries, the rest from 2048;
-    # d128 causal only; and none of it with dropout or padding (`plain`), fp32, GQA or d48
+    # d128 causal only; and none of it with a key padding mask, fp32, GQA or d48
     monkeypatch.setattr(ah, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
         q = torch.empty(1, 2, n, d, dtype=torch.bfloat16, device="meta")
-        assert ah.usable(q, q, d, causal, plain=True) is taken, (n, d, causal)
+        assert ah.usable(q, q, d, causal, no_key_mask=True) is taken, (n, d, causal)
+    for n, d, causal, taken in DROPOUT_GATE:
+        q = torch.empty(1, 2, n, d, dtype=torch.bfloat16, device="meta")
+        assert ah.usable(q, q, d, causal, True, dropout=True) is taken, (n, d, causal)
+        assert not ah.usable(q, q, d, causal, False, dropout=True)  # a key padding mask
     q = torch.empty(1, 4, 4096, 64, dtype=torch.bfloat16, device="meta")
-    assert ah.usable(q, q, 64, True, plain=True)
-    assert not ah.usable(q, q, 64, True, plain=False)
-    assert not ah.usable(q.float(), q.float(), 64, True, plain=True)
-    assert not ah.usable(q, q[:, :2], 64, True, plain=True)
+    assert ah.usable(q, q, 64, True, no_key_mask=True)
+    assert not ah.usable(q, q, 64, True, no_key_mask=False)
+    assert not ah.usable(q.float(), q.float(), 64, True, no_key_mask=True)
+    assert not ah.usable(q, q[:, :2], 64, True, no_key_mask=True)
     q48 = torch.empty(1, 4, 4096, 48, dtype=torch.bfloat16, device="meta")
-    assert not ah.usable(q48, q48, 48, True, plain=True)
+    assert not ah.usable(q48, q48, 48, True, no_key_mask=True)
 
 
 # Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
@@ -79,21 +96,23 @@ import triton_transformer.attention_hopper as ah
 
 for d in ah.HEAD_DIMS:
     for causal in (False, True):
-        b, h, n = 2, 3, 300
-        qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-        do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
-        lse = torch.empty(b * h, n)
-        acc = torch.empty(b * h, n, d)
-        tiles = ah.bwd_tiles(d, causal)
-        kernel = ah._attention_bwd_sm90_kernel.warmup(
-            q, k, v, do, qkv, qkv, lse, lse, acc, 0, 0, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            b * h, h, n, n, 0.18, 0.125, HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=2**24,
-            grid=(1,), **tiles,
-        )
-        assert "wgmma.mma_async" in kernel.asm["ptx"]
-        print("ok", d, causal)
+        for dropout in (False, True):
+            b, h, n = 2, 3, 300
+            qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+            lse = torch.empty(b * h, n)
+            acc = torch.empty(b * h, n, d)
+            seed = torch.empty((), dtype=torch.int64)
+            tiles = ah.bwd_tiles(d, causal)
+            kernel = ah._attention_bwd_sm90_kernel.warmup(
+                q, k, v, do, qkv, qkv, lse, lse, acc, seed, 0, 0, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], b * h, h, n, n, 0.18, 0.125, 13107, 1.25, HEAD_DIM=d,
+                CAUSAL=causal, DROPOUT=dropout, LPT_BYTES=2**24, grid=(1,), **tiles,
+            )
+            assert "wgmma.mma_async" in kernel.asm["ptx"]
+            print("ok", d, causal, dropout)
 """
 )
 
@@ -107,6 +126,7 @@ def launches(monkeypatch):
     head dim it supports (by default only where it measured faster)."""
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
+    monkeypatch.setattr(ah, "MIN_QUERIES_DROPOUT", 1)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", ah.HEAD_DIMS)
     calls = []
@@ -182,6 +202,53 @@ def test_gpu_matches_the_triton_backward(causal, monkeypatch):
         assert rel_err(a, b) < 1e-2
 
 
+DROPOUT_SHAPES = [(2, 3, 1000, 1000), (3, 2, 65, 65), (2, 2, 130, 333), (2, 2, 333, 130)]
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", ah.HEAD_DIMS)
+@pytest.mark.parametrize("shape", DROPOUT_SHAPES, ids=str)
+def test_gpu_dropout_against_float64(shape, d, causal, dtype, launches):
+    # the backward regenerates the forward's mask (read off the forward by `dropout_mask`):
+    # all three gradients against float64 attention with that mask
+    b, h, n_q, n_k = shape
+    p, seed = 0.2, 17
+    keep = dropout_mask(shape, p, seed, device="cuda")
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, h, n_q, n_k, d, dtype, "cuda"))
+    torch.manual_seed(seed)
+    out = attention(q, k, v, causal=causal, dropout_p=p, use_triton=True)
+    dout = (0.7 + torch.randn(out.shape, device="cuda")).to(dtype)
+    out.backward(dout)
+    assert len(launches) == 1
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*r, causal=causal, keep=keep, p=p)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < TOL[dtype]
+    for name, t, rt in zip("qkv", (q, k, v), r, strict=True):
+        tol = TOL[dtype] if name == "v" else TOL_DQK[dtype]
+        assert rel_err(t.grad, rt.grad, floor=0.1) < tol, name
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_dropout_matches_the_triton_backward(causal, monkeypatch, launches):
+    # one seed, one mask: the Gluon and the Triton backward through dropout agree
+    q, k, v = make_qkv(2, 4, 1024, 1024, 64, torch.bfloat16, "cuda")
+    dout = torch.randn(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(ah, "ENABLED", enabled)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(3)
+        attention(qs, ks, vs, causal=causal, dropout_p=0.1, use_triton=True).backward(dout)
+        grads[enabled] = [t.grad.float() for t in (qs, ks, vs)]
+    assert len(launches) == 1
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert rel_err(a, b) < 1e-2
+
+
 def _backward(q, k, v, **kwargs) -> None:
     out = attention(q, k, v, use_triton=True, **kwargs)
     out.backward(torch.randn_like(out))  # (`.sum()`'s expanded gradient is no TMA operand)
@@ -189,13 +256,13 @@ def _backward(q, k, v, **kwargs) -> None:
 
 @on_hopper
 def test_gpu_not_taken_where_it_does_not_apply(launches):
-    # deterministic algorithms, dropout, a key padding mask, grouped-query heads, head dims
-    # it lacks and fp32 take the Triton kernels
+    # deterministic algorithms, a key padding mask, grouped-query heads, head dims it lacks
+    # and fp32 take the Triton kernels
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 256, 256, 64, torch.bfloat16, "cuda"))
     kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
     with deterministic_algorithms(True):
         _backward(q, k, v, causal=True)
-    _backward(q, k, v, causal=True, dropout_p=0.1)
+        _backward(q, k, v, causal=True, dropout_p=0.1)
     _backward(q, k, v, causal=True, key_padding_mask=kpm)
     _backward(q, k[:, :2], v[:, :2], causal=True)
     q48, k48, v48 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 48, q.dtype, "cuda"))
@@ -205,7 +272,8 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
     assert launches == []
     _backward(q, k, v, causal=True)
     _backward(q, k, v, causal=False)
-    assert len(launches) == 2
+    _backward(q, k, v, causal=True, dropout_p=0.1)
+    assert len(launches) == 3
 
 
 @on_hopper
@@ -215,11 +283,17 @@ def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
     monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1024)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", (32, 64, 128))
+    monkeypatch.setattr(ah, "MIN_QUERIES_DROPOUT", 512)
     for n, d, causal, taken in DEFAULT_GATE:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
         before = len(launches)
         _backward(q, k, v, causal=causal)
         assert (len(launches) > before) == taken, (n, d, causal)
+    for n, d, causal, taken in DROPOUT_GATE:
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
+        before = len(launches)
+        _backward(q, k, v, causal=causal, dropout_p=0.1)
+        assert (len(launches) > before) == taken, (n, d, causal, "dropout")
 
 
 @on_hopper

@@ -1,5 +1,6 @@
 """What the Gluon kernels for Hopper (`attention_hopper`, `matmul_hopper`) import: Gluon's
-modules, the names that differ between Triton 3.6 and 3.7+, and the GPU check.
+modules, the names that differ between Triton 3.6 and 3.7+, the GPU check, and the
+package's dropout mask written in Gluon (`keep_tile`).
 
 `HAVE_GLUON` is false on a Triton without Gluon (< 3.5); the Triton kernels run instead.
 """
@@ -44,10 +45,11 @@ except (ImportError, AttributeError):  # pragma: no cover - a Triton whose Gluon
     HAVE_GLUON = False
     gluon = gl = hopper = mbarrier = tma = None
     tma_load = tma_store = cta_barrier = mma = mma_wait = tma_reduce_add = None
+    philox = keep_tile = None
 
 __all__ = [
-    "HAVE_GLUON", "cta_barrier", "gl", "gluon", "hopper", "is_sm90", "mbarrier", "mma",
-    "mma_wait", "tma", "tma_load", "tma_reduce_add", "tma_store",
+    "HAVE_GLUON", "cta_barrier", "gl", "gluon", "hopper", "is_sm90", "keep_tile", "mbarrier",
+    "mma", "mma_wait", "philox", "tma", "tma_load", "tma_reduce_add", "tma_store",
 ]  # fmt: skip
 
 
@@ -56,3 +58,63 @@ def is_sm90(device: torch.device) -> bool:
     """Hopper: the kernels' warpgroup products exist on compute capability 9.x only
     (Blackwell has TMA but tensor-memory products instead)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+# ----------------------------------------------------------------------------- dropout masks
+# Gluon has no `tl.randint4x`: the package's mask scheme (`_jit_helpers.dropout_keep_tile`)
+# written out, for the Gluon kernels that drop (`matmul_hopper`'s relu² epilogue, the
+# attention backward).
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def philox(c0, c1, k0, k1):
+        """Philox4x32-7 of the counter (c0, c1, 0, 0) under the key (k0, k1), uint32: the
+        generator `tl.randint4x(seed, counter, n_rounds=7)` runs (Salmon et al., SC'11)."""
+        c2 = gl.zeros_like(c0)
+        c3 = gl.zeros_like(c0)
+        for _ in gl.static_range(7):
+            prev_c0, prev_c2 = c0, c2
+            c0 = gl.umulhi(prev_c2, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = gl.umulhi(prev_c0, 0xD2511F53) ^ c3 ^ k1
+            c1 = prev_c2 * 0xCD9E8D57
+            c3 = prev_c0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _keeps(word, threshold):
+        """Whether the low and the high 16-bit uniform of each Philox word keep their element."""
+        lo = (word & 0xFFFF).to(gl.int32) >= threshold
+        hi = ((word >> 16) & 0xFFFF).to(gl.int32) >= threshold
+        return lo, hi
+
+    @gluon.jit
+    def keep_tile(
+        seed, off_m, off_n, N, threshold, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """The dropout keep mask (bool) of the (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of an
+        (M, N) matrix under the int64 `seed` value, `_jit_helpers.dropout_keep_tile`'s: one
+        Philox call per row and group of 8 columns (counter row · ⌈N / 8⌉ + column // 8,
+        int64), column 8g + j kept when half j % 2 of word j // 2, a 16-bit uniform, is >=
+        threshold. Each of the caller's WARPS warps draws whole groups, so the result holds 8
+        consecutive columns per thread (BLOCK_N // 8 <= 32)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (BLOCK_N // 8), BLOCK_N // 8],
+                                                [WARPS, 1], [1, 0])  # fmt: skip
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        groups = off_n // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, layout))
+        counter = rows.to(gl.int64)[:, None] * ((N + 7) // 8) + groups[None, :]
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        w0, w1, w2, w3 = philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32), k0, k1)
+        lo0, hi0 = _keeps(w0, threshold)
+        lo1, hi1 = _keeps(w1, threshold)
+        lo2, hi2 = _keeps(w2, threshold)
+        lo3, hi3 = _keeps(w3, threshold)
+        # column 8g + 4·b2 + 2·b1 + b0 takes half b0 of word 2·b2 + b1: each join appends the
+        # next bit of j as the new fastest dimension, b2 first
+        lo = gl.join(gl.join(lo0, lo2), gl.join(lo1, lo3))
+        hi = gl.join(gl.join(hi0, hi2), gl.join(hi1, hi3))
+        return gl.reshape(gl.join(lo, hi), [BLOCK_M, BLOCK_N])

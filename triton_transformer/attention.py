@@ -1166,7 +1166,7 @@ def launch_attention_bwd(
         dq_tma
         and not deterministic
         and not is_traced(q)
-        and attention_hopper.usable(q, k, int(d), causal, not (dropping or has_kpm))
+        and attention_hopper.usable(q, k, int(d), causal, not has_kpm, dropping)
         and _tma_loads(q, k, v, dout)
     )
     atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
@@ -1188,7 +1188,8 @@ def launch_attention_bwd(
         triton.set_allocator(tma_scratch)  # its TMA descriptors; a context variable
         attention_hopper.launch_bwd_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta,
-            dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
+            dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES, dropout_p,
+            seed if dropping else None,
         )  # fmt: skip
     else:
         args = (

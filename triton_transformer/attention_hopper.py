@@ -18,6 +18,13 @@ units, Δ_i = Σ_d dO_i · O_i):
     dQ_i += dS_i K_j                       (fp32, added to a (b·h, n_q, d) sum in L2;
                                             at d >= 64 computed as dQ_iᵀ = K_jᵀ dS_iᵀ)
 
+With dropout (keep mask M, rate p) the forward multiplied P by M / (1 - p) before V, so dV
+reads that product and dP passes back through it: dV_j += (Pᵀ ∘ Mᵀ / (1 - p)) dO_i and
+dPᵀ = (V_j dO_iᵀ) ∘ Mᵀ / (1 - p), while dSᵀ keeps the undropped Pᵀ (Δ_i = Σ dO_i · O_i
+already holds the dropped output). M is the package's mask of the (n_q, n_k) scores
+(`_gluon.keep_tile`, drawn by rows of queries, transposed into Sᵀ's layout through shared
+memory), regenerated from the forward's seed while Sᵀ and dPᵀ run.
+
 dK is scaled by `scale` at the end, dQ by `attention._attention_bwd_dq_kernel`. Per query
 block the schedule is: Sᵀ and dPᵀ issued together; exp2 while dPᵀ runs; dSᵀ written to shared
 memory (dQ's product reads it from there); dQ, dV and dK issued together; dQ's tile
@@ -34,11 +41,11 @@ SM (168 registers). The kernel reaches about 200 TFLOP/s at GPT-2's shape; produ
 consumer warpgroups, as cuDNN and FlashAttention-3 have, are the next step.
 
 Scope: Hopper (sm_90), fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the
-products take without padding), no dropout, no key padding mask, multi-head (not grouped)
-attention, tensors TMA can describe. `attention.launch_attention_bwd` takes it where all of
-that holds, the caller allows the non-deterministic single pass and `usable` says it measured
-faster; everything else runs the Triton kernel. Eager launches only: torch.compile traces the
-Triton kernel.
+products take without padding), with or without dropout, no key padding mask, multi-head
+(not grouped) attention, tensors TMA can describe. `attention.launch_attention_bwd` takes it
+where all of that holds, the caller allows the non-deterministic single pass and `usable` says
+it measured faster; everything else runs the Triton kernel. Eager launches only:
+torch.compile traces the Triton kernel.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import torch
 from triton_transformer import _gluon
 from triton_transformer._gluon import HAVE_GLUON, gl, gluon, hopper, is_sm90, mbarrier, tma
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.utils import launcher
+from triton_transformer.utils import dropout_threshold, launcher
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
 
@@ -63,18 +70,21 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
     def _attention_bwd_sm90_kernel(
-        Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, off_dk, off_dv,
+        Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEED, off_dk, off_dv,
         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
         sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-        BH, H, N_Q, N_K, qk_scale, sm_scale,
+        BH, H, N_Q, N_K, qk_scale, sm_scale, threshold, drop_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr, DQ_T: gl.constexpr,
-        LPT_BYTES: gl.constexpr, num_warps: gl.constexpr,
+        CAUSAL: gl.constexpr, DROPOUT: gl.constexpr, KV_IN_REGS: gl.constexpr,
+        DQ_T: gl.constexpr, LPT_BYTES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of BLOCK_N keys of one batch·head (grid (key blocks, b·h)),
-        and their share of dQ added to DQ_ACC (fp32, (b·h, n_q, HEAD_DIM), zeroed before)."""
+        and their share of dQ added to DQ_ACC (fp32, (b·h, n_q, HEAD_DIM), zeroed before).
+        DROPOUT: the forward dropped P with the package's mask of the (n_q, n_k) scores under
+        the seed SEED + (b·h << 32), kept elements scaled by drop_scale = 1 / (1 - p)."""
         qk_scale = qk_scale.to(gl.float32)
         sm_scale = sm_scale.to(gl.float32)
+        drop_scale = drop_scale.to(gl.float32)
         dtype: gl.constexpr = Q.dtype.element_ty
         pid = gl.program_id(0)
         bh = gl.program_id(1)
@@ -83,6 +93,9 @@ if HAVE_GLUON:
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
         n0 = pid * BLOCK_N
+        seed = 0
+        if DROPOUT:  # one Philox key per batch·head, as the forward's
+            seed = gl.load(SEED) + (bh.to(gl.int64) << 32)
 
         # Layouts. Each warpgroup (4 warps) owns 64 keys of Sᵀ, dPᵀ, dK and dV (and 64 rows
         # of dQᵀ); an untransposed dQ tile is split by rows, then by columns over them.
@@ -209,6 +222,11 @@ if HAVE_GLUON:
 
             st = _gluon.mma(k_a, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dpt = _gluon.mma(v_a, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if DROPOUT:  # the mask of this (queries, keys) tile, drawn while the products run
+                keep = _gluon.keep_tile(
+                    seed, start_m, n0, N_K, threshold, BLOCK_M, BLOCK_N, num_warps
+                )  # fmt: skip
+                keep_t = gl.convert_layout(gl.permute(keep.to(gl.int8), (1, 0)), st_layout) != 0
             if KV_IN_REGS:  # (register operands stay live until their products are done)
                 st, k_a = _gluon.mma_wait(num_outstanding=1, deps=[st, k_a])
             else:
@@ -221,6 +239,11 @@ if HAVE_GLUON:
                 dpt, v_a = _gluon.mma_wait(num_outstanding=0, deps=[dpt, v_a])
             else:
                 dpt = _gluon.mma_wait(num_outstanding=0, deps=[dpt])
+            if DROPOUT:  # dV reads the dropped P; dP flows back through the mask
+                pt_v = gl.where(keep_t, pt * drop_scale, 0.0)
+                dpt = gl.where(keep_t, dpt * drop_scale, 0.0)
+            else:
+                pt_v = pt
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             ds_smem.store(dst)
             hopper.fence_async_shared()
@@ -234,7 +257,7 @@ if HAVE_GLUON:
                 dq = _gluon.mma(
                     ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True
                 )
-            pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+            pt_a = gl.convert_layout(pt_v.to(dtype), a_layout)
             dv = _gluon.mma(pt_a, do_s, dv, is_async=True)
             dst_a = gl.convert_layout(dst, a_layout)
             dk = _gluon.mma(dst_a, q_s, dk, is_async=True)
@@ -282,9 +305,17 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
     10-15% slower (one program per SM), (128, 128, 8) slower still. At d32, dQᵀ would be a
     product of 32 rows (wgmma's are 64): dQ untransposed, K and V in shared memory (in registers
     they cost a program per SM). At d128 only the 32-query step fits the registers without
-    spills (244 per thread; (64, 64) spills 400 bytes)."""
+    spills (244 per thread; (64, 64) spills 400 bytes).
+
+    Causal d64 caps the registers at 168 (maxnreg): the dropout mask's draws would take 204
+    (Triton 3.6, ptxas 12.8) and with them a program per SM; capped, they compile without
+    spills, as the kernel without dropout does. The other tiles hold two programs per SM
+    with or without dropout (180-255 registers)."""
     if head_dim < 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": False}
+    if causal and head_dim == 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": True,
+                "maxnreg": 168}  # fmt: skip
     if causal or head_dim > 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": True}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": True, "DQ_T": True}
@@ -298,26 +329,45 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
 # (8, 2048, 16) d64 622 / 985 against 694 / 1072, d32 490 / 645 against 548 / 833, d128
 # 1121 / 1909 against 1211 / 1856; (4, 4096, 16) d64 1030 / 1740 against 1179 / 2035, d128
 # 1871 / 3474 against 2118 / 3493; (16, 512, 8) d64 85 / 110 against 82 / 99.
+# Through dropout (p = 0.1) the Triton backward draws its mask per (key, query) tile as well,
+# and loses at every shape measured: (H200, 2026-11-27, `attention_dropout_session20.md`,
+# Gluon / Triton µs, causal; not) (16, 512, 8) d64 99.7 / 111.6; 134.3 / 228.5; (16, 1024,
+# 12) d64 395.9 / 472.4; 608.6 / 1141.5; (8, 2048, 16) d64 833.3 / 1028.7; 1409.2 / 2881.3,
+# d32 666.7 / 869.7; 1159.1 / 2024.1; (4, 4096, 16) d128 2320.0 / 3661.2; 4111.1 / 6779.8.
+# So with dropout it takes every head dim of `HEAD_DIMS` from `MIN_QUERIES_DROPOUT` queries.
 ENABLED = True
 MIN_QUERIES_CAUSAL = 1024
 MIN_QUERIES = 2048
+MIN_QUERIES_DROPOUT = 512
 TAKEN_HEAD_DIMS = (32, 64)
 TAKEN_HEAD_DIMS_CAUSAL = (32, 64, 128)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, plain: bool) -> bool:
-    """Whether the kernel takes this backward: Gluon present, `ENABLED`, a Hopper GPU,
-    the head dims and query counts above, a 16-bit dtype, multi-head attention (k as
-    many heads as q), at most 65535 batch·heads (grid dim 1), and `plain` (no dropout, no key
-    padding mask). The caller has checked the rest: an eager launch, TMA-describable tensors
-    (`attention._tma_loads`) and the non-deterministic single pass."""
+def _taken(head_dim: int, n_q: int, causal: bool, dropout: bool) -> bool:
+    """The head dims and query counts above."""
+    if dropout:
+        return head_dim in HEAD_DIMS and n_q >= MIN_QUERIES_DROPOUT
+    if head_dim not in (TAKEN_HEAD_DIMS_CAUSAL if causal else TAKEN_HEAD_DIMS):
+        return False
+    return n_q >= (MIN_QUERIES_CAUSAL if causal and head_dim == 64 else MIN_QUERIES)
+
+
+def usable(
+    q: torch.Tensor, k: torch.Tensor, head_dim: int, causal: bool, no_key_mask: bool,
+    dropout: bool = False,
+) -> bool:  # fmt: skip
+    """Whether the kernel takes this backward (`dropout`: through the forward's dropout):
+    Gluon present, `ENABLED`, a Hopper GPU, the head dims and query counts above, a 16-bit
+    dtype, multi-head attention (k as many heads as q), at most 65535 batch·heads (grid dim
+    1), and `no_key_mask` (no key padding mask). The caller has checked the rest: an eager
+    launch, TMA-describable tensors (`attention._tma_loads`) and the non-deterministic single
+    pass."""
     return (
         HAVE_GLUON
         and ENABLED
-        and plain
+        and no_key_mask
         and is_sm90(q.device)
-        and head_dim in (TAKEN_HEAD_DIMS_CAUSAL if causal else TAKEN_HEAD_DIMS)
-        and q.shape[2] >= (MIN_QUERIES_CAUSAL if causal and head_dim == 64 else MIN_QUERIES)
+        and _taken(head_dim, q.shape[2], causal, dropout)
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[1] == k.shape[1]
         and q.shape[0] * q.shape[1] <= 65535
@@ -329,14 +379,19 @@ def launch_bwd_sm90(
     dk: torch.Tensor, dv: torch.Tensor, grads_base: torch.Tensor | None,
     grad_offsets: tuple[int, int], lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
     causal: bool, qk_scale: float, sm_scale: float, lpt_bytes: int,
+    dropout_p: float = 0.0, seed: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v, dout (unit stride along d): fills
     the (b, h, n_k, d) views dk, dv (any strides; views of `grads_base` when given, at element
     offsets `grad_offsets` (`utils.offsets_in`), which the kernel then gets, as
     `attention.launch_attention_bwd` passes it; (0, 0) otherwise) and
     adds the unscaled dQ into dq_acc (fp32, (b·h, n_q, d), zeroed). lse, delta: (b·h, n_q)
-    fp32, the forward's log-sum-exp in log2 units and Σ dO·O. The caller sets Triton's
-    allocator (device-side TMA descriptors)."""
+    fp32, the forward's log-sum-exp in log2 units and Σ dO·O. dropout_p > 0: the forward's
+    dropout of P, whose mask `seed` (0-dim int64 device tensor) regenerates. The caller sets
+    Triton's allocator (device-side TMA descriptors)."""
+    dropping = dropout_p > 0.0
+    if dropping and seed is None:
+        raise ValueError("a backward through dropout needs the forward's seed")
     dk_base, dv_base = (dk, dv) if grads_base is None else (grads_base, grads_base)
     off_dk, off_dv = grad_offsets
     b, h, n_q, d = q.shape
@@ -344,10 +399,12 @@ def launch_bwd_sm90(
     tiles = bwd_tiles(d, causal)
     grid = (-(-n_k // tiles["BLOCK_N"]), b * h, 1)
     launcher(_attention_bwd_sm90_kernel)[grid](
-        q, k, v, dout, dk_base, dv_base, lse, delta, dq_acc, off_dk, off_dv,
+        q, k, v, dout, dk_base, dv_base, lse, delta, dq_acc, seed if dropping else lse,
+        off_dk, off_dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        b * h, h, n_q, n_k, qk_scale, sm_scale,
-        HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=lpt_bytes, **tiles,
+        b * h, h, n_q, n_k, qk_scale, sm_scale, dropout_threshold(dropout_p),
+        1.0 / (1.0 - dropout_p), HEAD_DIM=d, CAUSAL=causal, DROPOUT=dropping,
+        LPT_BYTES=lpt_bytes, **tiles,
     )  # fmt: skip

@@ -11,7 +11,7 @@ relu(P) · keep = √(Y (1 - p)) holds the mask already (keep is 0 or 1):
 so the backward runs without the mask, as the same epilogue times the scalar s. The forward's
 dropout draws the mask of `_jit_helpers.dropout_keep_tile` (one Philox4x32-7 call per row and
 group of 8 columns; the package's one scheme) after the tile has left the registers for the
-output buffer, in a layout of 8 consecutive columns per thread (`_keep_tile`).
+output buffer, in a layout of 8 consecutive columns per thread (`_gluon.keep_tile`).
 
 Both are persistent matmuls whose epilogue touches a second (M, N) tile: the forward writes
 Y, the backward reads Y as well. In `matmul_kernels._mm_tma_kernel` (Triton 3.6) that read is
@@ -73,58 +73,6 @@ _LOADER_REGS = gl.constexpr(40) if HAVE_GLUON else 40
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _philox(c0, c1, k0, k1):
-        """Philox4x32-7 of the counter (c0, c1, 0, 0) under the key (k0, k1), uint32: the
-        generator `tl.randint4x(seed, counter, n_rounds=7)` runs (Salmon et al., SC'11)."""
-        c2 = gl.zeros_like(c0)
-        c3 = gl.zeros_like(c0)
-        for _ in gl.static_range(7):
-            prev_c0, prev_c2 = c0, c2
-            c0 = gl.umulhi(prev_c2, 0xCD9E8D57) ^ c1 ^ k0
-            c2 = gl.umulhi(prev_c0, 0xD2511F53) ^ c3 ^ k1
-            c1 = prev_c2 * 0xCD9E8D57
-            c3 = prev_c0 * 0xD2511F53
-            k0 = k0 + 0x9E3779B9
-            k1 = k1 + 0xBB67AE85
-        return c0, c1, c2, c3
-
-    @gluon.jit
-    def _keep_tile(
-        SEED, off_m, off_n, N, threshold, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
-    ):  # fmt: skip
-        """The dropout keep mask (bool) of the (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of an
-        (M, N) output, `_jit_helpers.dropout_keep_tile`'s: one Philox call per row and group of
-        8 columns (counter row · ⌈N / 8⌉ + column // 8, int64), column 8g + j kept when half
-        j % 2 of word j // 2, a 16-bit uniform, is >= threshold. Each thread draws whole
-        groups, so the result holds 8 consecutive columns per thread (its layout is the one
-        the caller loads the tile in)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (BLOCK_N // 8), BLOCK_N // 8],
-                                                [4, 1], [1, 0])  # fmt: skip
-        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        groups = off_n // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, layout))
-        counter = rows.to(gl.int64)[:, None] * ((N + 7) // 8) + groups[None, :]
-        seed = gl.load(SEED)
-        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
-        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
-        w0, w1, w2, w3 = _philox(counter.to(gl.uint32), (counter >> 32).to(gl.uint32), k0, k1)
-        lo0, hi0 = _keeps(w0, threshold)
-        lo1, hi1 = _keeps(w1, threshold)
-        lo2, hi2 = _keeps(w2, threshold)
-        lo3, hi3 = _keeps(w3, threshold)
-        # column 8g + 4·b2 + 2·b1 + b0 takes half b0 of word 2·b2 + b1: each join appends the
-        # next bit of j as the new fastest dimension, b2 first
-        lo = gl.join(gl.join(lo0, lo2), gl.join(lo1, lo3))
-        hi = gl.join(gl.join(hi0, hi2), gl.join(hi1, hi3))
-        return gl.reshape(gl.join(lo, hi), [BLOCK_M, BLOCK_N])
-
-    @gluon.jit
-    def _keeps(word, threshold):
-        """Whether the low and the high 16-bit uniform of each Philox word keep their element."""
-        lo = (word & 0xFFFF).to(gl.int32) >= threshold
-        hi = ((word >> 16) & 0xFFFF).to(gl.int32) >= threshold
-        return lo, hi
 
     @gluon.jit
     def _issue_loads(
@@ -253,7 +201,9 @@ if HAVE_GLUON:
             buf.store(acc.to(dtype))
             if EPILOGUE == 4:  # the mask, drawn with the tile out of the registers
                 _gluon.cta_barrier()  # every warp's part of the tile written
-                keep = _keep_tile(SEED, off_m, off_n, N, threshold, BLOCK_M, BLOCK_N)
+                keep = _gluon.keep_tile(
+                    gl.load(SEED), off_m, off_n, N, threshold, BLOCK_M, BLOCK_N, 4
+                )
                 y = buf.load(keep.type.layout)
                 buf.store(gl.where(keep, y, gl.zeros_like(y)))
             hopper.fence_async_shared()
