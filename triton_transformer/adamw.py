@@ -552,16 +552,17 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def cast_copies(self, params: Iterable[torch.Tensor], dtype: torch.dtype) -> None:
-        """From now on keep each of `params` (parameters of this optimizer) also as a copy in
-        `dtype`, written from the parameter now and rewritten by every `step` that updates
-        it. One dtype per optimizer; parameters already in `dtype` or already copied are
-        skipped."""
+        """From now on keep each of `params` also as a copy in `dtype`, written from the
+        parameter now and rewritten by every `step` that updates it. One dtype per
+        optimizer. Skipped: tensors this optimizer does not update (a frozen weight, one
+        left out of its groups: the forward keeps casting those), parameters already in
+        `dtype`, and parameters already copied."""
         if not dtype.is_floating_point:
             raise ValueError(f"cast_copies: a floating dtype, got {dtype}")
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for p in params:
             if id(p) not in known:
-                raise ValueError("cast_copies: a tensor that is not a parameter of this optimizer")
+                continue
             current = next(iter(self._copies.values()), None)
             if current is not None and current[1].dtype != dtype:
                 raise ValueError(
