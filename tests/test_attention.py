@@ -521,16 +521,18 @@ def test_cached_attention_bad_inputs(device):
 # --- every option: head dims x causal x dropout x key padding x backward path --------------
 
 
-def check_option(b, h, n, d, causal, dropout, padded, deterministic, dtype, device):
+def check_option(b, h, n, d, causal, dropout, padded, deterministic, dtype, device, n_k=None):
     """One configuration of the fused kernels, forward and all three gradients, against
-    float64 attention with the kernel's own dropout mask (read off by `dropout_mask`)."""
+    float64 attention with the kernel's own dropout mask (read off by `dropout_mask`):
+    n queries and n_k keys (default n)."""
     p, seed = (0.2, 17) if dropout else (0.0, None)
-    q, k, v = (t.requires_grad_() for t in make_qkv(b, h, n, n, d, dtype, device))
+    n_k = n if n_k is None else n_k
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, h, n, n_k, d, dtype, device))
     kpm = None
     if padded:
-        kpm = torch.rand(b, n, device=device) > 0.3
-        kpm[0, : n // 3] = False  # a run of padded keys: whole key tiles with no weight
-    keep = dropout_mask((b, h, n, n), p, seed, device=device) if dropout else None
+        kpm = torch.rand(b, n_k, device=device) > 0.3
+        kpm[0, : n_k // 3] = False  # a run of padded keys: whole key tiles with no weight
+    keep = dropout_mask((b, h, n, n_k), p, seed, device=device) if dropout else None
     if dropout:
         torch.manual_seed(seed)
     with deterministic_algorithms(deterministic):
