@@ -604,7 +604,7 @@ class AdamW(torch.optim.Optimizer):
             elif step.device != p.device or step.dtype != torch.float32:
                 step = state["step"] = step.to(device=p.device, dtype=torch.float32)
             for column, t in zip(
-                lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=False
+                lists[:5], (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=True
             ):
                 column.append(t)
             if self._copies:
