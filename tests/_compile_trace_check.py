@@ -12,8 +12,9 @@ Usage: python _compile_trace_check.py GROUP... (rows: cross_entropy, softmax and
 layernorm: layernorm and residual_layernorm; attention: causal, dropout, padding, GQA, bf16
 (the GPU table's tiles); fold: the backward graph of a linear and the relu² feed-forward
 inside `bmm.accumulate_grads_in_place(traced=True)`, see `fold_cases`; norm_fold: the same
-for the four norms' parameters, see `norm_fold_cases`). Prints one line per case and dynamic
-setting.
+for the four norms' parameters, see `norm_fold_cases`; opaque_route: traced attention calls
+the opaque ops where an eager call launches what inductor cannot, see `opaque_route_cases`).
+Prints one line per case and dynamic setting.
 """
 
 import importlib
@@ -284,9 +285,94 @@ def norm_fold_cases() -> bool:
     return ok
 
 
+def traced_graph_ops(fn, keep: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Trace fn (of one (128, 64) leaf tensor) forward and backward; return the forward and
+    backward graphs' call targets containing one of `keep`, sorted, each once."""
+    found = []
+
+    def ours(gm):
+        # a mutating custom op is traced as auto_functionalized(op, ...)
+        targets = [
+            str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+        ]
+        return sorted({t for t in targets if any(k in t for k in keep)})
+
+    def fw_compiler(gm, example_inputs):
+        found.append(ours(gm))
+        return gm
+
+    def bw_compiler(gm, example_inputs):
+        raise BackwardTraced(ours(gm))
+
+    torch._dynamo.reset()
+    torch._functorch.config.force_non_lazy_backward_lowering = True  # compile it now
+    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+    try:
+        torch.compile(fn, backend=backend, fullgraph=True)(torch.randn(128, 64, requires_grad=True))
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, BackwardTraced):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return found[0], cause.args[0]
+    raise RuntimeError("the backward compiler was not reached")
+
+
+# (name, module whose TRACED_OPAQUE switches it, [(module, attribute)] made to say yes, fn,
+# the opaque ops expected in the forward and backward graphs)
+lce = importlib.import_module("triton_transformer.linear_cross_entropy")
+ceh = importlib.import_module("triton_transformer.cross_entropy_hopper")
+OPAQUE_ROUTES = [
+    ("attention", at, [(at, "_capped_forward"), (at, "_takes_gluon")], attention_case(),
+     ["flash_attention_opaque"], ["flash_attention_backward_opaque"]),
+    ("attention packed", at, [(at, "_capped_forward"), (at, "_takes_gluon")],
+     GROUPS["attention"]["attention packed"], ["flash_attention_packed_opaque"],
+     ["flash_attention_packed_backward_opaque"]),
+    ("cross_entropy inplace", ce, [(ceh, "takes_strides")], GROUPS["rows"]["cross_entropy inplace"],
+     ["cross_entropy_inplace_opaque"], []),
+    ("linear_cross_entropy", lce, [(ceh, "takes_rows")],
+     lambda h: lce.linear_cross_entropy(h.sin(), w.t(), labels, -100, use_triton=True,
+                                        check_labels=False), ["linear_cross_entropy_opaque"], []),
+]  # fmt: skip
+
+
+def opaque_route_cases() -> bool:
+    """Where an eager call launches what inductor cannot (made to, on the CPU: an attention
+    forward capping its registers, Gluon kernels of the attention backward and the losses),
+    the traced graphs call the opaque `*_opaque` ops, unless the module's `TRACED_OPAQUE` is
+    off: then the triton_ops, traced into their kernels' launches."""
+    ok = True
+    for name, module, patches, fn, want_fwd, want_bwd in OPAQUE_ROUTES:
+        for enabled in (True, False):
+            saved = [getattr(m, a) for m, a in patches]
+            module.TRACED_OPAQUE = enabled
+            for m, a in patches:
+                setattr(m, a, lambda *args: True)
+            try:
+                fwd, bwd = traced_graph_ops(fn, ("_opaque", "triton_kernel_wrapper"))
+            finally:
+                module.TRACED_OPAQUE = True
+                for (m, a), value in zip(patches, saved, strict=True):
+                    setattr(m, a, value)
+            opaque = [[t for t in g if "_opaque" in t] for g in (fwd, bwd)]
+            if enabled:
+                want = [[f"triton_transformer.{op}.default" for op in ops]
+                        for ops in (want_fwd, want_bwd)]  # fmt: skip
+                good = opaque == want
+            else:
+                good = opaque == [[], []] and "triton_kernel_wrapper" in " ".join(fwd)
+            ok &= good
+            print(f"{'OK' if good else 'FAIL'} opaque_route {name} TRACED_OPAQUE={enabled}: "
+                  f"forward {fwd}, backward {bwd}")  # fmt: skip
+    return ok
+
+
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    special = {"fold": fold_cases, "norm_fold": norm_fold_cases}
+    special = {"fold": fold_cases, "norm_fold": norm_fold_cases, "opaque_route": opaque_route_cases}
     cases = {
         name: fn for group in groups if group not in special for name, fn in GROUPS[group].items()
     }

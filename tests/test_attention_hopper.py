@@ -313,3 +313,35 @@ def test_gpu_cuda_graph_replays(launches):
         for g, rt in zip(grads, r, strict=True):
             assert rel_err(g, rt.grad, floor=0.1) < TOL_DQK[torch.bfloat16]
     assert len(launches) >= 2
+
+
+@on_hopper
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_compiled_backward_takes_it(packed, dropout_p, launches):
+    # torch.compile cannot launch a Gluon kernel: the traced backward calls the opaque
+    # *_backward_opaque op, whose eager call launches the kernel. The same gradients as the
+    # eager backward (one seed, one mask; dQ's fp32 sums in another order)
+    b, n, h, d = 2, 1024, 4, 64
+    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
+    dout = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16)
+    seed = torch.tensor(5, device="cuda")
+
+    def run(x):
+        if packed:
+            out = attention_packed(x, h, causal=True, dropout_p=dropout_p, seed=seed,
+                                   use_triton=True)  # fmt: skip
+        else:
+            q, k, v = x.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+            out = attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed, use_triton=True)
+            out = out.transpose(1, 2).reshape(b, n, h * d)
+        return (out * dout).float().sum()
+
+    grads = []
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        launches.clear()
+        x = qkv.clone().requires_grad_()
+        fn(x).backward()
+        assert len(launches) == 1, fn
+        grads.append(x.grad.float())
+    assert rel_err(grads[1], grads[0]) < 1e-2

@@ -96,6 +96,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     compile_tma,
     dropout_threshold,
+    exact_strides_tags,
     first_order_only,
     interpreter_enabled,
     is_traced,
@@ -1012,16 +1013,20 @@ LONGEST_FIRST_BYTES = 16 * 2**20
 
 
 def _tma_loads(*tensors: torch.Tensor) -> bool:
-    """TMA tile loads for these (b, h, n, d) views: unit stride along d, 16-byte aligned
-    starts and row / head / batch strides (judged by the storage offset: PyTorch aligns
-    storages), 2-byte elements, a Hopper GPU, and no tracing. (Traced with inductor's scratch
-    allocator, `utils.compile_tma`, a compiled attention passed its unit test but the compiled
-    enwik8 training step hit an illegal memory access on an H200, torch 2.11 / triton 3.6,
-    2026-11-25, where the same step without TMA trained; the single pass's TMA dQ reductions
-    alone train there (2026-11-26, `TRACED_SINGLE_PASS`), so the tile loads are the suspect:
-    traced launches keep pointer loads until that is understood.)"""
-    t0 = tensors[0]
-    if not (TMA_LOADS and _has_tma(t0.device)) or is_traced(t0):
+    """TMA tile loads for these (b, h, n, d) views: `_tma_layouts`, and no tracing. (Traced
+    with inductor's scratch allocator, `utils.compile_tma`, a compiled attention passed its
+    unit test but the compiled enwik8 training step hit an illegal memory access on an H200,
+    torch 2.11 / triton 3.6, 2026-11-25, where the same step without TMA trained; the single
+    pass's TMA dQ reductions alone train there (2026-11-26, `TRACED_SINGLE_PASS`), so the tile
+    loads are the suspect: traced launches keep pointer loads until that is understood.)"""
+    return not is_traced(tensors[0]) and _tma_layouts(*tensors)
+
+
+def _tma_layouts(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can load tiles of these (b, h, n, d) views (`TMA_LOADS` on, a Hopper GPU):
+    unit stride along d, 16-byte aligned starts and row / head / batch strides (judged by the
+    storage offset: PyTorch aligns storages), 2-byte elements."""
+    if not (TMA_LOADS and _has_tma(tensors[0].device)):
         return False
     for t in tensors:
         if t.element_size() != 2 or t.stride(3) != 1:
@@ -1127,6 +1132,19 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
     return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
 
 
+def _takes_gluon(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_kpm: bool,
+    causal: bool, dropping: bool, deterministic: bool,
+) -> bool:  # fmt: skip
+    """Whether a backward of these tensors (traced or not) takes `attention_hopper`'s kernel:
+    not `deterministic`, the kernel's `usable`, and TMA-describable q, k, v and dout."""
+    return (
+        not deterministic
+        and attention_hopper.usable(q, k, int(q.shape[3]), causal, not has_kpm, dropping)
+        and _tma_layouts(q, k, v, dout)
+    )
+
+
 def launch_attention_bwd(
     dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
     deterministic=None, grads_base: torch.Tensor | None = None,
@@ -1162,12 +1180,8 @@ def launch_attention_bwd(
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     # Hopper's Gluon single pass (`attention_hopper`): eager launches of what it takes
-    gluon = (
-        dq_tma
-        and not deterministic
-        and not is_traced(q)
-        and attention_hopper.usable(q, k, int(d), causal, not has_kpm, dropping)
-        and _tma_loads(q, k, v, dout)
+    gluon = not is_traced(q) and _takes_gluon(
+        dout, q, k, v, has_kpm, causal, dropping, deterministic
     )
     atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     gy, gz = meta["grid_bh"]
@@ -1236,8 +1250,64 @@ def launch_attention_bwd(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton_op("triton_transformer::flash_attention", mutates_args=())
-def flash_attention_op(
+# Traced code (torch.compile) cannot launch some kernels as an eager call does: a Gluon kernel
+# (`wrap_triton` takes `@triton.jit` ones: `attention_hopper`'s backward) or a register cap
+# (inductor keeps only num_warps and num_stages of a user kernel's options: the forward's
+# `maxnreg` tiles). Where an eager call would, traced code calls the op's implementation as an
+# opaque custom op (`_opaque_op`), which inductor calls as it is, with the strides it traced,
+# and which launches what an eager call launches. False: traced code runs the Triton kernels
+# traced, uncapped (benchmarks compare them).
+TRACED_OPAQUE = True
+
+
+def _opaque_op(name: str, impl, fake):
+    """`impl` as the opaque custom op triton_transformer::`name`_opaque; `fake`: its fake
+    implementation (output shapes and dtypes)."""
+    op = torch.library.custom_op(
+        f"triton_transformer::{name}_opaque", mutates_args=(), tags=exact_strides_tags()
+    )(impl)
+    op.register_fake(fake)
+    return op
+
+
+def _forward_outputs(q, need_lse):
+    b, h, n_q, d = q.shape
+    out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
+    return out, lse
+
+
+def _traced_forward_op(op, opaque_op, q: torch.Tensor, causal: bool, dropout_p: float):
+    """`opaque_op` where traced code would launch the forward without its register cap.
+    (Dynamo's tensors are not fake to `is_traced`: is_compiling.)"""
+    traced = torch.compiler.is_compiling() or is_traced(q)
+    return opaque_op if TRACED_OPAQUE and traced and _capped_forward(q, causal, dropout_p) else op
+
+
+def _capped_forward(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
+    """Whether the forward's launch caps its registers: fp16 / bf16 on CUDA, tiles of
+    `_attention_fwd_config` with a `maxnreg`."""
+    if q.device.type != "cuda" or q.dtype.itemsize != 2:
+        return False
+    # Dynamo warns about calls through functools.cache: read the table itself
+    config = _attention_fwd_config.__wrapped__(
+        q.shape[2] <= 16, int(q.shape[3]), q.dtype, causal, dropout_p > 0
+    )
+    return "maxnreg" in config
+
+
+def _traced_backward_op(op, opaque_op, dout, q, k, v, kpm, ctx):
+    """`opaque_op` where an eager backward would take `attention_hopper`'s kernel, which traced
+    code cannot launch."""
+    if not (TRACED_OPAQUE and is_traced(q)):
+        return op
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dropping = ctx.dropout_p > 0.0
+    gluon = _takes_gluon(dout, q, k, v, kpm is not None, ctx.causal, dropping, deterministic)
+    return opaque_op if gluon else op
+
+
+def _flash_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -1254,8 +1324,15 @@ def flash_attention_op(
     return launch_attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
 
 
-@triton_op("triton_transformer::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(
+flash_attention_op = triton_op("triton_transformer::flash_attention", mutates_args=())(
+    _flash_attention_impl
+)
+flash_attention_opaque_op = _opaque_op(
+    "flash_attention", _flash_attention_impl, lambda q, *args: _forward_outputs(q, args[-1])
+)
+
+
+def _flash_attention_backward_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1277,6 +1354,15 @@ def flash_attention_backward_op(
     return dq, dk, dv
 
 
+flash_attention_backward_op = triton_op(
+    "triton_transformer::flash_attention_backward", mutates_args=()
+)(_flash_attention_backward_impl)
+flash_attention_backward_opaque_op = _opaque_op(
+    "flash_attention_backward", _flash_attention_backward_impl,
+    lambda dout, q, k, v, *args: tuple(torch.empty_like(t) for t in (q, k, v)),
+)  # fmt: skip
+
+
 def _flash_attention_setup_context(ctx, inputs, output) -> None:
     q, k, v, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
@@ -1292,16 +1378,17 @@ def _flash_attention_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tenso
     q, k, v, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention was called with need_lse=False; cannot backward")
+    op = _traced_backward_op(
+        flash_attention_backward_op, flash_attention_backward_opaque_op, dout, q, k, v, kpm, ctx
+    )
     dq, dk, dv = call_op(
-        flash_attention_backward_op, dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale,
-        ctx.dropout_p,
+        op, dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
     )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None
 
 
-flash_attention_op.register_autograd(
-    _flash_attention_backward, setup_context=_flash_attention_setup_context
-)
+for _op in (flash_attention_op, flash_attention_opaque_op):
+    _op.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup_context)
 
 
 def _split_packed(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1309,8 +1396,7 @@ def _split_packed(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
 
 
-@triton_op("triton_transformer::flash_attention_packed", mutates_args=())
-def flash_attention_packed_op(
+def _flash_attention_packed_impl(
     qkv: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     seed: torch.Tensor | None,
@@ -1325,8 +1411,16 @@ def flash_attention_packed_op(
     return launch_attention_fwd(q, k, v, key_padding_mask, seed, causal, scale, dropout_p, need_lse)
 
 
-@triton_op("triton_transformer::flash_attention_packed_backward", mutates_args=())
-def flash_attention_packed_backward_op(
+flash_attention_packed_op = triton_op(
+    "triton_transformer::flash_attention_packed", mutates_args=()
+)(_flash_attention_packed_impl)
+flash_attention_packed_opaque_op = _opaque_op(
+    "flash_attention_packed", _flash_attention_packed_impl,
+    lambda qkv, *args: _forward_outputs(_split_packed(qkv)[0], args[-1]),
+)  # fmt: skip
+
+
+def _flash_attention_packed_backward_impl(
     dout: torch.Tensor,
     qkv: torch.Tensor,
     out: torch.Tensor,
@@ -1349,6 +1443,15 @@ def flash_attention_packed_backward_op(
     return dqkv
 
 
+flash_attention_packed_backward_op = triton_op(
+    "triton_transformer::flash_attention_packed_backward", mutates_args=()
+)(_flash_attention_packed_backward_impl)
+flash_attention_packed_backward_opaque_op = _opaque_op(
+    "flash_attention_packed_backward", _flash_attention_packed_backward_impl,
+    lambda dout, qkv, *args: torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype),
+)  # fmt: skip
+
+
 def _flash_attention_packed_setup_context(ctx, inputs, output) -> None:
     qkv, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p, _ = inputs
     out, lse = output
@@ -1364,16 +1467,18 @@ def _flash_attention_packed_backward(ctx, dout: torch.Tensor | None, _dlse: torc
     qkv, out, lse, kpm, seed = ctx.saved_tensors
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention_packed was called with need_lse=False")
-    dqkv = call_op(
-        flash_attention_packed_backward_op, dout, qkv, out, lse, kpm, seed, ctx.causal,
-        ctx.scale, ctx.dropout_p,
+    op = _traced_backward_op(
+        flash_attention_packed_backward_op, flash_attention_packed_backward_opaque_op, dout,
+        *_split_packed(qkv), kpm, ctx,
     )  # fmt: skip
+    dqkv = call_op(op, dout, qkv, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p)
     return dqkv, None, None, None, None, None, None
 
 
-flash_attention_packed_op.register_autograd(
-    _flash_attention_packed_backward, setup_context=_flash_attention_packed_setup_context
-)
+for _op in (flash_attention_packed_op, flash_attention_packed_opaque_op):
+    _op.register_autograd(
+        _flash_attention_packed_backward, setup_context=_flash_attention_packed_setup_context
+    )
 
 
 @triton_op("triton_transformer::flash_attention_cached", mutates_args=())
@@ -1526,9 +1631,9 @@ def attention(
     if not use_triton:
         return _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
     seed = seed_or_draw(seed, q.device) if dropout_p > 0.0 else None
+    op = _traced_forward_op(flash_attention_op, flash_attention_opaque_op, q, causal, dropout_p)
     out, _ = call_op(
-        flash_attention_op,
-        q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v),
+        op, q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v)
     )  # fmt: skip
     return out.transpose(1, 2)
 
@@ -1570,9 +1675,11 @@ def attention_packed(
     dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
     seed = seed_or_draw(seed, qkv.device) if dropout_p > 0.0 else None
+    op = _traced_forward_op(
+        flash_attention_packed_op, flash_attention_packed_opaque_op, q, causal, dropout_p
+    )
     out, _ = call_op(
-        flash_attention_packed_op,
-        qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv),
+        op, qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv)
     )  # fmt: skip
     return out.view(b, n, -1)
 

@@ -118,6 +118,21 @@ def check_not_capturing(what: str) -> None:
         )
 
 
+def empty_scalar(device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor for a kernel to write, as a view of a 1-element one: inductor lowers
+    a 0-d `empty` to a fill kernel of its own, a 1-element one to no kernel (torch 2.11-2.13,
+    `empty_strided`'s zeroed ranges make a no-op node only where the tensor has a dim)."""
+    return torch.empty(1, dtype=torch.float32, device=device).view(())
+
+
+def exact_strides_tags() -> tuple[torch.Tag, ...]:
+    """Tags of an opaque `torch.library.custom_op` that launches kernels eagerly for traced
+    code: inductor passes it tensors with the strides it traced (older torch: in their
+    traced stride order)."""
+    tag = getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order
+    return (tag,)
+
+
 def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Decorate the backward of a Triton op (a `register_autograd` backward or an
     autograd.Function's) whose kernels are not differentiable: a backward that runs with
