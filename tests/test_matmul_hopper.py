@@ -315,3 +315,38 @@ def test_cuda_graph_replays_on_new_inputs():
         graph.replay()
         ref = _reference(a2, b2, True, "relu2", None)
         assert (c.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@on_hopper
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_compiled_feed_forward_takes_it(p, gluon_launches):
+    # torch.compile cannot trace a Gluon kernel: traced code calls the opaque mm_opaque op
+    # where an eager call takes the kernel, and that op's eager call launches it. The same
+    # output and gradients as the eager feed-forward (one seed, one mask)
+    from test_mlp import rand
+
+    from triton_transformer.mlp import relu2_mlp
+
+    M, D, H = 4096, 768, 3072
+    x = rand((M, D), torch.bfloat16, "cuda")
+    w_in = rand((H, D), torch.bfloat16, "cuda", mean=0.0, std=D**-0.5).requires_grad_()
+    w_out = rand((D, H), torch.bfloat16, "cuda", mean=0.0, std=H**-0.5).requires_grad_()
+    dout = rand((M, D), torch.bfloat16, "cuda", mean=0.3)
+    seed = torch.tensor(7, device="cuda")
+
+    def run(x):
+        out = relu2_mlp(x, w_in, w_out, use_triton=True, dropout_p=p, seed=seed)
+        return out, (out * dout).float().sum()
+
+    results = []
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        gluon_launches.clear()
+        xs = x.clone().requires_grad_()
+        w_in.grad = w_out.grad = None
+        out, loss = fn(xs)
+        loss.backward()
+        forward = "relu2_dropout" if p > 0 else "relu2"
+        assert sorted(gluon_launches) == sorted([forward, "relu2grad_from_square"]), fn
+        results.append([t.float() for t in (out, xs.grad, w_in.grad, w_out.grad)])
+    for a, b in zip(*results, strict=True):
+        assert (a - b).norm() / b.norm() < 1e-2

@@ -108,6 +108,7 @@ from triton_transformer.utils import (
     cdiv,
     compile_tma,
     dropout_threshold,
+    exact_strides_tags,
     is_traced,
     launcher,
     next_power_of_2,
@@ -151,6 +152,40 @@ _FUSED = ("tma", "ptr", "fused")
 # through cuBLAS and the elementwise pass, on any device: on the CPU torch.mm and the
 # interpreter; other problems are planned as without a force).
 _FORCE_PATH: str | None = None
+
+# Traced code (torch.compile) takes `matmul_hopper`'s kernel where an eager call would, through
+# `mm_opaque_op`. False: traced code runs the Triton kernels there (benchmarks compare them).
+TRACED_OPAQUE = True
+
+
+@torch.library.custom_op(
+    "triton_transformer::mm_opaque", mutates_args=("c",), tags=exact_strides_tags()
+)
+def mm_opaque_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    relu_squared: bool,
+    p: float,
+    seed: torch.Tensor | None,
+    kept: torch.Tensor | None,
+    from_square: bool,
+) -> None:
+    """`_mm2d_into(a, b, c, relu_squared, drop=(p, seed), grad=(kept, from_square))` as an
+    eager call (no drop where p = 0, no grad without `kept`), for traced code: inductor
+    cannot trace a Gluon kernel (`wrap_triton` takes `@triton.jit` ones), so it calls this op
+    as it is, with the strides it traced. The eager call checks the layouts again and takes
+    `matmul_hopper`'s kernel, or the planned one where that kernel does not take them. c: a
+    tensor of its own, as the epilogue ops allocate it (an opaque op writing into a view of
+    a buffer inside a traced op gave wrong results: `linear_cross_entropy.TRACED_OPAQUE`)."""
+    drop = (p, seed) if p > 0.0 else None
+    grad = (kept, from_square) if kept is not None else None
+    _mm2d_into(a, b, c, relu_squared, drop=drop, grad=grad)
+
+
+@mm_opaque_op.register_fake
+def _(a, b, c, relu_squared, p, seed, kept, from_square) -> None:
+    return None
 
 
 def _mm_out_dtype_traceable() -> bool:
@@ -516,15 +551,21 @@ def _launch_gluon(
     relu_squared: bool, residual: torch.Tensor | None, aux: torch.Tensor | None,
     drop: tuple | None, swiglu: bool, grad: tuple[torch.Tensor, bool] | None,
 ) -> bool:  # fmt: skip
-    """Run an eager problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it has
-    the epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's TMA
-    layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N)."""
+    """Run a problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it has the
+    epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's TMA
+    layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N). Traced
+    (torch.compile), the launch is `mm_opaque_op`, which inductor calls as it is."""
     epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
     kept = grad[0] if grad is not None else None
     if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
         return False
-    b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
     p, seed = drop if drop is not None else (0.0, None)
+    if is_traced(a):
+        if not TRACED_OPAQUE:
+            return False
+        mm_opaque_op(a, b, c, relu_squared, p, seed, kept, grad is not None and grad[1])
+        return True
+    b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
     matmul_hopper.launch_mm_sm90(
         a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms, p=p,
         seed=seed if epilogue == "relu2_dropout" else None,
@@ -601,8 +642,16 @@ def _mm2d_into(
         # needs no mask there; GPT-2 preset at dropout 0.1: the step 1.014× the one with
         # cuBLAS + the pass regenerating the mask, `step_gpt2_dropout_session19*.md`).
         # A forced "tma" means the Triton kernel: tests and benchmarks compare them.
-        gluon_first = plan[0] == "tma" or (epi == "+relu2grad+drop" and grad[1])
-        if gluon_first and not traced and _FORCE_PATH is None:  # noqa: SIM102
+        if not traced or compile_tma():  # a traced plan differs only without TMA kernels
+            eager_tma = plan[0] == "tma"
+        else:
+            eager_tma = _plan(
+                "cuda", device.index, a.dtype, M, N, K, a_lay[0] if a_lay else -1,
+                b_lay[0] if b_lay else -1, epi, cublas_ok, c.element_size(), matmul_impl,
+                _FORCE_PATH,
+            )[0] == "tma"  # fmt: skip
+        gluon_first = eager_tma or (epi == "+relu2grad+drop" and grad[1])
+        if gluon_first and _FORCE_PATH is None:  # noqa: SIM102
             if _launch_gluon(a, b, c, b_lay, sm_count(device), relu_squared, residual, aux,
                              drop, swiglu, grad):  # fmt: skip
                 return
