@@ -232,3 +232,36 @@ def test_cross_entropy_inplace_backward_uses_it(launches):
     ref_loss, ref_grad = _reference(logits, labels, None, True)
     assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item())
     assert (logits.grad.double() - 2.0 * ref_grad).norm() / (2.0 * ref_grad).norm() <= 1e-2
+
+
+@on_hopper
+@pytest.mark.parametrize("fused", [False, True], ids=["inplace", "linear"])
+def test_compiled_loss_takes_it(fused, launches):
+    # torch.compile cannot trace a Gluon kernel: traced code calls the opaque
+    # cross_entropy_inplace_opaque op, whose eager call launches the kernel; the same loss and
+    # gradients as the eager call
+    M, K, V = 1000, 96, 50304
+    x = (0.5 * torch.randn(M, K, device="cuda")).to(torch.bfloat16)
+    w = (0.5 * torch.randn(V, K, device="cuda")).to(torch.bfloat16).requires_grad_()
+    labels = _labels((M,), V, -100, "cuda")
+
+    def run(x):  # no host check of the labels: it reads them, which a full graph cannot
+        if fused:
+            return linear_cross_entropy(x, w, labels, ignore_index=-100, use_triton=True,
+                                        chunk_rows=384, check_labels=False)  # fmt: skip
+        return cross_entropy(x @ w.t(), labels, -100, use_triton=True, inplace_backward=True,
+                             check_labels=False)  # fmt: skip
+
+    results = []
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        launches[0] = 0
+        xs = x.clone().requires_grad_()
+        w.grad = None
+        loss = fn(xs)
+        loss.backward()
+        assert launches[0] == (3 if fused else 1), fn
+        results.append((loss.float(), xs.grad.float(), w.grad.float()))
+    (loss, *grads), (ref_loss, *ref_grads) = results[1], results[0]
+    assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item())
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got - want).norm() / want.norm() <= 1e-2

@@ -58,6 +58,8 @@ from triton_transformer.utils import (
     cdiv,
     check_not_capturing,
     check_triton_tensor,
+    empty_scalar,
+    exact_strides_tags,
     first_order_only,
     is_traced,
     launcher,
@@ -363,8 +365,8 @@ def cross_entropy_op(
     device = logits.device
     loss_rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
     lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-    n_valid = torch.empty((), dtype=torch.float32, device=device)
-    loss = torch.empty((), dtype=torch.float32, device=device)
+    n_valid = empty_scalar(device)
+    loss = empty_scalar(device)
     launch_cross_entropy_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, False, False)
     launch_cross_entropy_fwd_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, True)
     return loss, lse, n_valid
@@ -416,8 +418,7 @@ cross_entropy_op.register_autograd(
 )
 
 
-@triton_op("triton_transformer::cross_entropy_inplace", mutates_args={"logits"})
-def cross_entropy_inplace_op(
+def _cross_entropy_inplace_impl(
     logits: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: Optional[int],  # noqa: UP045 (torch 2.11's schema inference)
@@ -429,8 +430,8 @@ def cross_entropy_inplace_op(
     has_ignore = ignore_index is not None
     normalize = logits.dtype != torch.float16
     loss_rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-    n_valid = torch.empty((), dtype=torch.float32, device=device)
-    loss = torch.empty((), dtype=torch.float32, device=device)
+    n_valid = empty_scalar(device)
+    loss = empty_scalar(device)
     if has_ignore:  # the gradient needs 1 / n_valid before any row is written
         launch_cross_entropy_fwd_reduce(loss_rows, labels, ignore_index, n_valid, loss, False, True)
     launch_cross_entropy_fwd(
@@ -440,6 +441,26 @@ def cross_entropy_inplace_op(
         loss_rows, labels, ignore_index, n_valid, loss, True, not has_ignore
     )
     return loss, n_valid
+
+
+cross_entropy_inplace_op = triton_op(
+    "triton_transformer::cross_entropy_inplace", mutates_args={"logits"}
+)(_cross_entropy_inplace_impl)
+
+# Traced code (torch.compile) cannot launch `cross_entropy_hopper`'s Gluon kernel, which eager
+# calls take for long rows on Hopper: there it calls the op's implementation as an opaque op,
+# which inductor calls as it is, with the strides it traced, and which launches what an eager
+# call launches. False: traced code runs the Triton kernel.
+TRACED_OPAQUE = True
+cross_entropy_inplace_opaque_op = torch.library.custom_op(
+    "triton_transformer::cross_entropy_inplace_opaque", mutates_args=("logits",),
+    tags=exact_strides_tags(),
+)(_cross_entropy_inplace_impl)  # fmt: skip
+
+
+@cross_entropy_inplace_opaque_op.register_fake
+def _(logits, labels, ignore_index):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty((), dtype=torch.float32)
 
 
 @triton_op("triton_transformer::cross_entropy_inplace_backward", mutates_args={"grad"})
@@ -465,7 +486,11 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
-        loss, n_valid = call_op(cross_entropy_inplace_op, logits, labels, ignore_index)
+        op = cross_entropy_inplace_op
+        traced = torch.compiler.is_compiling() or is_traced(logits)
+        if TRACED_OPAQUE and traced and cross_entropy_hopper.takes_strides(logits):
+            op = cross_entropy_inplace_opaque_op
+        loss, n_valid = call_op(op, logits, labels, ignore_index)
         ctx.save_for_backward(logits, n_valid)  # logits now hold the gradient
         return loss
 

@@ -241,30 +241,48 @@ def usable(logits: torch.Tensor) -> bool:
     fits shared memory, evenly strided rows (`_row_stride`) whose stride is a multiple of
     `BOX_COLS`, a 16-byte aligned start, and box-row coordinates within TMA's int32. The
     caller checks that nothing traces the launch."""
-    from triton_transformer.cross_entropy import FWD_MAX_BLOCK
+    return (logits.storage_offset() * logits.element_size()) % 16 == 0 and takes_strides(logits)
 
-    if not (HAVE_GLUON and ENABLED and is_sm90(logits.device)):
-        return False
-    n_cols = logits.shape[2]
-    if logits.dtype not in (torch.float16, torch.bfloat16) or n_cols <= FWD_MAX_BLOCK:
-        return False
+
+def takes_strides(logits: torch.Tensor) -> bool:
+    """`usable` but for the 16-byte aligned start, which Dynamo cannot read (`storage_offset`):
+    for traced code choosing the opaque op, whose eager call checks it."""
     stride = _row_stride(logits)
+    n_rows = logits.shape[0] * logits.shape[1]
     return (
-        n_cols % BOX_COLS == 0
-        and stride is not None
-        and stride % BOX_COLS == 0
+        stride is not None
         and logits.stride(2) == 1
-        and (logits.storage_offset() * logits.element_size()) % 16 == 0
-        and row_boxes(n_cols, logits.element_size()) is not None
-        and _total_box_rows(logits, stride) < 2**31
+        and takes_rows(logits.device, logits.dtype, n_rows, logits.shape[2], stride)
     )
 
 
-def _total_box_rows(logits: torch.Tensor, stride: int) -> int:
+def takes_rows(
+    device: torch.device, dtype: torch.dtype, n_rows: int, n_cols: int, stride: int | None = None
+) -> bool:  # fmt: skip
+    """`usable`'s test of n_rows rows of n_cols logits `stride` elements apart (n_cols: dense
+    rows), 16-byte aligned, on `device`: what it judges of a tensor, for callers that have
+    none yet (`linear_cross_entropy`'s chunks)."""
+    from triton_transformer.cross_entropy import FWD_MAX_BLOCK
+
+    # Dynamo warns about calls through functools.cache: the uncached test while it traces
+    hopper = is_sm90.__wrapped__(device) if torch.compiler.is_compiling() else is_sm90(device)
+    if not (HAVE_GLUON and ENABLED and hopper):
+        return False
+    if dtype not in (torch.float16, torch.bfloat16) or n_cols <= FWD_MAX_BLOCK:
+        return False
+    stride = n_cols if stride is None else stride
+    return (
+        n_cols % BOX_COLS == 0
+        and stride % BOX_COLS == 0
+        and row_boxes(n_cols, dtype.itemsize) is not None
+        and _total_box_rows(n_rows, stride, n_cols) < 2**31
+    )
+
+
+def _total_box_rows(n_rows: int, stride: int, n_cols: int) -> int:
     """Rows of `BOX_COLS` elements from the first row's start to the last row's end: the
     kernel's 2-D view of the logits for TMA."""
-    n_rows = logits.shape[0] * logits.shape[1]
-    return ((n_rows - 1) * stride + logits.shape[2]) // BOX_COLS
+    return ((n_rows - 1) * stride + n_cols) // BOX_COLS
 
 
 def _row_stride(logits: torch.Tensor) -> int | None:
@@ -291,7 +309,7 @@ def launch_cross_entropy_inplace_sm90(
         return
     stride = _row_stride(logits)
     box, n_boxes, per_sm = row_boxes(n_cols, logits.element_size())
-    total_box_rows = _total_box_rows(logits, stride)
+    total_box_rows = _total_box_rows(n_rows, stride, n_cols)
     # the device-side descriptor's scratch (a context variable of Triton: set by each launch)
     triton.set_allocator(tma_scratch)
     launcher(_ce_inplace_sm90_kernel)[(min(n_rows, per_sm * sm_count(logits.device)),)](

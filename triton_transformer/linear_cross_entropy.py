@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
+from triton_transformer import cross_entropy_hopper
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
     _check_labels_in_range,
@@ -53,7 +54,10 @@ from triton_transformer.utils import (
     call_op,
     cdiv,
     check_triton_tensor,
+    empty_scalar,
+    exact_strides_tags,
     first_order_only,
+    is_traced,
     launcher,
     refuse_second_backward,
 )
@@ -84,8 +88,7 @@ def default_chunk_rows(M: int, V: int, itemsize: int) -> int:
     return max(128, cdiv(cdiv(M, chunks), 128) * 128)
 
 
-@triton_op("triton_transformer::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(
+def _linear_cross_entropy_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -106,8 +109,8 @@ def linear_cross_entropy_op(
     normalize = x.dtype != torch.float16
     labels2 = labels[None]  # (1, M): the kernels' (outer, inner) row layout
     loss_rows = torch.empty(M, dtype=torch.float32, device=device)
-    n_valid = torch.empty((), dtype=torch.float32, device=device)
-    loss = torch.empty((), dtype=torch.float32, device=device)
+    n_valid = empty_scalar(device)
+    loss = empty_scalar(device)
     dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
     dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=torch.float32, device=device)
     # n_valid over all rows first: each chunk's gradient is divided by the global count.
@@ -137,6 +140,41 @@ def linear_cross_entropy_op(
     return loss, dx, dw, n_valid
 
 
+linear_cross_entropy_op = triton_op("triton_transformer::linear_cross_entropy", mutates_args=())(
+    _linear_cross_entropy_impl
+)
+
+# Traced code (torch.compile) cannot launch `cross_entropy_hopper`'s Gluon kernel, which eager
+# calls take for the chunks' logits on Hopper: there it calls the op's implementation as an
+# opaque op, which inductor calls as it is, with the strides it traced, and which launches
+# what an eager call launches. (An opaque op of the kernel alone, writing into views of the
+# chunk buffer inside the traced op, gave wrong gradients: torch 2.11, H200, 2026-11-27.)
+# False: traced code runs the Triton kernels.
+TRACED_OPAQUE = True
+linear_cross_entropy_opaque_op = torch.library.custom_op(
+    "triton_transformer::linear_cross_entropy_opaque", mutates_args=(), tags=exact_strides_tags()
+)(_linear_cross_entropy_impl)
+
+
+@linear_cross_entropy_opaque_op.register_fake
+def _(x, weight, labels, ignore_index, chunk_rows, grad_x, grad_weight):
+    M, K = x.shape
+    loss, n_valid = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+    dx = x.new_empty((M, K) if grad_x else (0, 0))
+    dw = x.new_empty((weight.shape[0], K) if grad_weight else (0, 0), dtype=torch.float32)
+    return loss, dx, dw, n_valid
+
+
+def _forward_op(x: torch.Tensor, V: int, chunk_rows: int):
+    """The opaque op where traced code would run chunks that eager calls give the Gluon
+    kernel (`cross_entropy_hopper.takes_rows`), else the triton_op."""
+    traced = torch.compiler.is_compiling() or is_traced(x)
+    rows = max(1, min(chunk_rows, x.shape[0]))
+    if TRACED_OPAQUE and traced and cross_entropy_hopper.takes_rows(x.device, x.dtype, rows, V):
+        return linear_cross_entropy_opaque_op
+    return linear_cross_entropy_op
+
+
 @triton_op("triton_transformer::linear_cross_entropy_scale", mutates_args={"dx", "dw"})
 def linear_cross_entropy_scale_op(
     dx: torch.Tensor, dw: torch.Tensor, dloss: torch.Tensor, n_valid: torch.Tensor, divide: bool
@@ -164,8 +202,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         # weight_lp: the weight's copy in x's dtype, or None (Dynamo refuses a tensor passed
         # twice to apply)
         w = weight if weight_lp is None else weight_lp
+        op = _forward_op(x, w.shape[0], chunk_rows)
         loss, dx, dw, n_valid = call_op(
-            linear_cross_entropy_op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
+            op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
         )
         ctx.save_for_backward(dx, dw, n_valid)
         ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
