@@ -7,7 +7,7 @@ GPU only: the interpreter cannot run under fake tensors.
 
 import pytest
 import torch
-from helpers import kernel_analysis_failures, rel_err
+from helpers import kernel_analysis_failures, on_hopper, rel_err
 
 from triton_transformer import AutoregressiveWrapper, Transformer
 
@@ -135,3 +135,47 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
     names = [n for n, _ in model.named_parameters()]
     for name, g, e in zip(names, compiled_grads, eager_grads, strict=True):
         assert g.dtype == e.dtype and rel_err(g, e) < 3e-2, name
+
+
+@on_hopper
+def test_compiled_model_takes_the_hopper_kernels(monkeypatch):
+    # At GPT-2's width and vocabulary, where eager calls take the Gluon kernels on Hopper (the
+    # attention backward, the relu² feed-forward's products, the in-place loss), the compiled
+    # model takes them too, through their opaque ops, and its loss and gradients match the
+    # eager model's.
+    import triton_transformer.attention_hopper as ah
+    import triton_transformer.cross_entropy_hopper as ceh
+    import triton_transformer.matmul_hopper as mh
+
+    launchers = ((ah, "launch_bwd_sm90"), (mh, "launch_mm_sm90"),
+                 (ceh, "launch_cross_entropy_inplace_sm90"))  # fmt: skip
+    launched = set()
+    for module, name in launchers:
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            launched.add(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    torch._dynamo.reset()
+    model = Transformer(
+        num_tokens=50304, dim=768, depth=1, heads=12, dim_head=64, max_seq_len=1024,
+        causal=True, use_triton=True, check_token_ids=False, cuda_graphs=False,
+    )  # fmt: skip
+    model = AutoregressiveWrapper(model).cuda().train()
+    compiled = torch.compile(model)
+    batch = torch.randint(0, 50304, (4, 1025), device="cuda")
+    params = list(model.parameters())
+    results = {}
+    for name, fn in (("eager", model), ("compiled", compiled)):
+        launched.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(batch)
+        grads = torch.autograd.grad(loss, params)
+        results[name] = (loss.detach(), grads, set(launched))
+    for name in ("eager", "compiled"):
+        assert results[name][2] == {n for _, n in launchers}, name
+    torch.testing.assert_close(results["compiled"][0], results["eager"][0], rtol=2e-2, atol=2e-2)
+    for g, e in zip(results["compiled"][1], results["eager"][1], strict=True):
+        assert rel_err(g, e) < 3e-2

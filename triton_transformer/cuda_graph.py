@@ -118,9 +118,11 @@ def capturable_train_step(
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         opt.zero_grad(set_to_none=True)  # capture then allocates the grads in its pool
         # the Triton path's bf16 weight copies: the optimizer's, or one foreach cast of them all
+        # at entry (which compiled code reads too: it cannot cast lazily)
         copies = opt.current_copies() if isinstance(opt, AdamW) else ()
+        cast_dtype = torch.bfloat16 if uses_triton else None
         with (
-            reuse_weight_casts(model, copies=copies),
+            reuse_weight_casts(model, cast_dtype, copies=copies),
             torch.autocast("cuda", dtype=torch.bfloat16),
         ):
             loss = model(batch)
