@@ -1,6 +1,7 @@
 """`train.py --use-triton --compile` against `--use-triton` (whole-step CUDA graphs on in both),
 with the traced attention backward as the single pass or the two-program kernel
-(`attention.TRACED_SINGLE_PASS`), inductor's combo kernels (horizontal fusion of small
+(`attention.TRACED_SINGLE_PASS`), the Hopper Gluon kernels taken by traced code through their
+opaque ops or not (`TRACED_OPAQUE`), inductor's combo kernels (horizontal fusion of small
 independent kernels) on or off, and the micro-batches' weight gradients accumulated in the
 products (`bmm.accumulate_grads_in_place`; compiled: by the traced backward, traced=True) or
 added by autograd ("triton-add-grads", "triton-compile-add-grads"). Each
@@ -27,17 +28,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_train  # noqa: E402
 import common  # noqa: E402
 
-from triton_transformer import attention, bmm  # noqa: E402
+from triton_transformer import attention, bmm, cross_entropy, matmul_plan  # noqa: E402
 
 # name -> (bench_train mode, traced single pass, inductor combo kernels, micro-batches'
-# weight gradients accumulated in place: `bmm.ACCUMULATE_IN_PLACE`)
+# weight gradients accumulated in place: `bmm.ACCUMULATE_IN_PLACE`, traced code takes the
+# Hopper Gluon kernels through their opaque ops: the modules' `TRACED_OPAQUE`)
 VARIANTS = {
-    "triton": ("triton", True, False, True),
-    "triton-add-grads": ("triton", True, False, False),
-    "triton-compile-twoprog": ("triton-compile", False, False, True),
-    "triton-compile": ("triton-compile", True, False, True),
-    "triton-compile-add-grads": ("triton-compile", True, False, False),
-    "triton-compile-combo": ("triton-compile", True, True, True),
+    "triton": ("triton", True, False, True, True),
+    "triton-add-grads": ("triton", True, False, False, True),
+    "triton-compile-twoprog": ("triton-compile", False, False, True, True),
+    "triton-compile": ("triton-compile", True, False, True, True),
+    "triton-compile-no-opaque": ("triton-compile", True, False, True, False),
+    "triton-compile-add-grads": ("triton-compile", True, False, False, True),
+    "triton-compile-combo": ("triton-compile", True, True, True, True),
 }
 
 
@@ -56,8 +59,10 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
     rows = []
     for name in args.variants:
-        mode, single_pass, combo, in_place = VARIANTS[name]
+        mode, single_pass, combo, in_place, traced_gluon = VARIANTS[name]
         attention.TRACED_SINGLE_PASS = single_pass
+        for module in (attention, matmul_plan, cross_entropy):
+            module.TRACED_OPAQUE = traced_gluon
         bmm.ACCUMULATE_IN_PLACE = in_place
         torch._inductor.config.combo_kernels = combo
         try:

@@ -6,9 +6,9 @@ order (duration, gap after) for reading.
 
     python3 benchmarks/probe_step_gaps.py --out DIR [--preset gpt2] [--cases ...]
 
-Cases: ours with the fused loss, ours unfused, and the SDPA GPT under
-torch.compile(mode="reduce-overhead"). Writes DIR/gaps_<preset>.md and
-DIR/seq_<preset>_<case>.txt.
+Cases: ours with the fused loss, ours unfused, ours under torch.compile (whole step graphed
+as ours), and the SDPA GPT under torch.compile(mode="reduce-overhead"). Writes
+DIR/gaps_<preset>.md and DIR/seq_<preset>_<case>.txt.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from triton_transformer.cuda_graph import GraphedStep, capturable_train_step
 CASES = {  # name: (provider, mode, fused loss)
     "fused": ("triton", "graph", True),
     "unfused": ("triton", "graph", False),
+    "compiled": ("triton", "compile-graph", True),
     "sdpa-gpt": ("sdpa-gpt", "compile-ro", None),
 }
 GPU_EVENTS = ("kernel", "gpu_memset", "gpu_memcpy")
@@ -82,7 +83,7 @@ def main() -> None:
         model = bench_step.build(provider, mode, p, 0.0, fused)
         batch = torch.randint(0, p["vocab"], (p["batch"], p["seq"] + 1), device="cuda")
         step = capturable_train_step(model, batch, lr=3e-4)
-        if mode == "graph":
+        if mode in ("graph", "compile-graph"):
             step = GraphedStep(step, warmup_steps=3)
         for _ in range(6):  # compile, capture, autotune
             step()
