@@ -161,14 +161,15 @@ class BackwardTraced(Exception):
     pass
 
 
-def backward_graph(fn, inputs: tuple, bw_compiler, traced: bool):
+def backward_graph(fn, inputs: tuple, bw_compiler, traced: bool, fw_compiler=None):
     """Compile fn(*inputs) inside `accumulate_grads_in_place(traced)` with a backend whose
-    backward compiler is `bw_compiler` (which raises BackwardTraced with what it found);
-    return those findings."""
+    backward compiler is `bw_compiler` (which raises BackwardTraced with what it found) and
+    whose forward compiler is `fw_compiler` (default: the graph as it is); return those
+    findings."""
     bmm = mods["bmm"]
     torch._dynamo.reset()
     torch._functorch.config.force_non_lazy_backward_lowering = True  # compile it now
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=bw_compiler)
+    backend = aot_autograd(fw_compiler=fw_compiler or (lambda gm, _: gm), bw_compiler=bw_compiler)
     try:
         with bmm.accumulate_grads_in_place(traced=traced):
             torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
@@ -306,19 +307,9 @@ def traced_graph_ops(fn, keep: tuple[str, ...]) -> tuple[list[str], list[str]]:
     def bw_compiler(gm, example_inputs):
         raise BackwardTraced(ours(gm))
 
-    torch._dynamo.reset()
-    torch._functorch.config.force_non_lazy_backward_lowering = True  # compile it now
-    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    try:
-        torch.compile(fn, backend=backend, fullgraph=True)(torch.randn(128, 64, requires_grad=True))
-    except Exception as e:
-        cause = e
-        while cause is not None and not isinstance(cause, BackwardTraced):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        return found[0], cause.args[0]
-    raise RuntimeError("the backward compiler was not reached")
+    h = torch.randn(128, 64, requires_grad=True)
+    backward = backward_graph(fn, (h,), bw_compiler, False, fw_compiler)[0]
+    return found[0], backward
 
 
 # (name, module whose TRACED_OPAQUE switches it, [(module, attribute)] made to say yes, fn,
