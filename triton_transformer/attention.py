@@ -1296,11 +1296,13 @@ def _capped_forward(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
     return "maxnreg" in config
 
 
-def _traced_backward_op(op, opaque_op, dout, q, k, v, kpm, ctx):
+def _traced_backward_op(op, opaque_op, dout, qkv, kpm, ctx):
     """`opaque_op` where an eager backward would take `attention_hopper`'s kernel, which traced
-    code cannot launch."""
-    if not (TRACED_OPAQUE and is_traced(q)):
+    code cannot launch. qkv: (q, k, v), or the packed (b, n, 3, h, d) tensor (split only
+    when traced: eager calls pay nothing)."""
+    if not (TRACED_OPAQUE and is_traced(qkv[0] if isinstance(qkv, tuple) else qkv)):
         return op
+    q, k, v = qkv if isinstance(qkv, tuple) else _split_packed(qkv)
     deterministic = torch.are_deterministic_algorithms_enabled()
     dropping = ctx.dropout_p > 0.0
     gluon = _takes_gluon(dout, q, k, v, kpm is not None, ctx.causal, dropping, deterministic)
@@ -1379,7 +1381,7 @@ def _flash_attention_backward(ctx, dout: torch.Tensor | None, _dlse: torch.Tenso
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention was called with need_lse=False; cannot backward")
     op = _traced_backward_op(
-        flash_attention_backward_op, flash_attention_backward_opaque_op, dout, q, k, v, kpm, ctx
+        flash_attention_backward_op, flash_attention_backward_opaque_op, dout, (q, k, v), kpm, ctx
     )
     dq, dk, dv = call_op(
         op, dout, q, k, v, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p
@@ -1468,8 +1470,8 @@ def _flash_attention_packed_backward(ctx, dout: torch.Tensor | None, _dlse: torc
     if lse.numel() == 0 and out.numel() != 0:
         raise RuntimeError("flash_attention_packed was called with need_lse=False")
     op = _traced_backward_op(
-        flash_attention_packed_backward_op, flash_attention_packed_backward_opaque_op, dout,
-        *_split_packed(qkv), kpm, ctx,
+        flash_attention_packed_backward_op, flash_attention_packed_backward_opaque_op, dout, qkv,
+        kpm, ctx,
     )  # fmt: skip
     dqkv = call_op(op, dout, qkv, out, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p)
     return dqkv, None, None, None, None, None, None
