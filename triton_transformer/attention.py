@@ -96,13 +96,13 @@ from triton_transformer.utils import (
     check_triton_tensor,
     compile_tma,
     dropout_threshold,
-    exact_strides_tags,
     first_order_only,
     interpreter_enabled,
     is_traced,
     launcher,
     next_power_of_2,
     offsets_in,
+    opaque_op,
     seed_or_draw,
     sm_count,
     tma_scratch,
@@ -1254,20 +1254,10 @@ def launch_attention_bwd(
 # (`wrap_triton` takes `@triton.jit` ones: `attention_hopper`'s backward) or a register cap
 # (inductor keeps only num_warps and num_stages of a user kernel's options: the forward's
 # `maxnreg` tiles). Where an eager call would, traced code calls the op's implementation as an
-# opaque custom op (`_opaque_op`), which inductor calls as it is, with the strides it traced,
+# opaque custom op (`utils.opaque_op`), which inductor calls as it is, with the strides it traced,
 # and which launches what an eager call launches. False: traced code runs the Triton kernels
 # traced, uncapped (benchmarks compare them).
 TRACED_OPAQUE = True
-
-
-def _opaque_op(name: str, impl, fake):
-    """`impl` as the opaque custom op triton_transformer::`name`_opaque; `fake`: its fake
-    implementation (output shapes and dtypes)."""
-    op = torch.library.custom_op(
-        f"triton_transformer::{name}_opaque", mutates_args=(), tags=exact_strides_tags()
-    )(impl)
-    op.register_fake(fake)
-    return op
 
 
 def _forward_outputs(q, need_lse):
@@ -1329,9 +1319,8 @@ def _flash_attention_impl(
 flash_attention_op = triton_op("triton_transformer::flash_attention", mutates_args=())(
     _flash_attention_impl
 )
-flash_attention_opaque_op = _opaque_op(
-    "flash_attention", _flash_attention_impl, lambda q, *args: _forward_outputs(q, args[-1])
-)
+flash_attention_opaque_op = opaque_op("flash_attention", _flash_attention_impl)
+flash_attention_opaque_op.register_fake(lambda q, *args: _forward_outputs(q, args[-1]))
 
 
 def _flash_attention_backward_impl(
@@ -1359,10 +1348,12 @@ def _flash_attention_backward_impl(
 flash_attention_backward_op = triton_op(
     "triton_transformer::flash_attention_backward", mutates_args=()
 )(_flash_attention_backward_impl)
-flash_attention_backward_opaque_op = _opaque_op(
-    "flash_attention_backward", _flash_attention_backward_impl,
-    lambda dout, q, k, v, *args: tuple(torch.empty_like(t) for t in (q, k, v)),
-)  # fmt: skip
+flash_attention_backward_opaque_op = opaque_op(
+    "flash_attention_backward", _flash_attention_backward_impl
+)
+flash_attention_backward_opaque_op.register_fake(
+    lambda dout, q, k, v, *args: tuple(torch.empty_like(t) for t in (q, k, v))
+)
 
 
 def _flash_attention_setup_context(ctx, inputs, output) -> None:
@@ -1416,10 +1407,10 @@ def _flash_attention_packed_impl(
 flash_attention_packed_op = triton_op(
     "triton_transformer::flash_attention_packed", mutates_args=()
 )(_flash_attention_packed_impl)
-flash_attention_packed_opaque_op = _opaque_op(
-    "flash_attention_packed", _flash_attention_packed_impl,
-    lambda qkv, *args: _forward_outputs(_split_packed(qkv)[0], args[-1]),
-)  # fmt: skip
+flash_attention_packed_opaque_op = opaque_op("flash_attention_packed", _flash_attention_packed_impl)
+flash_attention_packed_opaque_op.register_fake(
+    lambda qkv, *args: _forward_outputs(_split_packed(qkv)[0], args[-1])
+)
 
 
 def _flash_attention_packed_backward_impl(
@@ -1448,10 +1439,12 @@ def _flash_attention_packed_backward_impl(
 flash_attention_packed_backward_op = triton_op(
     "triton_transformer::flash_attention_packed_backward", mutates_args=()
 )(_flash_attention_packed_backward_impl)
-flash_attention_packed_backward_opaque_op = _opaque_op(
-    "flash_attention_packed_backward", _flash_attention_packed_backward_impl,
-    lambda dout, qkv, *args: torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype),
-)  # fmt: skip
+flash_attention_packed_backward_opaque_op = opaque_op(
+    "flash_attention_packed_backward", _flash_attention_packed_backward_impl
+)
+flash_attention_packed_backward_opaque_op.register_fake(
+    lambda dout, qkv, *args: torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+)
 
 
 def _flash_attention_packed_setup_context(ctx, inputs, output) -> None:

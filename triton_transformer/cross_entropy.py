@@ -59,10 +59,10 @@ from triton_transformer.utils import (
     check_not_capturing,
     check_triton_tensor,
     empty_scalar,
-    exact_strides_tags,
     first_order_only,
     is_traced,
     launcher,
+    opaque_op,
     refuse_second_backward,
     row_launch_params,
 )
@@ -452,10 +452,9 @@ cross_entropy_inplace_op = triton_op(
 # which inductor calls as it is, with the strides it traced, and which launches what an eager
 # call launches. False: traced code runs the Triton kernel.
 TRACED_OPAQUE = True
-cross_entropy_inplace_opaque_op = torch.library.custom_op(
-    "triton_transformer::cross_entropy_inplace_opaque", mutates_args=("logits",),
-    tags=exact_strides_tags(),
-)(_cross_entropy_inplace_impl)  # fmt: skip
+cross_entropy_inplace_opaque_op = opaque_op(
+    "cross_entropy_inplace", _cross_entropy_inplace_impl, mutates_args=("logits",)
+)
 
 
 @cross_entropy_inplace_opaque_op.register_fake

@@ -55,10 +55,10 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     empty_scalar,
-    exact_strides_tags,
     first_order_only,
     is_traced,
     launcher,
+    opaque_op,
     refuse_second_backward,
 )
 
@@ -151,9 +151,7 @@ linear_cross_entropy_op = triton_op("triton_transformer::linear_cross_entropy", 
 # chunk buffer inside the traced op, gave wrong gradients: torch 2.11, H200, 2026-11-27.)
 # False: traced code runs the Triton kernels.
 TRACED_OPAQUE = True
-linear_cross_entropy_opaque_op = torch.library.custom_op(
-    "triton_transformer::linear_cross_entropy_opaque", mutates_args=(), tags=exact_strides_tags()
-)(_linear_cross_entropy_impl)
+linear_cross_entropy_opaque_op = opaque_op("linear_cross_entropy", _linear_cross_entropy_impl)
 
 
 @linear_cross_entropy_opaque_op.register_fake

@@ -108,10 +108,10 @@ from triton_transformer.utils import (
     cdiv,
     compile_tma,
     dropout_threshold,
-    exact_strides_tags,
     is_traced,
     launcher,
     next_power_of_2,
+    opaque_op,
     sm_count,
     tma_scratch,
     widened_for_interpreter,
@@ -158,10 +158,7 @@ _FORCE_PATH: str | None = None
 TRACED_OPAQUE = True
 
 
-@torch.library.custom_op(
-    "triton_transformer::mm_opaque", mutates_args=("c",), tags=exact_strides_tags()
-)
-def mm_opaque_op(
+def _mm_opaque(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
@@ -181,6 +178,9 @@ def mm_opaque_op(
     drop = (p, seed) if p > 0.0 else None
     grad = (kept, from_square) if kept is not None else None
     _mm2d_into(a, b, c, relu_squared, drop=drop, grad=grad)
+
+
+mm_opaque_op = opaque_op("mm", _mm_opaque, mutates_args=("c",))
 
 
 @mm_opaque_op.register_fake

@@ -125,12 +125,15 @@ def empty_scalar(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device).view(())
 
 
-def exact_strides_tags() -> tuple[torch.Tag, ...]:
-    """Tags of an opaque `torch.library.custom_op` that launches kernels eagerly for traced
-    code: inductor passes it tensors with the strides it traced (older torch: in their
-    traced stride order)."""
+def opaque_op(name: str, impl: Callable[..., Any], mutates_args: tuple[str, ...] = ()) -> Any:
+    """`impl` registered as the custom op triton_transformer::`name`_opaque, for traced code to
+    call where an eager call launches what inductor cannot (a Gluon kernel, a register cap):
+    inductor calls it as it is, with tensors of the strides it traced (`needs_exact_strides`;
+    older torch: their traced stride order). Register its fake implementation on the result."""
     tag = getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order
-    return (tag,)
+    return torch.library.custom_op(
+        f"triton_transformer::{name}_opaque", mutates_args=mutates_args, tags=(tag,)
+    )(impl)
 
 
 def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
