@@ -664,6 +664,8 @@ def install_tables(tables: dict) -> None:
     forward entries lists and backward entries dicts."""
     ln = sys.modules["triton_transformer.layernorm"]
     ln._LAYERNORM_FWD_CONFIGS.update({int(k): tuple(v) for k, v in tables["fwd"].items()})
+    for k in tables["fwd"]:  # a tuned class's entry serves the stable forward too
+        ln._LAYERNORM_FWD_STABLE_CONFIGS.pop(int(k), None)
     ln._LAYERNORM_BWD_CONFIGS.update({int(k): BwdConfig(**v) for k, v in tables["bwd"].items()})
     ln._clear_config_caches()
 

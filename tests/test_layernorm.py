@@ -42,17 +42,26 @@ WIDE_PATHS = {
 def tables():
     """`tables(fwd, bwd)` makes every width take these launch configurations (a one-entry
     table is every width's nearest entry; None keeps the shipped one) until the test ends."""
-    saved = ln_mod._LAYERNORM_FWD_CONFIGS, ln_mod._LAYERNORM_BWD_CONFIGS
+    saved = (
+        ln_mod._LAYERNORM_FWD_CONFIGS,
+        ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
+        ln_mod._LAYERNORM_BWD_CONFIGS,
+    )
 
     def use(fwd=None, bwd=None):
-        if fwd is not None:
+        if fwd is not None:  # stable forwards too: no stable override is left
             ln_mod._LAYERNORM_FWD_CONFIGS = {16: fwd}
+            ln_mod._LAYERNORM_FWD_STABLE_CONFIGS = {}
         if bwd is not None:
             ln_mod._LAYERNORM_BWD_CONFIGS = {16: bwd}
         ln_mod._clear_config_caches()
 
     yield use
-    ln_mod._LAYERNORM_FWD_CONFIGS, ln_mod._LAYERNORM_BWD_CONFIGS = saved
+    (
+        ln_mod._LAYERNORM_FWD_CONFIGS,
+        ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
+        ln_mod._LAYERNORM_BWD_CONFIGS,
+    ) = saved
     ln_mod._clear_config_caches()
 
 
@@ -584,6 +593,22 @@ def test_config_lookup(tables):
     assert ln_mod._layernorm_bwd_config(100, big) == split._replace(block_n=128, sum_block_n=128)
     assert ln_mod._layernorm_bwd_config(30000, big) == split
     assert ln_mod._layernorm_bwd_config(30000, 64) == split._replace(block_n=64, sum_block_n=64)
+
+
+def test_stable_forward_takes_its_override_at_exact_classes_only():
+    # the stable forward's entries replace the plain ones at the classes they list (capped as
+    # the plain ones are); any other class, and every plain forward, takes the plain table
+    big = 2**15
+    plain = ln_mod._nearest(ln_mod._LAYERNORM_FWD_CONFIGS, 1024)
+    stable = ln_mod._LAYERNORM_FWD_STABLE_CONFIGS[1024]
+    assert stable != plain  # the override is one: else this test checks nothing
+    assert ln_mod._layernorm_fwd_config(768, big, True)[:3] == stable
+    assert ln_mod._layernorm_fwd_config(768, big, False)[:3] == plain
+    assert ln_mod._layernorm_fwd_config(768, big)[:3] == plain
+    missing = next(w for w in (2048, 4096, 8192) if w not in ln_mod._LAYERNORM_FWD_STABLE_CONFIGS)
+    assert ln_mod._layernorm_fwd_config(missing, big, True) == ln_mod._layernorm_fwd_config(
+        missing, big, False
+    )
 
 
 def test_config_lookup_residual(monkeypatch, device):

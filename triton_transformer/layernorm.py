@@ -139,26 +139,46 @@ class BwdConfig(NamedTuple):
 # up to N = 1024, and the next tile's loads prefetched: at 2048 x 512 it takes 7.2 µs against
 # 24.9 for the older (4 rows, 8 warps, 4 per SM) entry, at 4096 x 1024 9.9 against 24.6.
 #
-# Classes 128, 256, 8192 and 16384 come from `benchmarks/bench_layernorm.py --tune` on an H100
-# (2026-11-24; 2**26-element bf16 tensors, kernel times against torch.compile's, plain /
-# stable, forward then backward: 128: 1.00 / 0.99, 0.76 / 0.76; 256: 0.98 / 1.00, 0.98 / 0.93;
-# 8192: 1.00 / 0.83, 0.50 / 0.48; 16384: 0.96 / 0.97, 0.81 / 0.61, < 1 faster). At 16384 the
-# forward holds the row in registers and the backward takes the "split" variant (5·N·e bytes
-# per row against the looped variant's 5·N·e + 16·N). The same sweep's picks for 512-4096 are
-# not taken: at its 128 MB tensors they tie the entries above (0.84-1.00 of compile), which
+# Classes 8192 and 16384 (and 128 and 256 until the retune below) come from
+# `benchmarks/bench_layernorm.py --tune` on an H100 (2026-11-24; 2**26-element bf16 tensors,
+# kernel times against torch.compile's, plain / stable, forward then backward: 128: 1.00 /
+# 0.99, 0.76 / 0.76; 256: 0.98 / 1.00, 0.98 / 0.93; 8192: 1.00 / 0.83, 0.50 / 0.48; 16384:
+# 0.96 / 0.97, 0.81 / 0.61, < 1 faster). At 16384 the forward holds the row in registers and
+# the backward takes the "split" variant (5·N·e bytes per row against the looped variant's
+# 5·N·e + 16·N). The same sweep's picks for 512-4096 are not taken: at its 128 MB tensors they
+# tie the entries above (0.84-1.00 of compile), which
 # were measured at the model's own shapes. Classes 16-64 are not swept.
+#
+# Classes 128, 256 and 512 of the forward, and the stable forward's overrides below, come from
+# the H200 sweep of 2026-11-27 (`bench_layernorm.py --tune --widths 16384,1024,768,384,256`,
+# then `probe_layernorm_evict.py`, kernel µs at 2**26 elements per bf16 tensor, the previous
+# entry -> this one, torch.compile's in brackets): plain 128: 71.0 -> 66.8 (69.3); 256: 74.4
+# -> 65.7 (68.4); 384: 76.3 -> 69.1 (69.4); 512: 67.6 -> 67.8 (67.6); stable 128: 74.0 ->
+# 68.8 (78.5); 256: 79.0 -> 69.4 (71.4); 384: 86.5 -> 72.8 (91.6); 512: 71.0 -> 69.2 (70.6);
+# 768: 85.2 -> 71.0 (71.2), and at GPT-2's 16384 x 768 18.2 -> 16.5 (15.4); 1024: 69.8 ->
+# 68.1 (67.6). The plain 1024 class keeps its entry: the sweep's pick ties it at 1024 columns
+# (67.3 against 68.1) and loses at GPT-2's 16384 x 768 (16.3 against 15.9), which the model's
+# residual forward runs. Cache hints (`evict_first` on x, as
+# inductor's kernels have) measured 0-3% slower everywhere and are not used.
 _LAYERNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
     16: (128, 16, 8),
     32: (64, 32, 8),
     64: (32, 64, 8),
-    128: (16, 128, 4),
-    256: (16, 256, 8),
-    512: (2, 512, 2),
+    128: (16, 128, 2),
+    256: (8, 256, 2),
+    512: (4, 512, 2),
     1024: (4, 1024, 4),
     2048: (4, 2048, 4),
     4096: (2, 4096, 8),
     8192: (1, 8192, 16),
     16384: (1, 16384, 8),
+}
+# The stable forward (one more row reduction, the absolute maximum) at the classes where it
+# wants another tile than the plain one: fewer warps per row (above). Only exact classes.
+_LAYERNORM_FWD_STABLE_CONFIGS: dict[int, tuple[int, int, int]] = {
+    128: (8, 128, 1),
+    512: (2, 512, 1),
+    1024: (2, 1024, 2),
 }
 _LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
@@ -660,12 +680,18 @@ def _nearest(table: dict, width: int):
 
 
 @functools.cache
-def _layernorm_fwd_config(n_cols: int, max_block: int) -> tuple[int, int, int, bool]:
+def _layernorm_fwd_config(
+    n_cols: int, max_block: int, stable: bool = False
+) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, single) of the forward kernel for rows of `n_cols`: the
-    `_LAYERNORM_FWD_CONFIGS` entry, its block capped at the width class and at max_block (a row
+    `_LAYERNORM_FWD_STABLE_CONFIGS` entry of the width class (stable, where it has one) or the
+    `_LAYERNORM_FWD_CONFIGS` one, its block capped at the width class and at max_block (a row
     wider than the block loops over blocks)."""
     width = width_class(n_cols)
-    block_m, block_n, num_warps = _nearest(_LAYERNORM_FWD_CONFIGS, width)
+    if stable and width in _LAYERNORM_FWD_STABLE_CONFIGS:
+        block_m, block_n, num_warps = _LAYERNORM_FWD_STABLE_CONFIGS[width]
+    else:
+        block_m, block_n, num_warps = _nearest(_LAYERNORM_FWD_CONFIGS, width)
     block_n = min(block_n, width, max_block)
     return block_m, block_n, num_warps, n_cols <= block_n
 
@@ -754,7 +780,7 @@ def launch_layernorm_fwd(
     if M == 0 or N == 0:
         return
     if cfg is None:
-        block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N)
+        block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N, stable)
     else:
         block_m, block_n, num_warps = cfg
         single = block_n >= N

@@ -98,6 +98,10 @@ MAX_BLOCK_N = 32768
 # 4096 x 2048 bf16, Liger's 11.8 (H200, 2026-11-25, `benchmarks/probe_modern_tiles.py`).
 _RMSNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
     **_LAYERNORM_FWD_CONFIGS,
+    # the entries RMSNorm was measured with, before LayerNorm's 2026-11-27 retune of these
+    128: (16, 128, 4),
+    256: (16, 256, 8),
+    512: (2, 512, 2),
     2048: (1, 2048, 4),
 }
 _RMSNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
