@@ -646,6 +646,12 @@ def test_config_lookup_many_rows():
     assert ln_mod._layernorm_bwd_config(512, big, True) == entry
     assert ln_mod._layernorm_bwd_config(512, big, False) == shipped
     assert ln_mod._layernorm_bwd_config(1024, big, True) == ln_mod._LAYERNORM_BWD_CONFIGS[1024]
+    # 256-wide plain rows take theirs at any row count; stable ones keep the class's
+    entry_256 = ln_mod._LAYERNORM_BWD_MANY_ROWS[256][1]
+    assert ln_mod._many_rows(1, 256, False) and ln_mod._many_rows(4096, 200, False)
+    assert not ln_mod._many_rows(4096, 256, True)
+    assert ln_mod._layernorm_bwd_config(256, big, True) == entry_256
+    assert ln_mod._layernorm_bwd_config(256, big, False) == ln_mod._LAYERNORM_BWD_CONFIGS[256]
 
 
 @pytest.mark.parametrize("M", [1, 7, 50, 4096, 100_003])
