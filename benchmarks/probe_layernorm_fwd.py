@@ -8,19 +8,23 @@ backward's "row" kernel), at 90-95% of the copy ceiling. Inductor marks such loa
 `evict_first`; ours gave none. Variants, as edited copies of `layernorm.py` in one run:
 shipped; "evict": the forward's last read of x `evict_first`; "evict-all": also the
 backward's x and dy. Each forward at the width class's table entry and the other tiles of
-`FWD_PICKS`, plain and stable, against torch.compile of the reference (training forward;
+`FWD_PICKS` and, at widths of three power-of-two blocks, the three-block tiles of
+`THIRDS_PICKS`, plain and stable, against torch.compile of the reference (training forward;
 backward of a retained graph).
 
 --model-shapes: the residual forward (fp32 h + bf16 branch -> fp32 sum, bf16 y), as the
-model runs it, at enwik8's 8192 x 512, GPT-2's 16384 x 768 and the large preset's 16384 x
-1024, at each tile of the class. Kernel time, L2 flushed.
+model runs it, without and with the branch's dropout (p = 0.1), at enwik8's 8192 x 512,
+GPT-2's 16384 x 768 and the large preset's 16384 x 1024, at each tile of the class.
+Kernel time, L2 flushed.
 
-    python3 benchmarks/probe_layernorm_fwd.py --out DIR [--model-shapes]
+    python3 benchmarks/probe_layernorm_fwd.py --out DIR [--model-shapes] [--widths N ...]
+        [--no-hints]
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 import tempfile
@@ -68,6 +72,14 @@ FWD_PICKS = {
     128: [(16, 128, 4), (8, 128, 1), (16, 128, 2)],
     16384: [(1, 16384, 8), (1, 8192, 8)],
 }
+# tiles of a third of the row (`layernorm._layernorm_fwd_kernel`'s THIRDS: three blocks of
+# registers), per width N = 3 · 2**k
+THIRDS_PICKS = {
+    768: [(1, 256, 1), (2, 256, 1), (2, 256, 2), (4, 256, 2), (4, 256, 4), (8, 256, 4),
+          (8, 256, 8)],
+    384: [(2, 128, 1), (4, 128, 1), (4, 128, 2), (8, 128, 2), (8, 128, 4)],
+    12288: [(1, 4096, 4), (1, 4096, 8), (1, 4096, 16)],
+}  # fmt: skip
 
 
 def _row(mods: dict, n: int, m: int, stable: bool) -> dict:
@@ -96,7 +108,11 @@ def _row(mods: dict, n: int, m: int, stable: bool) -> dict:
         ),
     }
     cfgs = dict.fromkeys(
-        [ln._layernorm_fwd_config(n, ln.MAX_BLOCK_N)[:3], *FWD_PICKS.get(ln.width_class(n), [])]
+        [
+            ln._layernorm_fwd_config(n, ln.MAX_BLOCK_N, stable)[:3],
+            *FWD_PICKS.get(ln.width_class(n), []),
+            *THIRDS_PICKS.get(n, []),
+        ]
     )
     for name, mod in mods.items():
         for cfg in cfgs:
@@ -121,32 +137,37 @@ def _model_shapes() -> list[dict]:
         x, y = torch.empty_like(h), torch.empty_like(br)
         stats = torch.empty((2, m), device="cuda")
         shipped = ln._layernorm_fwd_config(n, ln.MAX_BLOCK_N)[:3]
-        for cfg in dict.fromkeys([shipped, *FWD_PICKS.get(ln.width_class(n), [])]):
+        picks = [*FWD_PICKS.get(ln.width_class(n), []), *THIRDS_PICKS.get(n, [])]
+        seed = torch.tensor(1234, device="cuda")
+        for p, cfg in itertools.product((0.0, 0.1), dict.fromkeys([shipped, *picks])):
             launch = functools.partial(
-                ln.launch_layernorm_fwd, x, w, b, y, stats, 1e-5, False, h2=h, br2=br, cfg=cfg
-            )
-            rows.append({"M": m, "N": n, "cfg": cfg, "shipped": cfg == shipped,
+                ln.launch_layernorm_fwd, x, w, b, y, stats, 1e-5, False, h2=h, br2=br, p=p,
+                seed=seed, cfg=cfg,
+            )  # fmt: skip
+            rows.append({"M": m, "N": n, "p": p, "cfg": cfg, "shipped": cfg == shipped,
                          "us": common.kernel_ms(launch) * 1e3})  # fmt: skip
-            print(f"residual fwd {m}x{n} {cfg}{' (shipped)' if cfg == shipped else ''}: "
+            print(f"residual fwd {m}x{n} p={p} {cfg}{' (shipped)' if cfg == shipped else ''}: "
                   f"{rows[-1]['us']:.1f} us", flush=True)  # fmt: skip
     return rows
 
 
 def main() -> None:
-    args, out = common.parse_out(
-        __doc__, lambda ap: ap.add_argument("--model-shapes", action="store_true")
-    )
+    def add_args(ap):
+        ap.add_argument("--model-shapes", action="store_true")
+        ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+        ap.add_argument("--no-hints", action="store_true", help="the shipped kernels only")
+
+    args, out = common.parse_out(__doc__, add_args)
     if args.model_shapes:
         (out / "layernorm_fwd_model.json").write_text(json.dumps(_model_shapes(), indent=1))
         return
     tmp = Path(tempfile.mkdtemp())
-    mods = {
-        "shipped": ln,
-        "evict": common.module_copy(SRC, "ln_evict", tmp, EVICT_FWD),
-        "evict-all": common.module_copy(SRC, "ln_evict_all", tmp, EVICT_FWD + EVICT_BWD),
-    }
+    mods = {"shipped": ln}
+    if not args.no_hints:
+        mods["evict"] = common.module_copy(SRC, "ln_evict", tmp, EVICT_FWD)
+        mods["evict-all"] = common.module_copy(SRC, "ln_evict_all", tmp, EVICT_FWD + EVICT_BWD)
     rows = []
-    for n in WIDTHS:
+    for n in args.widths:
         m_sweep = max(1, round((1 << 26) / n))
         for m in sorted({m_sweep, 16384} if n == 768 else {m_sweep}):
             for stable in (False, True):

@@ -18,6 +18,7 @@ import torch
 from helpers import compile_trace_check, run_without_interpreter, trace_check_result
 
 from triton_transformer.layernorm import STABLE_CLAMP, BwdConfig, LayerNorm, layernorm
+from triton_transformer.residual_layernorm import residual_layernorm
 
 # The package re-exports the function `layernorm`, which shadows the submodule attribute.
 ln_mod = importlib.import_module("triton_transformer.layernorm")
@@ -45,13 +46,15 @@ def tables():
     saved = (
         ln_mod._LAYERNORM_FWD_CONFIGS,
         ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
+        ln_mod._LAYERNORM_FWD_THIRDS,
         ln_mod._LAYERNORM_BWD_CONFIGS,
     )
 
     def use(fwd=None, bwd=None):
-        if fwd is not None:  # stable forwards too: no stable override is left
+        if fwd is not None:  # stable and three-block forwards too: no override is left
             ln_mod._LAYERNORM_FWD_CONFIGS = {16: fwd}
             ln_mod._LAYERNORM_FWD_STABLE_CONFIGS = {}
+            ln_mod._LAYERNORM_FWD_THIRDS = {}
         if bwd is not None:
             ln_mod._LAYERNORM_BWD_CONFIGS = {16: bwd}
         ln_mod._clear_config_caches()
@@ -60,6 +63,7 @@ def tables():
     (
         ln_mod._LAYERNORM_FWD_CONFIGS,
         ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
+        ln_mod._LAYERNORM_FWD_THIRDS,
         ln_mod._LAYERNORM_BWD_CONFIGS,
     ) = saved
     ln_mod._clear_config_caches()
@@ -348,7 +352,7 @@ def test_zero_size(shape, stable, device):
 # ----------------------------------------------------------------------------- GPU, realistic
 
 
-GPU_NS = [512, 768, 1000, 4096, 16384, 65536 + 37]
+GPU_NS = [384, 512, 768, 1000, 4096, 16384, 65536 + 37]
 
 
 @pytest.mark.gpu
@@ -609,6 +613,38 @@ def test_stable_forward_takes_its_override_at_exact_classes_only():
     assert ln_mod._layernorm_fwd_config(missing, big, True) == ln_mod._layernorm_fwd_config(
         missing, big, False
     )
+
+
+def test_three_block_rows(device, monkeypatch):
+    # rows of three power-of-two blocks take the three-block tile (plain and stable; not the
+    # residual form, nor once its block exceeds MAX_BLOCK_N) and match float64, forward and
+    # backward, through the op
+    assert ln_mod._layernorm_fwd_thirds(768, ln_mod.MAX_BLOCK_N) == (4, 256, 2)
+    assert ln_mod._layernorm_fwd_thirds(768, 128) is None
+    assert ln_mod._layernorm_fwd_thirds(1024, ln_mod.MAX_BLOCK_N) is None
+    monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_THIRDS", {48: (2, 16, 1), 96: (4, 32, 2)})
+    seen = []
+    real = ln_mod.launcher
+
+    class Spy:  # records the forward's THIRDS, BLOCK_N and RESIDUAL, then launches
+        def __init__(self, kernel):
+            self.kernel, self.launch = kernel, real(kernel)
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                if self.kernel is ln_mod._layernorm_fwd_kernel:
+                    seen.append((kwargs["THIRDS"], kwargs["BLOCK_N"], kwargs["RESIDUAL"]))
+                return self.launch[grid](*args, **kwargs)
+
+            return call
+
+    monkeypatch.setattr(ln_mod, "launcher", Spy)
+    for n, stable in ((48, False), (48, True), (96, False), (96, True)):
+        _check(*_inputs((70, n), device=device, bias=True), stable=stable)
+        assert seen[-1] == (True, n // 3, False), seen[-1]
+    h, branch = torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)
+    residual_layernorm(h, branch, torch.ones(48, device=device), use_triton=True)
+    assert seen[-1][0] is False and seen[-1][2] is True
 
 
 def test_config_lookup_residual(monkeypatch, device):

@@ -24,10 +24,12 @@ Triton design (e = bytes per element; "per row" = per row of N elements):
 - Forward: each program normalises BLOCK_M rows held as a (BLOCK_M, BLOCK_N) tile (several
   rows per program when N is small). With BLOCK_N >= N the rows stay in registers: one read
   of x, one write of y (2·N·e per row, the floor); statistics are fp32 and two-pass within the
-  tile. With BLOCK_N < N the row is processed in a loop over column blocks: one pass merges
-  per-block mean/M2 (Chan's parallel variance), one pass writes y (plus a first pass for the
-  row's max |x| when stable): 3·N·e per row (4·N·e stable), the re-reads from L2 while the
-  rows in flight fit there. Only mean and rstd per row (and the scale when stable) are saved.
+  tile. A row of three power-of-two blocks (768 = 3·256) is held as three such tiles
+  (`_LAYERNORM_FWD_THIRDS`), every lane busy. With BLOCK_N < N the row is processed in a loop
+  over column blocks: one pass merges per-block mean/M2 (Chan's parallel variance), one pass
+  writes y (plus a first pass for the row's max |x| when stable): 3·N·e per row (4·N·e
+  stable), the re-reads from L2 while the rows in flight fit there. Only mean and rstd per row
+  (and the scale when stable) are saved.
 - Backward: with xhat = (u - mean) * rstd, u = x / scale (scale = 1 unless stable) and
   g = dy * w,
 
@@ -180,6 +182,19 @@ _LAYERNORM_FWD_STABLE_CONFIGS: dict[int, tuple[int, int, int]] = {
     512: (2, 512, 1),
     1024: (2, 1024, 2),
 }
+# Rows of three power-of-two blocks (768 = 3·256) held as three blocks of registers (the
+# kernel's THIRDS) instead of one block of the next power of two with a quarter of its lanes
+# idle: keyed by the exact width, plain and stable forwards (the residual form keeps the
+# tables: at GPT-2's 16384 x 768 it measured 39.6 against 39.3 µs). H200, 2026-11-27
+# (`probe_layernorm_fwd.py`, kernel µs at 2**26 elements per bf16 tensor, one block -> three,
+# torch.compile's in brackets): 768 plain 69.9 -> 67.6 (67.7), stable 71.1 -> 68.3 (70.9); 384
+# plain 69.5 -> 67.6 (69.4), stable 72.6 -> 68.9 (92.3); 12288 plain 83.7 -> 68.5 (90.0),
+# stable 108.5 -> 73.8 (138.2). Other widths of this form are not measured.
+_LAYERNORM_FWD_THIRDS: dict[int, tuple[int, int, int]] = {
+    384: (8, 128, 2),
+    768: (4, 256, 2),
+    12288: (1, 4096, 8),
+}
 _LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
     32: BwdConfig("row", 64, 32, 8, 4),
@@ -263,13 +278,26 @@ def _load_x(
 
 
 @triton.jit
+def _store_y(Y, W, B, y_rows, xc, rstd, col0, mask, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = xc · rstd · w (+ b) of the block of columns [col0, col0 + BLOCK_N), all inside the
+    row, stored at the rows `y_rows` (pointers to each row's start) under the row mask."""
+    cols = col0 + tl.arange(0, BLOCK_N)
+    y = xc * rstd[:, None] * tl.load(W + cols).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols).to(tl.float32)[None, :]
+    tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _layernorm_fwd_kernel(
     X, W, B, Y, Stats, H, BR, SEED,
     M, N, inv_n, stride_x, stride_y, stride_h, stride_br, eps, clamp, threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     RESIDUAL: tl.constexpr, DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, THIRDS: tl.constexpr = False,
 ):  # fmt: skip
+    # THIRDS (with SINGLE): N = 3·BLOCK_N, the row held as three blocks of registers, so a
+    # width such as 768 = 3·256 runs with every lane busy instead of in a 1024-wide block.
     # inv_n = 1/N comes from the host: fp32 division on the GPU is approximate (div.full),
     # so `sum / N` would not even reproduce x exactly for N = 1.
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
@@ -281,7 +309,34 @@ def _layernorm_fwd_kernel(
     y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
     cols = tl.arange(0, BLOCK_N)
 
-    if SINGLE:
+    if SINGLE and THIRDS:
+        # The same math as the one-block path below, over the three blocks' partial sums.
+        mask = row_mask[:, None] & (cols < BLOCK_N)[None, :]  # every column is in the row
+        x0 = _load_x(
+            X, H, BR, SEED, rows, 0, mask, N, stride_x, stride_h, stride_br, threshold,
+            drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
+        )  # fmt: skip
+        x1 = _load_x(
+            X, H, BR, SEED, rows, BLOCK_N, mask, N, stride_x, stride_h, stride_br, threshold,
+            drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
+        )  # fmt: skip
+        x2 = _load_x(
+            X, H, BR, SEED, rows, 2 * BLOCK_N, mask, N, stride_x, stride_h, stride_br,
+            threshold, drop_scale, RESIDUAL, DROPOUT, INT64_IDX, True, BLOCK_N,
+        )  # fmt: skip
+        if STABLE:
+            amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+            scale = tl.maximum(tl.maximum(amax, tl.max(tl.abs(x2), axis=1)), clamp)
+            inv_scale = (1.0 / scale)[:, None]  # x * (1/scale): see the one-block path
+            x0, x1, x2 = x0 * inv_scale, x1 * inv_scale, x2 * inv_scale
+        mean = (tl.sum(x0, axis=1) + tl.sum(x1, axis=1) + tl.sum(x2, axis=1)) * inv_n
+        x0, x1, x2 = x0 - mean[:, None], x1 - mean[:, None], x2 - mean[:, None]
+        m2 = tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        rstd = tl.rsqrt(m2 * inv_n + eps)
+        _store_y(Y, W, B, y_rows, x0, rstd, 0, mask, HAS_BIAS, BLOCK_N)
+        _store_y(Y, W, B, y_rows, x1, rstd, BLOCK_N, mask, HAS_BIAS, BLOCK_N)
+        _store_y(Y, W, B, y_rows, x2, rstd, 2 * BLOCK_N, mask, HAS_BIAS, BLOCK_N)
+    elif SINGLE:
         # The whole row fits one block: load once, everything stays in registers.
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
@@ -701,6 +756,13 @@ def _layernorm_fwd_config(
     return block_m, block_n, num_warps, n_cols <= block_n
 
 
+def _layernorm_fwd_thirds(n_cols: int, max_block: int) -> tuple[int, int, int] | None:
+    """The `_LAYERNORM_FWD_THIRDS` tile (BLOCK_M, n_cols / 3, num_warps) of a row of n_cols,
+    where the table has one whose block fits max_block; else None (the tables above)."""
+    cfg = _LAYERNORM_FWD_THIRDS.get(n_cols)
+    return cfg if cfg is not None and cfg[1] <= max_block else None
+
+
 @functools.cache
 def _layernorm_bwd_config(
     n_cols: int, max_block: int, many_rows: bool = False, residual: bool = False
@@ -779,17 +841,22 @@ def launch_layernorm_fwd(
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
-    `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides `_LAYERNORM_FWD_CONFIGS` (the benchmark's
-    sweep)."""
+    `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides the tables (the benchmark's sweep); a
+    BLOCK_N of N / 3 holds the row as three blocks (THIRDS), as `_LAYERNORM_FWD_THIRDS` does
+    for the plain and stable forwards at its widths."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
+    residual = h2 is not None
+    if cfg is None:
+        cfg = None if residual else _layernorm_fwd_thirds(N, MAX_BLOCK_N)
     if cfg is None:
         block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N, stable)
+        thirds = False
     else:
         block_m, block_n, num_warps = cfg
-        single = block_n >= N
-    residual = h2 is not None
+        thirds = 3 * block_n == N  # a block of a third of the row: three blocks held
+        single = block_n >= N or thirds
     dropout = residual and p > 0.0
     launcher(_layernorm_fwd_kernel)[(cdiv(M, block_m),)](
         x2, weight, bias if exists(bias) else weight, y2, stats,
@@ -799,7 +866,7 @@ def launch_layernorm_fwd(
         eps, STABLE_CLAMP, dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0,
         HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single, RESIDUAL=residual,
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, THIRDS=thirds, num_warps=num_warps,
     )  # fmt: skip
 
 
