@@ -619,9 +619,9 @@ def test_three_block_rows(device, monkeypatch):
     # rows of three power-of-two blocks take the three-block tile (plain and stable; not the
     # residual form, nor once its block exceeds MAX_BLOCK_N) and match float64, forward and
     # backward, through the op
-    assert ln_mod._layernorm_fwd_thirds(768, ln_mod.MAX_BLOCK_N) == (4, 256, 2)
-    assert ln_mod._layernorm_fwd_thirds(768, 128) is None
-    assert ln_mod._layernorm_fwd_thirds(1024, ln_mod.MAX_BLOCK_N) is None
+    assert ln_mod._layernorm_fwd_thirds_config(768, ln_mod.MAX_BLOCK_N) == (4, 256, 2)
+    assert ln_mod._layernorm_fwd_thirds_config(768, 128) is None
+    assert ln_mod._layernorm_fwd_thirds_config(1024, ln_mod.MAX_BLOCK_N) is None
     monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_THIRDS", {48: (2, 16, 1), 96: (4, 32, 2)})
     seen = []
     real = ln_mod.launcher

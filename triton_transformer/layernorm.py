@@ -756,7 +756,7 @@ def _layernorm_fwd_config(
     return block_m, block_n, num_warps, n_cols <= block_n
 
 
-def _layernorm_fwd_thirds(n_cols: int, max_block: int) -> tuple[int, int, int] | None:
+def _layernorm_fwd_thirds_config(n_cols: int, max_block: int) -> tuple[int, int, int] | None:
     """The `_LAYERNORM_FWD_THIRDS` tile (BLOCK_M, n_cols / 3, num_warps) of a row of n_cols,
     where the table has one whose block fits max_block; else None (the tables above)."""
     cfg = _LAYERNORM_FWD_THIRDS.get(n_cols)
@@ -849,7 +849,7 @@ def launch_layernorm_fwd(
         return
     residual = h2 is not None
     if cfg is None:
-        cfg = None if residual else _layernorm_fwd_thirds(N, MAX_BLOCK_N)
+        cfg = None if residual else _layernorm_fwd_thirds_config(N, MAX_BLOCK_N)
     if cfg is None:
         block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N, stable)
         thirds = False
