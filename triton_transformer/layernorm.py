@@ -148,20 +148,20 @@ class BwdConfig(NamedTuple):
 # 0.96 / 0.97, 0.81 / 0.61, < 1 faster). At 16384 the forward holds the row in registers and
 # the backward takes the "split" variant (5·N·e bytes per row against the looped variant's
 # 5·N·e + 16·N). The same sweep's picks for 512-4096 are not taken: at its 128 MB tensors they
-# tie the entries above (0.84-1.00 of compile), which
-# were measured at the model's own shapes. Classes 16-64 are not swept.
+# tie the entries above (0.84-1.00 of compile), which were measured at the model's own shapes.
+# Classes 16-64 are not swept.
 #
 # Classes 128, 256 and 512 of the forward, and the stable forward's overrides below, come from
 # the H200 sweep of 2026-11-27 (`bench_layernorm.py --tune --widths 16384,1024,768,384,256`,
-# then `probe_layernorm_evict.py`, kernel µs at 2**26 elements per bf16 tensor, the previous
+# then `probe_layernorm_fwd.py`, kernel µs at 2**26 elements per bf16 tensor, the previous
 # entry -> this one, torch.compile's in brackets): plain 128: 71.0 -> 66.8 (69.3); 256: 74.4
 # -> 65.7 (68.4); 384: 76.3 -> 69.1 (69.4); 512: 67.6 -> 67.8 (67.6); stable 128: 74.0 ->
 # 68.8 (78.5); 256: 79.0 -> 69.4 (71.4); 384: 86.5 -> 72.8 (91.6); 512: 71.0 -> 69.2 (70.6);
 # 768: 85.2 -> 71.0 (71.2), and at GPT-2's 16384 x 768 18.2 -> 16.5 (15.4); 1024: 69.8 ->
 # 68.1 (67.6). The plain 1024 class keeps its entry: the sweep's pick ties it at 1024 columns
 # (67.3 against 68.1) and loses at GPT-2's 16384 x 768 (16.3 against 15.9), which the model's
-# residual forward runs. Cache hints (`evict_first` on x, as
-# inductor's kernels have) measured 0-3% slower everywhere and are not used.
+# residual forward runs. Cache hints (`evict_first` on x, as inductor's kernels have) measured
+# 0-3% slower everywhere and are not used.
 _LAYERNORM_FWD_CONFIGS: dict[int, tuple[int, int, int]] = {
     16: (128, 16, 8),
     32: (64, 32, 8),
