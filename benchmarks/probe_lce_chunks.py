@@ -6,11 +6,13 @@ fused step's peak at least 1.5 GB below the unfused step's, at equal or better s
    loss kernel, dx = dz W, dW's first product (fp32 out) and its accumulation (fp32 C read
    and written), each as the loss launches it, with other ways to do the last two; then the
    whole chunked op at M = 16,384 rows for each chunk size, and the unfused sequence.
-2. Memory of one eager GPT-2 step (our AdamW, bf16 autocast), fused loss at each chunk size
-   and unfused: allocated bytes when the loss starts, the peak inside the loss call, the
-   step's peak, so the loss's own footprint is read off, not modelled.
+2. Memory of one GPT-2 step (our AdamW, bf16 autocast), fused loss at each chunk size and
+   unfused, graphed or eager (`--modes`): allocated bytes when the loss starts, the peak
+   through the loss call, the step's peak (allocated and reserved), so the loss's own
+   footprint is read off, not modelled.
 
     python3 benchmarks/probe_lce_chunks.py --out DIR [--rows 4096 2048 ...] [--no-step]
+        [--no-pieces] [--modes graph eager eager-block-graphs]
 """
 
 from __future__ import annotations
@@ -105,8 +107,11 @@ def _unfused(x, w, labels) -> float:
 
 def _step_memory(rows: int | None, mode: str) -> dict:
     """One GPT-2 step's memory: at the loss's start, peak inside it, peak of the step. rows
-    None: the unfused loss. mode: "eager" (no graphs of blocks either) or "graph" (the marks
-    are read while the step is captured, as `bench_step.py` measures it)."""
+    None: the unfused loss. mode: "eager" (no graphs of blocks either), "eager-block-graphs"
+    (the model's block graphs on, the eager loop's default) or "graph" (the marks are read
+    while the step is captured, as `bench_step.py` measures it). Also the step's peak of
+    reserved memory, counted from the cache emptied: what the process holds, graph pools
+    included, which `max_memory_allocated` need not count."""
     from bench_step import PRESETS, build
 
     import triton_transformer.transformer as tmod
@@ -150,11 +155,14 @@ def _step_memory(rows: int | None, mode: str) -> dict:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() / 2**20
+            base_reserved = torch.cuda.memory_reserved() / 2**20
             step()  # graph: the capture
             torch.cuda.synchronize()
             step_peak = torch.cuda.max_memory_allocated() / 2**20
+            step_peak_reserved = torch.cuda.max_memory_reserved() / 2**20
             after = torch.cuda.memory_allocated() / 2**20
     finally:
         tmod.linear_cross_entropy, tmod.linear = real, real_linear
@@ -167,6 +175,8 @@ def _step_memory(rows: int | None, mode: str) -> dict:
         **marks,
         "step peak MiB": step_peak,
         "after the step MiB": after,
+        "reserved before the step MiB": base_reserved,
+        "step peak reserved MiB": step_peak_reserved,
     }
 
 
@@ -177,6 +187,12 @@ def main() -> None:
             ap.add_argument("--rows", type=int, nargs="+", default=[4096, 2816, 2048, 1664, 1024]),
             ap.add_argument("--no-step", action="store_true"),
             ap.add_argument("--no-pieces", action="store_true"),
+            ap.add_argument(
+                "--modes",
+                nargs="+",
+                default=["graph", "eager"],
+                choices=["graph", "eager", "eager-block-graphs"],
+            ),
         ),
     )
     torch.manual_seed(0)
@@ -194,7 +210,7 @@ def main() -> None:
     del x, w, labels
     if not args.no_step:
         result["memory"] = [
-            _step_memory(r, mode) for mode in ("graph", "eager") for r in [None, *args.rows]
+            _step_memory(r, mode) for mode in args.modes for r in [None, *args.rows]
         ]
         for row in result["memory"]:
             print(row, flush=True)
