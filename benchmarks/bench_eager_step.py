@@ -8,8 +8,9 @@ with autograd's backward on its device worker thread (PyTorch's default) and on 
 thread (`torch.autograd.set_multithreading_enabled(False)`, what the trainer does); ms per step
 is the median of 5 x 10 steps. Providers: "torch" (use_triton=False), "triton" (the default:
 the blocks replayed as CUDA graphs, `block_graphs`) and "triton-nographs" (cuda_graphs=False,
-every kernel launched from Python). Also GPU ms per step (profiler) and GPU busy, peak memory,
-and an inference forward (no_grad). Writes eager_step_<label>.json.
+every kernel launched from Python). Also GPU ms per step (profiler) and GPU busy, peak memory
+(allocated, and reserved: the block graphs' pools are counted only there), and an inference
+forward (no_grad). Writes eager_step_<label>.json.
 
 Usage: python3 benchmarks/bench_eager_step.py --out DIR [--label after] [--presets small gpt2]
 To compare two checkouts, run it with PYTHONPATH pointing at each (the package is imported
@@ -59,6 +60,11 @@ def measure(preset: str, provider: str) -> dict:
             ms = statistics.median(ms_per_step(step) for _ in range(5))
         row["ms_worker_thread" if threaded else "ms_calling_thread"] = ms
     row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+    # The block graphs' intermediates are freed when captured and rewritten at each replay: the
+    # allocator counts them as free while the graphs' pools hold them, so the allocated peak
+    # understates the Triton model's (GPT-2 fused step, H200, 2026-11-27: 3,394 MiB allocated,
+    # 7,578 reserved; `probe_lce_chunks.py`). The reserved peak counts them, and the cache too.
+    row["peak_reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
     row["gpu_ms"], kernels = common.gpu_time_per_step(step)
     row["kernels"] = kernels[:KERNELS_KEPT]
     row["gpu_busy_worker_thread"] = min(1.0, row["gpu_ms"] / row["ms_worker_thread"])
