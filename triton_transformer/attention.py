@@ -106,6 +106,7 @@ from triton_transformer.utils import (
     seed_or_draw,
     sm_count,
     tma_scratch,
+    tracing,
     widened_for_interpreter,
 )
 
@@ -1268,9 +1269,8 @@ def _forward_outputs(q, need_lse):
 
 
 def _traced_forward_op(op, opaque_op, q: torch.Tensor, causal: bool, dropout_p: float):
-    """`opaque_op` where traced code would launch the forward without its register cap.
-    (Dynamo's tensors are not fake to `is_traced`: is_compiling.)"""
-    traced = torch.compiler.is_compiling() or is_traced(q)
+    """`opaque_op` where traced code would launch the forward without its register cap."""
+    traced = tracing(q)
     return opaque_op if TRACED_OPAQUE and traced and _capped_forward(q, causal, dropout_p) else op
 
 

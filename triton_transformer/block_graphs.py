@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from triton_transformer.bmm import fresh_weight_casts
-from triton_transformer.utils import first_order_only, is_traced
+from triton_transformer.utils import first_order_only, tracing
 
 __all__ = ["BlockGraphs", "suspended"]
 
@@ -250,7 +250,7 @@ class BlockGraphs:
 
 
 def _may_graph(h: torch.Tensor) -> bool:
-    if _suspended or not h.is_cuda or torch.compiler.is_compiling() or is_traced(h):
+    if _suspended or not h.is_cuda or tracing(h):
         return False
     return not torch.cuda.is_current_stream_capturing()
 

@@ -66,6 +66,7 @@ from triton_transformer.utils import (
     first_order_only,
     is_traced,
     seed_or_draw,
+    tracing,
 )
 
 ACTIVATIONS = (None, "relu_squared", "swiglu")
@@ -397,7 +398,7 @@ def _foldable(home: torch.Tensor | None, dtype: torch.dtype, a: torch.Tensor) ->
     `accumulate_grads_in_place` for when it may not)."""
     if home is None or home.grad is None or home._backward_hooks:
         return False
-    if is_traced(a) or torch.compiler.is_compiling():
+    if tracing(a):
         return False
     if _grad_references(home) != _UNSHARED:  # autograd would copy it rather than store it
         return False

@@ -65,6 +65,7 @@ from triton_transformer.utils import (
     opaque_op,
     refuse_second_backward,
     row_launch_params,
+    tracing,
 )
 
 # Longest row the forward holds in registers in one pass, and the backward's block; longer rows
@@ -486,7 +487,7 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
         op = cross_entropy_inplace_op
-        traced = torch.compiler.is_compiling() or is_traced(logits)
+        traced = tracing(logits)
         if TRACED_OPAQUE and traced and cross_entropy_hopper.takes_strides(logits):
             op = cross_entropy_inplace_opaque_op
         loss, n_valid = call_op(op, logits, labels, ignore_index)

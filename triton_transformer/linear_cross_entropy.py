@@ -56,10 +56,10 @@ from triton_transformer.utils import (
     check_triton_tensor,
     empty_scalar,
     first_order_only,
-    is_traced,
     launcher,
     opaque_op,
     refuse_second_backward,
+    tracing,
 )
 
 __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
@@ -166,7 +166,7 @@ def _(x, weight, labels, ignore_index, chunk_rows, grad_x, grad_weight):
 def _forward_op(x: torch.Tensor, V: int, chunk_rows: int):
     """The opaque op where traced code would run chunks that eager calls give the Gluon
     kernel (`cross_entropy_hopper.takes_rows`), else the triton_op."""
-    traced = torch.compiler.is_compiling() or is_traced(x)
+    traced = tracing(x)
     rows = max(1, min(chunk_rows, x.shape[0]))
     if TRACED_OPAQUE and traced and cross_entropy_hopper.takes_rows(x.device, x.dtype, rows, V):
         return linear_cross_entropy_opaque_op

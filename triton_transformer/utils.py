@@ -166,7 +166,7 @@ def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[...,
         def wrapper(ctx: Any, *grads: Any) -> R:
             if not torch.is_grad_enabled():  # the plain backward: create_graph=False
                 return backward(ctx, *grads)
-            if not _tracing(grads):
+            if not tracing(*grads):
                 raise RuntimeError(
                     f"{op_name}: the Triton backward is first-order only, but it was asked "
                     "for a differentiable gradient (create_graph=True, i.e. a double "
@@ -181,9 +181,10 @@ def first_order_only(op_name: str) -> Callable[[Callable[..., R]], Callable[...,
     return decorate
 
 
-def _tracing(tensors: tuple) -> bool:
+def tracing(*tensors: object) -> bool:
     """True while torch.compile or export traces, or when `tensors` are traced ones: fake or
-    functional tensors (AOTAutograd's joint trace of a backward, make_fx under a FakeTensorMode)."""
+    functional tensors (AOTAutograd's joint trace of a backward, make_fx under a FakeTensorMode).
+    Dynamo's own tensors are not fake to `is_traced`, hence is_compiling as well."""
     return torch.compiler.is_compiling() or any(is_traced(t) for t in tensors)
 
 
