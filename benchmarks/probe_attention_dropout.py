@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    ah.MIN_QUERIES = ah.MIN_QUERIES_CAUSAL = ah.MIN_QUERIES_DROPOUT = 1
+    ah.MIN_QUERIES = ah.MIN_QUERIES_D64 = ah.MIN_QUERIES_DROPOUT = 1
     ah.TAKEN_HEAD_DIMS = ah.TAKEN_HEAD_DIMS_CAUSAL = ah.HEAD_DIMS
     rows = [
         "| shape (b, n, h, d) | causal | p | Gluon µs | Triton µs | Triton / Gluon | FA2 µs |",

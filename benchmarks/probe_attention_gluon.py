@@ -64,7 +64,7 @@ def main() -> None:
     rows = []
     shipped = ah.bwd_tiles
     # every shape takes the kernel here; "default" is `usable`'s answer under its defaults
-    lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_CAUSAL": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
+    lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_D64": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
               "TAKEN_HEAD_DIMS_CAUSAL": ah.HEAD_DIMS}  # fmt: skip
     defaults = {name: getattr(ah, name) for name in lifted}
     for preset in args.presets:
@@ -73,7 +73,7 @@ def main() -> None:
             vars(ah).update(defaults)
             q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
-                   "default": ah.usable(q, q, d, causal, plain=True)}  # fmt: skip
+                   "default": ah.usable(q, q, d, causal, no_key_mask=True)}  # fmt: skip
             vars(ah).update(lifted)
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]

@@ -42,7 +42,7 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
     # Blackwell GPU (which has TMA, so the Triton single pass runs there) must not take it
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
-    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
+    monkeypatch.setattr(ah, "MIN_QUERIES_D64", 1)
     ah.is_sm90.cache_clear()
     try:
         assert ah.is_sm90(torch.device("cuda", 0)) is taken
@@ -54,8 +54,8 @@ def test_taken_on_hopper_only(major, taken, monkeypatch):
 
 # (n queries, head dim, causal, taken): the default thresholds, where the kernel measured faster
 DEFAULT_GATE = [
-    (1023, 64, True, False), (1024, 64, True, True), (1024, 64, False, False),
-    (2047, 64, False, False), (2048, 64, False, True), (1024, 32, True, False),
+    (511, 64, True, False), (512, 64, True, True), (511, 64, False, False),
+    (512, 64, False, True), (2047, 32, False, False), (1024, 32, True, False),
     (2048, 32, True, True), (1024, 128, True, False), (2048, 128, True, True),
     (2048, 128, False, False),
 ]  # fmt: skip
@@ -68,7 +68,7 @@ DROPOUT_GATE = [
 
 @needs_gluon
 def test_default_gate(monkeypatch):
-    # on a (pretended) Hopper GPU: causal d64 heads from 1024 queries, the rest from 2048;
+    # on a (pretended) Hopper GPU: d64 heads from 512 queries, the rest from 2048;
     # d128 causal only; and none of it with a key padding mask, fp32, GQA or d48
     monkeypatch.setattr(ah, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
@@ -105,13 +105,16 @@ for d in ah.HEAD_DIMS:
             acc = torch.empty(b * h, n, d)
             seed = torch.empty((), dtype=torch.int64)
             tiles = ah.bwd_tiles(d, causal)
+            descs = ah._descriptors(q, k, v, do, lse, lse, acc, tiles["BLOCK_M"], tiles["BLOCK_N"])
             kernel = ah._attention_bwd_sm90_kernel.warmup(
-                q, k, v, do, qkv, qkv, lse, lse, acc, seed, 0, 0, *q.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], b * h, h, n, n, 0.18, 0.125, 13107, 1.25, HEAD_DIM=d,
-                CAUSAL=causal, DROPOUT=dropout, LPT_BYTES=2**24, grid=(1,), **tiles,
+                *descs, qkv, qkv, seed, lse, lse, 0, 0, *k.stride()[:3], *v.stride()[:3],
+                b * h, h, n, n, 0.18, 0.125, 13107, 1.25, HEAD_DIM=d, CAUSAL=causal,
+                DROPOUT=dropout, LPT_BYTES=2**24, grid=(1,), **tiles,
             )
-            assert "wgmma.mma_async" in kernel.asm["ptx"]
+            ptx = kernel.asm["ptx"]
+            # every tile arrives by TMA from a descriptor passed as a parameter, none made here
+            assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+            assert "tensormap.replace" not in ptx
             print("ok", d, causal, dropout)
 """
 )
@@ -125,7 +128,7 @@ def launches(monkeypatch):
     """Counts the Gluon kernel's launches, and lets eager backwards take it at every length and
     head dim it supports (by default only where it measured faster)."""
     monkeypatch.setattr(ah, "MIN_QUERIES", 1)
-    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1)
+    monkeypatch.setattr(ah, "MIN_QUERIES_D64", 1)
     monkeypatch.setattr(ah, "MIN_QUERIES_DROPOUT", 1)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", ah.HEAD_DIMS)
@@ -265,9 +268,9 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
 
 @on_hopper
 def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
-    # the defaults: causal d64 heads from 1024 queries, the rest from 2048; d128 causal only
+    # the defaults: d64 heads from 512 queries, the rest from 2048; d128 causal only
     monkeypatch.setattr(ah, "MIN_QUERIES", 2048)
-    monkeypatch.setattr(ah, "MIN_QUERIES_CAUSAL", 1024)
+    monkeypatch.setattr(ah, "MIN_QUERIES_D64", 512)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", (32, 64))
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", (32, 64, 128))
     monkeypatch.setattr(ah, "MIN_QUERIES_DROPOUT", 512)

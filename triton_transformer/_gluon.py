@@ -18,6 +18,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.language import _core as gl_core
     from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # host-made TMA
 
     # TMA tile copies: `async_load` / `async_store` from Triton 3.7, `async_copy_*` before
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -39,17 +40,25 @@ try:  # Gluon ships with Triton >= 3.5
                 ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
             )
 
+    @gl_core.builtin
+    def reinterpret(smem, dtype, shape, layout, _semantic=None):
+        """The shared-memory buffer `smem` seen with another dtype, shape and layout (the same
+        bytes): `reinterpret` from Triton 3.7, `_reinterpret` before."""
+        view = getattr(smem, "reinterpret", None) or smem._reinterpret
+        return view(dtype, shape, layout, _semantic=_semantic)
+
     HAVE_GLUON = True
 except (ImportError, AttributeError):  # pragma: no cover - a Triton whose Gluon lacks these
     # (older, or a future rename): the Triton kernels run instead
     HAVE_GLUON = False
-    gluon = gl = hopper = mbarrier = tma = None
-    tma_load = tma_store = cta_barrier = mma = mma_wait = tma_reduce_add = None
+    gluon = gl = hopper = mbarrier = tma = TensorDescriptor = None
+    tma_load = tma_store = cta_barrier = mma = mma_wait = tma_reduce_add = reinterpret = None
     philox = keep_tile = None
 
 __all__ = [
-    "HAVE_GLUON", "cta_barrier", "gl", "gluon", "hopper", "is_sm90", "keep_tile", "mbarrier",
-    "mma", "mma_wait", "philox", "tma", "tma_load", "tma_reduce_add", "tma_store",
+    "HAVE_GLUON", "TensorDescriptor", "cta_barrier", "gl", "gluon", "hopper", "is_sm90",
+    "keep_tile", "mbarrier", "mma", "mma_wait", "philox", "reinterpret", "tma", "tma_load",
+    "tma_reduce_add", "tma_store",
 ]  # fmt: skip
 
 

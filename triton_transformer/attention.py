@@ -1199,8 +1199,7 @@ def launch_attention_bwd(
     if grads_base is not None:
         grads = (grads_base, q, q)  # q: placeholders the kernel does not use
         offsets = offsets_in(grads_base, dq, dk, dv)
-    if gluon:  # Hopper's single pass in Gluon (`attention_hopper`)
-        triton.set_allocator(tma_scratch)  # its TMA descriptors; a context variable
+    if gluon:  # Hopper's single pass in Gluon (`attention_hopper`; its descriptors host-made)
         attention_hopper.launch_bwd_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta,
             dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES, dropout_p,
