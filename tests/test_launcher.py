@@ -44,6 +44,20 @@ def test_key_separates_what_triton_specialises_on():
     assert _specialization(0, (x, object()), {}) is None  # cannot key: Triton's own path
 
 
+def test_key_of_a_host_made_tma_descriptor():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(64, 32)
+    desc = TensorDescriptor.from_tensor
+    base = _specialization(0, (desc(x, [16, 32]), 3), {})
+    assert base is not None and hash(base) is not None
+    assert _specialization(0, (desc(torch.ones(64, 32), [16, 32]), 3), {}) == base  # new data
+    assert _specialization(0, (desc(x, [32, 32]), 3), {}) != base  # block
+    assert _specialization(0, (desc(x[:48], [16, 32]), 3), {}) != base  # shape
+    assert _specialization(0, (desc(x.half(), [16, 32]), 3), {}) != base  # dtype
+    assert _specialization(0, (desc(torch.zeros(64, 36)[:, :32], [16, 32]), 3), {}) != base
+
+
 def test_launcher_matches_reference(device):
     # twice per case: on the GPU the second launch is the cached direct one
     x = torch.randn(1000, device=device) + 0.5

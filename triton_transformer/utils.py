@@ -430,8 +430,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 # `launcher(kernel)[grid](...)` keys its own cache on the same facts, computed in one pass
 # over the arguments, and calls the compiled kernel's launcher directly with the arguments
 # in signature order (constexprs included, which is what Triton passes it). A miss, and
-# anything it cannot key exactly (a callable grid, a TMA descriptor, a tensor passed by
-# keyword, launch hooks such as a profiler's, Triton's interpreter), takes Triton's own
+# anything it cannot key exactly (a callable grid, a tensor passed by keyword, launch hooks
+# such as a profiler's, Triton's interpreter), takes Triton's own
 # path; traced tensors (torch.compile, export) take `wrap_triton`, which records the launch.
 # Not seen by the cache: Triton's debug and instrumentation knobs toggled after a kernel's
 # first launch, and `pre_run_hooks` (the project sets neither).
@@ -445,7 +445,9 @@ def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
     decides Triton's facts: equal to 1, divisible by 16, within int32), then the keyword
     arguments as given. A coarser key would reuse a kernel compiled for other facts; a finer
     one only costs one launch through Triton's path per new value (a training loop repeats
-    its shapes). None when an argument cannot be keyed (a TMA descriptor, say)."""
+    its shapes). A host-made TMA descriptor is keyed by all it holds but its tensor's address:
+    dtype, 16-byte alignment, shape, strides, block, layout and padding. None when an argument
+    cannot be keyed."""
     key = [device]
     for a in args:
         t = type(a)
@@ -456,6 +458,9 @@ def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
             key.append(a.data_ptr() % 16 == 0)
         elif t is float or t is bool or a is None:
             key.append(t)
+        elif t.__name__ == "TensorDescriptor" and isinstance(a.base, torch.Tensor):
+            key.extend((t, a.base.dtype, a.base.data_ptr() % 16 == 0, *a.shape, *a.strides))
+            key.extend((*a.block_shape, getattr(a, "layout", None), a.padding))
         else:
             return None
     # by type too: True, 1 and 1.0 are equal, but a constexpr's type changes the kernel
