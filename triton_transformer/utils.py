@@ -446,8 +446,8 @@ def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
     arguments as given. A coarser key would reuse a kernel compiled for other facts; a finer
     one only costs one launch through Triton's path per new value (a training loop repeats
     its shapes). A host-made TMA descriptor is keyed by all it holds but its tensor's address:
-    dtype, 16-byte alignment, shape, strides, block, layout and padding. None when an argument
-    cannot be keyed."""
+    dtype, 16-byte alignment, shape, strides, block, layout and options (padding, tf32
+    rounding). None when an argument cannot be keyed."""
     key = [device]
     for a in args:
         t = type(a)
@@ -459,8 +459,11 @@ def _specialization(device: int, args: tuple, kwargs: dict) -> tuple | None:
         elif t is float or t is bool or a is None:
             key.append(t)
         elif t.__name__ == "TensorDescriptor" and isinstance(a.base, torch.Tensor):
-            key.extend((t, a.base.dtype, a.base.data_ptr() % 16 == 0, *a.shape, *a.strides))
-            key.extend((*a.block_shape, getattr(a, "layout", None), a.padding))
+            key.append((
+                t, a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                tuple(a.block_shape), getattr(a, "layout", None), getattr(a, "padding", None),
+                getattr(a, "round_f32_to_tf32", None),
+            ))  # fmt: skip
         else:
             return None
     # by type too: True, 1 and 1.0 are equal, but a constexpr's type changes the kernel
