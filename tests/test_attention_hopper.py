@@ -87,6 +87,36 @@ def test_default_gate(monkeypatch):
     assert not ah.usable(q48, q48, 48, True, no_key_mask=True)
 
 
+@needs_gluon
+@pytest.mark.parametrize("n_q", [64, 65, 300])
+def test_log_sum_exp_rows_tma_can_read(n_q):
+    # TMA reads the (b·h, n_q) log-sum-exp by rows from 16-byte aligned starts: rows that are
+    # not (n_q not a multiple of 4) are copied into padded rows, the values unchanged
+    lse = torch.randn(6, n_q) + 3.0
+    rows = ah._aligned_rows(lse)
+    assert rows.stride(1) == 1 and rows.stride(0) % 4 == 0 and rows.data_ptr() % 16 == 0
+    assert (rows is lse) == (n_q % 4 == 0)
+    assert torch.equal(rows, lse)
+
+
+@needs_gluon
+def test_descriptors_describe_each_head():
+    # q, k, v, dO as (b, h, n, d) with one block of rows of one head; the log-sum-exp and Δ by
+    # (b·h, n_q) rows; dQ's sum as (b·h, n_q, d): so rows past a head's n read as zeros
+    b, h, n, d = 2, 3, 100, 64
+    qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    lse = torch.empty(b * h, n)
+    acc = torch.empty(b * h, n, d)
+    descs = ah._descriptors(q, k, v, do, lse, lse, acc, 32, 64)
+    for desc, t, block in zip(descs[:4], (q, k, v, do), (32, 64, 64, 32), strict=True):
+        assert desc.shape == [b, h, n, d] and desc.strides == list(t.stride())
+        assert desc.block_shape == [1, 1, block, d]
+    assert descs[4].shape == [b * h, n] and descs[4].block_shape == [1, 32]
+    assert descs[6].shape == [b * h, n, d] and descs[6].block_shape == [1, 32, d]
+
+
 # Compiles the kernel through Triton's front end and NVIDIA back end to PTX for sm_90 with a
 # stand-in driver (no GPU), with the arguments of a packed-qkv launch.
 COMPILE_SCRIPT = (
