@@ -32,6 +32,9 @@ def cases(ops, use_triton: bool = True) -> dict:
     wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
     s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
     q = torch.randn(2, 8, 32, 64, device=dev, dtype=dt, requires_grad=True)
+    # 512 queries: where a Hopper GPU's eager backward takes the Gluon kernel (host-made TMA
+    # descriptors) instead of the Triton one
+    q512 = torch.randn(1, 2, 512, 64, device=dev, dtype=dt, requires_grad=True)
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
@@ -43,6 +46,9 @@ def cases(ops, use_triton: bool = True) -> dict:
         "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=use_triton),
         "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
         "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=use_triton),
+        "attention causal 512": lambda: ops.attention(
+            q512, q512, q512, causal=True, use_triton=use_triton
+        ),
     }
 
 
@@ -84,6 +90,11 @@ def main() -> None:
     )
     ap.add_argument("--liger", action="store_true", help="time Liger-Kernel's ops (if installed)")
     ap.add_argument(
+        "--no-gluon",
+        action="store_true",
+        help="eager attention backwards take the Triton kernel (attention_hopper.ENABLED off)",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         metavar="OP",
@@ -104,6 +115,10 @@ def main() -> None:
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
         attention = attention_mod.attention
 
+    if args.no_gluon:
+        import triton_transformer.attention_hopper as attention_hopper
+
+        attention_hopper.ENABLED = False
     rows = []
     timed = liger_cases() if args.liger else cases(ops, use_triton=not args.torch)
     for name, fwd in timed.items():

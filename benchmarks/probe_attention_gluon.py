@@ -5,11 +5,12 @@ every kernel the backward launches, Δ and dQ's cast included), the Gluon kernel
 spills, and the largest difference of its gradients from the Triton backward's.
 
     python3 benchmarks/probe_attention_gluon.py --out DIR [--presets NAME ...]
-        [--tiles M,N,WARPS ...]
+        [--tiles M,N,WARPS[,NAME=VALUE ...] ...] [--causal both|yes|no]
 
 Every shape runs the Gluon kernel (the thresholds of `attention_hopper.usable` lifted); the
 table says which an eager backward takes by default. --tiles times other Gluon tiles (BLOCK_M
-queries, BLOCK_N keys, warps) besides the shipped ones.
+queries, BLOCK_N keys, warps; further `bwd_tiles` entries as NAME=VALUE, e.g. LSE_TMA=1 or
+maxnreg=none to drop the register cap) besides the shipped ones.
 Writes DIR/attention_gluon.json and attention_gluon.md.
 """
 
@@ -39,18 +40,29 @@ SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 
           "d128-2048": (8, 2048, 16, 128)}  # fmt: skip
 
 
-def kernel_stats() -> str:
-    caches = ah._attention_bwd_sm90_kernel.device_caches[torch.cuda.current_device()][0]
-    if not caches:
+def _compiled() -> dict:
+    return ah._attention_bwd_sm90_kernel.device_caches[torch.cuda.current_device()][0]
+
+
+def kernel_stats(before: set) -> str:
+    """Registers, spills and shared memory of the kernel compiled since `before` (the cache's
+    keys then); "-" if the call compiled none (it reused a specialisation)."""
+    new = [k for key, k in _compiled().items() if key not in before]
+    if not new:
         return "-"
-    k = list(caches.values())[-1]
+    k = new[-1]
     k._init_handles()
     return f"{k.n_regs} regs, {k.n_spills} spills, {k.metadata.shared // 1024} KiB"
 
 
-def _tiles(text: str) -> tuple[int, int, int]:
-    m, n, w = (int(x) for x in text.split(","))
-    return m, n, w
+def _tiles(text: str) -> tuple[str, dict]:
+    """ "M,N,WARPS[,NAME=VALUE...]" -> (label, overrides of `bwd_tiles`; VALUE none drops it)."""
+    m, n, w, *rest = text.split(",")
+    tile = {"BLOCK_M": int(m), "BLOCK_N": int(n), "num_warps": int(w)}
+    for item in rest:
+        name, value = item.split("=")
+        tile[name] = None if value == "none" else int(value)
+    return text, tile
 
 
 def main() -> None:
@@ -58,6 +70,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--presets", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tiles", nargs="*", type=_tiles, default=[])
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     args = ap.parse_args()
     env = common.env_info()
     print(env, flush=True)
@@ -69,7 +82,7 @@ def main() -> None:
     defaults = {name: getattr(ah, name) for name in lifted}
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
-        for causal in (True, False):
+        for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             vars(ah).update(defaults)
             q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
@@ -77,18 +90,25 @@ def main() -> None:
             vars(ah).update(lifted)
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]
+            before = set(_compiled())
             gluon_grad = fn()[0].float()
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
-            row["gluon stats"] = kernel_stats()
-            for m, nb, w in args.tiles:
-                tile = {**shipped(d, causal), "BLOCK_M": m, "BLOCK_N": nb, "num_warps": w}
+            row["gluon stats"] = kernel_stats(before)
+            for label, override in args.tiles:
+                tile = {**shipped(d, causal), **override}
+                tile = {k: v for k, v in tile.items() if v is not None}
                 ah.bwd_tiles = lambda _d, _c, t=tile: t
+                before = set(_compiled())
                 try:
-                    row["us"][f"gluon {m},{nb},{w}"] = common.kernel_ms(fn) * 1e3
-                    row[f"stats {m},{nb},{w}"] = kernel_stats()
+                    tile_grad = fn()[0].float()
+                    row["us"][f"gluon {label}"] = common.kernel_ms(fn) * 1e3
+                    row[f"stats {label}"] = kernel_stats(before)
+                    row[f"diff {label}"] = (
+                        (tile_grad - gluon_grad).abs().max() / gluon_grad.abs().max()
+                    ).item()
                 except Exception as e:  # a tile that cannot compile: recorded, not fatal
-                    row["us"][f"gluon {m},{nb},{w}"] = float("nan")
-                    row[f"stats {m},{nb},{w}"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    row["us"][f"gluon {label}"] = float("nan")
+                    row[f"stats {label}"] = f"{type(e).__name__}: {str(e)[:120]}"
                 ah.bwd_tiles = shipped
             ah.ENABLED = False
             triton_grad = fn()[0].float()
@@ -128,6 +148,15 @@ def main() -> None:
             + f" | {r['us']['gluon'] / r['us']['cuDNN']:.2f} | {r['gluon TFLOP/s']:.0f}"
             + f" | {r['gluon stats']} | {r['max |gluon - triton| / max |triton|']:.1e} |"
         )  # fmt: skip
+    if args.tiles:
+        lines += ["", "Other tiles: kernel, largest difference of d(qkv) from the shipped tiles' "
+                  "(relative to its largest entry):", ""]  # fmt: skip
+        for r in rows:
+            for label, _ in args.tiles:
+                lines.append(
+                    f"- {r['preset']} causal={r['causal']} {label}: {r[f'stats {label}']}, "
+                    f"diff {r.get(f'diff {label}', float('nan')):.1e}"
+                )
     (out / "attention_gluon.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
