@@ -44,9 +44,10 @@ quarter of the time at GPT-2's shape, cuDNN's a third). Issuing the next block's
 dPᵀ before this block's dQ tile is stored made ptxas (12.8, 12.9) serialize the products
 (warning C7514: accumulators carried across the loop's back edge; 15% slower); waiting for
 the next Sᵀ within the step avoids the warning but needs more registers (spills; 5-10%
-slower). What paid instead: causal heads step over 32 queries, which fits three programs per
-SM (168 registers). Producer / consumer warpgroups, as cuDNN and FlashAttention-3 have, are
-the next step.
+slower). What paid instead: K and V feed Sᵀ's and dPᵀ's products from registers, which
+halves those products' shared-memory reads, with 64-query steps at d64 (at GPT-2's shape the
+backward then matches cuDNN's on an H200). Producer / consumer warpgroups, as cuDNN and
+FlashAttention-3 have, are the next step.
 
 Scope: Hopper (sm_90), fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the
 products take without padding), with or without dropout, no key padding mask, multi-head
@@ -347,7 +348,7 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
     """Tiles of the kernel: BLOCK_M queries per step, BLOCK_N keys per program, warps, whether
     K and V are held in registers (KV_IN_REGS), whether dQ is computed transposed (DQ_T) and
     whether each step's log-sum-exp and Δ arrive by TMA with its q and dO (LSE_TMA; else
-    loaded through pointers in the step).
+    loaded through pointers in the step). Causal and non-causal heads take the same tiles today.
 
     Measured (H200, 2026-11-27, `attention_gluon_session17_variants.md`, µs, d64, causal / not,
     (16, 1024, 12) and (8, 2048, 16)): (32, 64, 4 warps), K and V in shared memory, dQᵀ: 320 /
@@ -359,11 +360,15 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
     they cost a program per SM). At d128 only the 32-query step fits the registers without
     spills (244 per thread; (64, 64) spills 400 bytes).
 
-    Causal d64 caps the registers at 168 (maxnreg): the dropout mask's draws would take 204
-    (Triton 3.6, ptxas 12.8) and with them a program per SM; capped, they compile without
-    spills, as the kernel without dropout does (144). A cap of 128 (four programs per SM)
-    spills and measured 3-5% slower (H100, 2026-11-28). The other tiles hold two programs per
-    SM (209-255 registers), d32 without dropout three (162-168).
+    With the descriptors made on the host (twenty-third session) that choice turned: on an
+    H200 (2026-11-28, `attention_tiles_session24.md`, µs, causal d64) the 64-query step with K
+    and V in registers takes GPT-2's (16, 1024, 12) in 274.6 against 286.1, (8, 2048, 16) in
+    543.7 against 608.8 and (4, 4096, 16) in 920.8 against 1075.4 (cuDNN: 272.9, 543.8,
+    921.5); (32, 64) with K and V in registers 296.5 / 618.1 / 1073.5, (32, 128, 8 warps)
+    362-369 / 770-787 / 1367-1400. So d64 heads step over 64 queries, causal or not, two
+    programs per SM (230 registers; 255 through dropout, no spills). At d128, (32, 128, 8
+    warps) measured 1.11-1.24x slower than (32, 64, 4) and the log-sum-exp by TMA 1.14-1.19x
+    slower (`attention_tiles_session24.md`).
 
     LSE_TMA (H100, 2026-11-28, `attention_tma_desc_session23.md`, µs per backward, TMA /
     pointers): d64 causal (16, 1024, 12) 314.0 / 317.8, through dropout 362.3 / 375.1,
@@ -374,12 +379,9 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
     if head_dim < 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": False,
                 "LSE_TMA": True}  # fmt: skip
-    if causal and head_dim == 64:
+    if head_dim > 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": True,
-                "LSE_TMA": True, "maxnreg": 168}  # fmt: skip
-    if causal or head_dim > 64:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": False, "DQ_T": True,
-                "LSE_TMA": head_dim < 128}  # fmt: skip
+                "LSE_TMA": False}  # fmt: skip
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "KV_IN_REGS": True, "DQ_T": True,
             "LSE_TMA": True}  # fmt: skip
 
