@@ -34,14 +34,14 @@ def with_defaults(kernel, constants: dict) -> dict:
     return {**defaults, **constants}
 
 
-def compile_sm90(kernel, pointers, floats, constants) -> None:
+def compile_sm90(kernel, pointers, floats, constants):
     constants = with_defaults(kernel, constants)
     sig = signature(kernel, pointers, floats, constants)
     names = list(sig)
     src = ASTSource(
         fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()}
     )
-    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
 bf16 = "*bf16"
@@ -57,19 +57,38 @@ compile_sm90(
 print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
                 DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32")  # fmt: skip
+
+
+def bwd_pointers(tma: bool, dq_host_desc: bool) -> dict:
+    """The backward's pointers, and its descriptors as the host makes them (BLOCK_M1 = 32,
+    BLOCK_N2 = 32, BLOCK_D = 64), or placeholder pointers."""
+    tile = "tensordesc<bf16[1, 1, 32, 64]>" if tma else bf16
+    dq = "tensordesc<fp32[1, 32, 64]>" if dq_host_desc else bf16
+    return {**bwd_ptrs, "Q_DESC": tile, "K_DESC": tile, "V_DESC": tile, "DO_DESC": tile,
+            "DQ_DESC": dq}  # fmt: skip
+
+
 # the deterministic two-program kernel, the single pass with dQ added by TMA bulk reductions
 # (Hopper) and by per-element atomics (the interpreter's path), tile loads through pointers or
-# TMA descriptors; dQ, dK, dV in one packed tensor or three. (True, True, False, True) is the
-# single pass as torch.compile traces the model's packed attention (TMA reductions, pointer
-# loads).
-for atomic, dq_tma, tma, packed in ((False, False, False, False), (False, False, True, True),
-                                    (True, True, True, True), (True, False, False, False),
-                                    (True, True, False, True)):  # fmt: skip
-    compile_sm90(
-        attn._attention_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
+# host-made TMA descriptors; dQ, dK, dV in one packed tensor or three. (True, True, False,
+# False, True) is the single pass as torch.compile traces the model's packed attention (TMA
+# reductions through a descriptor the kernel makes, pointer loads).
+for atomic, dq_tma, dq_host, tma, packed in (
+    (False, False, False, False, False), (False, False, False, True, True),
+    (True, True, True, True, True), (True, True, True, False, False),
+    (True, False, False, False, False), (True, True, False, False, True),
+):  # fmt: skip
+    ptx = compile_sm90(
+        attn._attention_bwd_kernel, bwd_pointers(tma, dq_host),
+        {"qk_scale", "sm_scale", "drop_scale"},
         dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic,
-             DQ_TMA=dq_tma, TMA=tma, PACKED_GRADS=packed),
-    )  # fmt: skip
+             DQ_TMA=dq_tma, DQ_HOST_DESC=dq_host, TMA=tma, PACKED_GRADS=packed),
+    ).asm["ptx"]  # fmt: skip
+    # tiles by 4-D TMA copies, dQ by 3-D bulk reductions; a descriptor made in the kernel
+    # (tensormap.replace) only where the launch is traced
+    assert ("cp.async.bulk.tensor.4d" in ptx) == tma
+    assert ("cp.reduce.async.bulk.tensor.3d" in ptx) == dq_tma
+    assert ("tensormap.replace" in ptx) == (dq_tma and not dq_host)
 compile_sm90(
     attn._attention_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},
     dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64),
@@ -120,11 +139,13 @@ compile_sm90(
     dict(gqa, DROPOUT=False, BLOCK_M=16, BLOCK_N=128, WRITE_LSE=False, FOLD_SCALE=True,
          HAS_KV_LEN=True, SPLIT_K=True),
 )  # fmt: skip
-for atomic, dq_tma, tma in ((False, False, False), (True, True, True)):
+for atomic, tma in ((False, False), (False, True), (True, True)):
     compile_sm90(
-        attn._attention_bwd_kernel, bwd_ptrs, {"qk_scale", "sm_scale", "drop_scale"},
+        attn._attention_bwd_kernel, bwd_pointers(tma, atomic),
+        {"qk_scale", "sm_scale", "drop_scale"},
         dict(gqa, HAS_KPM=True, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32,
-             ATOMIC_DQ=atomic, DQ_TMA=dq_tma, TMA=tma, PACKED_GRADS=False),
+             ATOMIC_DQ=atomic, DQ_TMA=atomic, DQ_HOST_DESC=atomic, TMA=tma,
+             PACKED_GRADS=False),
     )  # fmt: skip
 print("grouped-query attention: ok")
 

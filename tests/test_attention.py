@@ -305,6 +305,33 @@ def test_empty_sizes(device):
             q.grad = k.grad = v.grad = None
 
 
+@pytest.mark.parametrize("tile_loads, dq_reductions", [(True, True), (True, False), (False, True)])
+def test_backward_descriptors_made_on_the_host(tile_loads, dq_reductions):
+    # the Triton backward's TMA descriptors (`_bwd_descriptors`): q and dO over their (b, h,
+    # n_q, d) views in blocks of one head's BLOCK_M1 rows, k and v over (b, h_kv, n_k, d) in
+    # BLOCK_N2 rows, the dQ sum over (b·h, n_q, d) in BLOCK_M1 rows, all BLOCK_D wide (past d:
+    # zeros); views of packed tensors keep their strides; q stands in for those not asked for
+    from triton_transformer.attention import _bwd_descriptors
+
+    b, h, h_kv, n_q, n_k, d = 2, 4, 2, 50, 70, 48
+    q = torch.empty(b, n_q, h, 2 * d, dtype=torch.bfloat16)[..., :d].transpose(1, 2)
+    kv = torch.empty(b, n_k, 2, h_kv, d, dtype=torch.bfloat16)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    dout = torch.empty(b, n_q, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    dq_acc = torch.empty(b * h, n_q, d)
+    config = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 16}
+    descs = _bwd_descriptors(q, k, v, dout, dq_acc, config, 64, tile_loads, dq_reductions)
+    want = [(q, 32), (k, 16), (v, 16), (dout, 32), (dq_acc, 32)]
+    asked = [tile_loads] * 4 + [dq_reductions]
+    for desc, (t, rows), made in zip(descs, want, asked, strict=True):
+        if not made:
+            assert desc is q
+            continue
+        assert desc.base is t and list(desc.shape) == list(t.shape)
+        assert list(desc.strides) == list(t.stride())
+        assert list(desc.block_shape) == [1] * (t.dim() - 2) + [rows, 64]
+
+
 def test_64_bit_offsets_and_grid_spill(device, monkeypatch):
     # The paths for huge problems, forced on small ones: 64-bit row offsets and Philox
     # counters, and batch·head spilling from grid dim 1 into dim 2 (past 65535 on CUDA).

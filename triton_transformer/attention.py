@@ -43,6 +43,9 @@ kernels (`torch.use_deterministic_algorithms` picks):
   from run to run, so dQ does in its last bits. On Hopper, eager launches of long heads take
   the same single pass written in Gluon (`attention_hopper`: explicitly asynchronous
   products), where it measured faster.
+Eager launches on Hopper stream their tiles (q and dO; the dQ programs' k and v) and add dQ
+through TMA descriptors made on the host (`_bwd_descriptors`); traced launches read tiles
+through pointers, and the kernel makes dQ's descriptor itself.
 
 Grouped-query attention (GROUP = h / h_kv > 1, a constexpr: GROUP 1 compiles to the
 multi-head kernels unchanged): the forward and dQ programs read K, V of head h // GROUP; K and
@@ -84,6 +87,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_transformer import attention_hopper
 from triton_transformer._jit_helpers import dropout_keep_tile, longest_first
@@ -465,8 +469,16 @@ def _attention_bwd_dq_kernel(
 
 
 @triton.jit
+def _head_tile(desc, b, h, row):
+    """Rows [row, row + block) of head (b, h) of a host-made (b, h, n, d) TMA descriptor, as a
+    2-D tile; rows past n and columns past d read as zeros."""
+    tile = desc.load([b.to(tl.int32), h.to(tl.int32), row, 0])  # (descriptor offsets: 32-bit)
+    return tile.reshape(tile.shape[2], tile.shape[3])
+
+
+@triton.jit
 def _bwd_dkdv_block(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real, b, h, bh,
     sqn, sqd, sdon, sdod,
     n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
@@ -477,11 +489,12 @@ def _bwd_dkdv_block(
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0.
 
-    ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to this head's fp32
-    (n_q, HEAD_DIM) accumulator `dq_acc`: with DQ_TMA a tensor descriptor whose bulk reduce
-    (one TMA instruction per tile) adds it in L2, else its base pointer, added element by
-    element with atomics. Padded keys (key_real 0) get p = 0 here: their dS must not reach
-    dQ."""
+    TMA: q_base, do_base are (b, h, n_q, HEAD_DIM) descriptors, read at head (b, h).
+    ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to the fp32
+    (b·h, n_q, HEAD_DIM) sum: with DQ_TMA `dq_acc` is its descriptor, whose bulk reduce (one
+    TMA instruction per tile) adds it in L2 at head bh, else the pointer to head bh's rows,
+    added element by element with atomics. Padded keys (key_real 0) get p = 0 here: their dS
+    must not reach dQ."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if INT64_ROWS:  # noqa: SIM108
@@ -489,9 +502,9 @@ def _bwd_dkdv_block(
         else:
             rows_m = offs_m
         mask = _row_mask(offs_m, N_Q, offs_d, HEAD_DIM, PAD_D)
-        if TMA:  # descriptors of this head's q and dO: zero-filled past n_q and HEAD_DIM
-            q = q_base.load([start_m, 0])
-            do = do_base.load([start_m, 0])
+        if TMA:  # zero-filled past n_q and HEAD_DIM
+            q = _head_tile(q_base, b, h, start_m)
+            do = _head_tile(do_base, b, h, start_m)
         else:
             q = tl.load(
                 q_base + rows_m[:, None] * sqn + offs_d[None, :] * sqd, mask=mask, other=0.0
@@ -523,7 +536,8 @@ def _bwd_dkdv_block(
         if ATOMIC_DQ:
             dq = _mm(tl.trans(dsT), k, None, IEEE)  # (BLOCK_M, BLOCK_D)
             if DQ_TMA:  # rows >= n_q and columns >= HEAD_DIM fall outside: clipped
-                dq_acc.atomic_add([start_m, 0], dq)
+                tile = dq.reshape(1, dq.shape[0], dq.shape[1])
+                dq_acc.atomic_add([bh.to(tl.int32), start_m, 0], tile)
             else:
                 dq_ptrs = dq_acc + rows_m[:, None] * HEAD_DIM + offs_d[None, :]
                 tl.atomic_add(dq_ptrs, dq, mask=mask, sem="relaxed")
@@ -532,23 +546,24 @@ def _bwd_dkdv_block(
 
 @triton.jit
 def _bwd_dq_block(
-    dq, q, do, lse, delta, k_base, v_base, kpm_base, skn, skd, svn, svd, skpm,
+    dq, q, do, lse, delta, k_base, v_base, b, h_kv, kpm_base, skn, skd, svn, svd, skpm,
     offs_m, offs_d, lo, hi, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr,
     HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block over key blocks [lo, hi). Keys >= n_k load as zero rows, so they
-    add nothing to dQ = dS K; MASKED applies the causal diagonal."""
+    add nothing to dQ = dS K; MASKED applies the causal diagonal. TMA: k_base, v_base are
+    (b, h_kv, n_k, HEAD_DIM) descriptors, read at head (b, h_kv)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if INT64_ROWS:  # noqa: SIM108
             rows_n = offs_n.to(tl.int64)
         else:
             rows_n = offs_n
-        if TMA:  # descriptors of this head's k and v: zero-filled past n_k and HEAD_DIM
-            k = k_base.load([start_n, 0])
-            v = v_base.load([start_n, 0])
+        if TMA:  # zero-filled past n_k and HEAD_DIM
+            k = _head_tile(k_base, b, h_kv, start_n)
+            v = _head_tile(v_base, b, h_kv, start_n)
         else:
             mask = _row_mask(offs_n, N_K, offs_d, HEAD_DIM, PAD_D)
             k = tl.load(
@@ -575,7 +590,7 @@ def _bwd_dq_block(
 
 @triton.jit
 def _bwd_dkdv_head(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, DQ_ACC, kpm_base, bh,
+    dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_src, kpm_base, b, h, bh,
     sqn, sqd, sdon, sdod, skpm_n,
     n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -584,22 +599,16 @@ def _bwd_dkdv_head(
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
     DQ_TMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV of the key block at n0 over every query block of one query head (batch·head
-    bh, its q, dO, lse and Δ at the given bases), added to dk, dv; with ATOMIC_DQ also that
-    head's dQ share. A key-block program calls it once (multi-head) or once per query head
-    of its group (grouped-query attention)."""
+    """dK, dV of the key block at n0 over every query block of one query head (b, h), batch·head
+    bh: its q and dO (TMA: the (b, h, n_q, HEAD_DIM) descriptors; else pointers to the head),
+    lse and Δ at the given bases, added to dk, dv; with ATOMIC_DQ also that head's dQ share
+    (dq_src: DQ_TMA the sum's (b·h, n_q, HEAD_DIM) descriptor, else its pointer). A key-block
+    program calls it once (multi-head) or once per query head of its group (grouped-query
+    attention)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    # where this program reads q and dO from: pointers, or TMA descriptors
-    if TMA:
-        q_src = tl.make_tensor_descriptor(q_base, [N_Q, HEAD_DIM], [sqn, 1], [BLOCK_M1, BLOCK_D])
-        do_src = tl.make_tensor_descriptor(do_base, [N_Q, HEAD_DIM], [sdon, 1], [BLOCK_M1, BLOCK_D])
-    else:
-        q_src, do_src = q_base, do_base
-    dq_acc = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
-    if DQ_TMA:
-        dq_acc = tl.make_tensor_descriptor(
-            dq_acc, [N_Q, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M1, BLOCK_D]
-        )
+    dq_acc = dq_src
+    if not DQ_TMA:
+        dq_acc = dq_src + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
     key_real = 1
     if HAS_KPM:
         key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
@@ -613,7 +622,7 @@ def _bwd_dkdv_head(
         )
         full_lo = tl.maximum(full_lo, lo)
         dk, dv = _bwd_dkdv_block(
-            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
+            dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real, b, h, bh,
             sqn, sqd, sdon, sdod,
             n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64,
@@ -622,7 +631,7 @@ def _bwd_dkdv_head(
     else:
         full_lo = 0
     dk, dv = _bwd_dkdv_block(
-        dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real,
+        dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real, b, h, bh,
         sqn, sqd, sdon, sdod,
         n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
         drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64,
@@ -633,7 +642,8 @@ def _bwd_dkdv_head(
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attention_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC, off_dq, off_dk, off_dv,
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
+    Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, off_dq, off_dk, off_dv,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     skpm_b, skpm_n,
@@ -642,7 +652,8 @@ def _attention_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
-    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    DQ_HOST_DESC: tl.constexpr, TMA: tl.constexpr,
     GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr, LPT_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
@@ -659,7 +670,15 @@ def _attention_bwd_kernel(
     ATOMIC_DQ (single pass, non-deterministic): only the key-block programs run, and each
     adds its share of dQ into DQ_ACC (fp32, (b·h, n_q, HEAD_DIM)) with atomics;
     `_attention_bwd_dq_kernel` then scales and casts it into DQ. P is computed once per
-    (query, key) tile instead of twice: 5 tile products instead of 7."""
+    (query, key) tile instead of twice: 5 tile products instead of 7.
+
+    TMA descriptors, made on the host and passed as launch parameters (made in the kernel,
+    each program paid a global write, a fence and a barrier per descriptor, per head of its
+    group): TMA, the tiles streamed by q and dO (Q_DESC, DO_DESC) and by k and v (K_DESC,
+    V_DESC), each over its (b, h, n, HEAD_DIM) view, zeros past n and HEAD_DIM; DQ_TMA, the
+    dQ sum's bulk reductions through DQ_DESC over DQ_ACC as (b·h, n_q, HEAD_DIM), or, without
+    DQ_HOST_DESC (traced launches), a descriptor of it made here once. Descriptors not used
+    are placeholders."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
@@ -680,6 +699,15 @@ def _attention_bwd_kernel(
     else:
         h_kv = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
+    dq_src = DQ_ACC
+    if DQ_TMA:
+        if DQ_HOST_DESC:
+            dq_src = DQ_DESC
+        else:
+            dq_src = tl.make_tensor_descriptor(
+                DQ_ACC, [BH, N_Q, HEAD_DIM], [tl.cast(N_Q, tl.int64) * HEAD_DIM, HEAD_DIM, 1],
+                [1, BLOCK_M1, BLOCK_D],
+            )  # fmt: skip
     q_base = Q + b * sqb + h * sqh
     k_base = K + b * skb + h_kv * skh
     v_base = V + b * svb + h_kv * svh
@@ -713,8 +741,11 @@ def _attention_bwd_kernel(
         dk = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N1, BLOCK_D], tl.float32)
         if GROUP == 1:
+            q_src, do_src = q_base, do_base  # where q and dO stream from
+            if TMA:
+                q_src, do_src = Q_DESC, DO_DESC
             dk, dv = _bwd_dkdv_head(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, DQ_ACC, kpm_base, bh,
+                dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_src, kpm_base, b, h, bh,
                 sqn, sqd, sdon, sdod, skpm_n,
                 n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
                 BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64,
@@ -730,10 +761,13 @@ def _attention_bwd_kernel(
                 seed_g = 0
                 if DROPOUT:
                     seed_g = tl.load(SEED) + (bh_g.to(tl.int64) << 32)
+                q_src, do_src = Q + b * sqb + h_g * sqh, DO + b * sdob + h_g * sdoh
+                if TMA:
+                    q_src, do_src = Q_DESC, DO_DESC
                 dk, dv = _bwd_dkdv_head(
-                    dk, dv, k, v, Q + b * sqb + h_g * sqh, DO + b * sdob + h_g * sdoh,
-                    LSE + bh_g.to(tl.int64) * N_Q, DELTA + bh_g.to(tl.int64) * N_Q, DQ_ACC,
-                    kpm_base, bh_g, sqn, sqd, sdon, sdod, skpm_n,
+                    dk, dv, k, v, q_src, do_src, LSE + bh_g.to(tl.int64) * N_Q,
+                    DELTA + bh_g.to(tl.int64) * N_Q, dq_src, kpm_base, b, h_g, bh_g,
+                    sqn, sqd, sdon, sdod, skpm_n,
                     n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed_g, threshold,
                     drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT,
                     DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
@@ -770,22 +804,15 @@ def _attention_bwd_kernel(
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         dq = tl.zeros([BLOCK_M2, BLOCK_D], tl.float32)
-        # where this program reads k and v from: pointers, or TMA descriptors
+        k_src, v_src = k_base, v_base  # where k and v stream from
         if TMA:
-            k_src = tl.make_tensor_descriptor(
-                k_base, [N_K, HEAD_DIM], [skn, 1], [BLOCK_N2, BLOCK_D]
-            )
-            v_src = tl.make_tensor_descriptor(
-                v_base, [N_K, HEAD_DIM], [svn, 1], [BLOCK_N2, BLOCK_D]
-            )
-        else:
-            k_src, v_src = k_base, v_base
+            k_src, v_src = K_DESC, V_DESC
         if CAUSAL:
             full_end = tl.minimum(tl.maximum(m0 + causal_off + 1, 0), N_K)
             full_end = (full_end // BLOCK_N2) * BLOCK_N2
             hi = tl.minimum(tl.maximum(m0 + BLOCK_M2 + causal_off, 0), N_K)
             dq = _bwd_dq_block(
-                dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
+                dq, q, do, lse, delta, k_src, v_src, b, h_kv, kpm_base, skn, skd, svn, svd, skpm_n,
                 offs_m, offs_d, full_end, hi, N_K, causal_off, qk_scale, seed, threshold,
                 drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, True, HAS_KPM, DROPOUT, DROP_INT64,
                 INT64_ROWS, IEEE, TMA,
@@ -793,7 +820,7 @@ def _attention_bwd_kernel(
         else:
             full_end = N_K
         dq = _bwd_dq_block(
-            dq, q, do, lse, delta, k_src, v_src, kpm_base, skn, skd, svn, svd, skpm_n,
+            dq, q, do, lse, delta, k_src, v_src, b, h_kv, kpm_base, skn, skd, svn, svd, skpm_n,
             offs_m, offs_d, 0, full_end, N_K, causal_off, qk_scale, seed, threshold,
             drop_scale, BLOCK_N2, HEAD_DIM, PAD_D, False, HAS_KPM, DROPOUT, DROP_INT64,
             INT64_ROWS, IEEE, TMA,
@@ -994,7 +1021,8 @@ TMA_LOADS = True
 # each key-block program there walks few query blocks, and the descriptors' setup does not pay
 # (H200, 2026-11-27, `probe_attention_regs.py`, two runs: (4, 512, 8) 31.3 against 32.7 µs,
 # (16, 512, 8) 82.6 against 85.7; at 1024 queries TMA wins, 341.7 against 343.8, and with
-# dropout at every length, 41.1 against 42.6 at (4, 512, 8)).
+# dropout at every length, 41.1 against 42.6 at (4, 512, 8)). Measured with descriptors the
+# kernel made; with the host-made ones (since 2026-11-28) the threshold was not re-measured.
 TMA_LOADS_MIN_QUERIES = 513
 
 # Whether a traced backward (torch.compile) may take the single pass (its dQ reductions go
@@ -1146,6 +1174,30 @@ def _takes_gluon(
     )
 
 
+def _bwd_descriptors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq_acc: torch.Tensor,
+    config: dict, block_d: int, tile_loads: bool, dq_reductions: bool,
+) -> tuple:  # fmt: skip
+    """The Triton backward's TMA descriptors, made on the host (`_attention_bwd_kernel`'s
+    Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC): with `tile_loads`, q and dout (b, h, n_q, d)
+    in blocks of the key-block programs' BLOCK_M1 rows, k and v (b, h_kv, n_k, d) in blocks
+    of the dQ programs' BLOCK_N2; with `dq_reductions`, the fp32 dQ sum (b·h, n_q, d) in
+    blocks of BLOCK_M1 rows. Blocks are BLOCK_D wide (columns past d read as zeros). Each one
+    not asked for is a placeholder (q)."""
+
+    def blocks(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        block = [1] * (t.dim() - 2) + [rows, block_d]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    descs = [q] * 5
+    if tile_loads:
+        m1, n2 = config["BLOCK_M1"], config["BLOCK_N2"]
+        descs[:4] = blocks(q, m1), blocks(k, n2), blocks(v, n2), blocks(dout, m1)
+    if dq_reductions:
+        descs[4] = blocks(dq_acc, config["BLOCK_M1"])
+    return tuple(descs)
+
+
 def launch_attention_bwd(
     dout, q, k, v, out, lse, kpm, seed, causal, scale, dropout_p, dq, dk, dv, config=None,
     deterministic=None, grads_base: torch.Tensor | None = None,
@@ -1206,21 +1258,21 @@ def launch_attention_bwd(
             seed if dropping else None,
         )  # fmt: skip
     else:
-        args = (
+        args = [
             q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-            seed if dropping else q, dq_acc if atomic else delta, *offsets,
+            seed if dropping else q, dq_acc if atomic else delta, *[q] * 5, *offsets,
             *q.stride(), *k.stride(), *v.stride(),
             dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
             *dq.stride(), *dk.stride(), *dv.stride(),
             kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
             b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
             1.0 / (1.0 - dropout_p),
-        )  # fmt: skip
+        ]  # fmt: skip
         consts = dict(
             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
             DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
             INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-            DQ_TMA=atomic and dq_tma,
+            DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not is_traced(q),
             TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
             and _tma_loads(q, k, v, dout),
             GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
@@ -1235,9 +1287,14 @@ def launch_attention_bwd(
         n_prog = -(-key_blocks // consts["GROUP"])
         if not atomic:
             n_prog += -(-n_q // config["BLOCK_M2"])
-        if consts["DQ_TMA"] or consts["TMA"]:
+        if consts["TMA"] or consts["DQ_HOST_DESC"]:  # (eager launches only: `_tma_loads`)
+            args[12:17] = _bwd_descriptors(
+                q, k, v, dout.transpose(1, 2), dq_acc, config, meta["BLOCK_D"], consts["TMA"],
+                consts["DQ_HOST_DESC"],
+            )  # fmt: skip
+        elif consts["DQ_TMA"]:  # traced: the kernel makes dQ's descriptor itself
             triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
-        _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), args, consts, config)
+        _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), tuple(args), consts, config)
     if atomic:
         launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
             dq_acc, grads[0], offsets[0], *dq.stride(), b * h, h, n_q, scale,
