@@ -358,7 +358,8 @@ def bwd_tiles(head_dim: int, causal: bool) -> dict:
     10-15% slower (one program per SM), (128, 128, 8) slower still. At d32, dQᵀ would be a
     product of 32 rows (wgmma's are 64): dQ untransposed, K and V in shared memory (in registers
     they cost a program per SM). At d128 only the 32-query step fits the registers without
-    spills (244 per thread; (64, 64) spills 400 bytes).
+    spills (244 per thread; (64, 64) spills 400 bytes; with today's kernel 96 bytes, and it
+    needs 168 KiB of shared memory: one program per SM, ptxas of Triton 3.6, 2026-11-28).
 
     With the descriptors made on the host (twenty-third session) that choice turned: on an
     H200 (2026-11-28, `attention_tiles_session24.md`, µs, causal d64) the 64-query step with K
