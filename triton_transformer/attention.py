@@ -1229,13 +1229,12 @@ def launch_attention_bwd(
     # slower than the two-program kernel there). Traced (torch.compile), it runs where
     # inductor sets Triton's scratch allocator (`utils.compile_tma`) and TRACED_SINGLE_PASS
     # allows it; its tile loads stay pointer loads there (see `_tma_loads`).
-    dq_tma = _has_tma(q.device) and (not is_traced(q) or (TRACED_SINGLE_PASS and compile_tma()))
+    traced = is_traced(q)
+    dq_tma = _has_tma(q.device) and (not traced or (TRACED_SINGLE_PASS and compile_tma()))
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
     # Hopper's Gluon single pass (`attention_hopper`): eager launches of what it takes
-    gluon = not is_traced(q) and _takes_gluon(
-        dout, q, k, v, has_kpm, causal, dropping, deterministic
-    )
+    gluon = not traced and _takes_gluon(dout, q, k, v, has_kpm, causal, dropping, deterministic)
     atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     gy, gz = meta["grid_bh"]
     delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
@@ -1272,7 +1271,7 @@ def launch_attention_bwd(
             HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
             DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
             INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-            DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not is_traced(q),
+            DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not traced,
             TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
             and _tma_loads(q, k, v, dout),
             GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
