@@ -322,6 +322,8 @@ OPAQUE_ROUTES = [
     ("attention packed", at, [(at, "_capped_forward"), (at, "_takes_gluon")],
      GROUPS["attention"]["attention packed"], ["flash_attention_packed_opaque"],
      ["flash_attention_packed_backward_opaque"]),
+    ("attention gluon forward", at, [(at, "_fwd_takes_gluon")], attention_case(),
+     ["flash_attention_opaque"], []),
     ("cross_entropy inplace", ce, [(ceh, "takes_strides")], GROUPS["rows"]["cross_entropy inplace"],
      ["cross_entropy_inplace_opaque"], []),
     ("linear_cross_entropy", lce, [(ceh, "takes_rows")],

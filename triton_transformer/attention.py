@@ -89,7 +89,7 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_transformer import attention_hopper
+from triton_transformer import attention_hopper, attention_hopper_fwd
 from triton_transformer._jit_helpers import dropout_keep_tile, longest_first
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
@@ -1091,9 +1091,18 @@ def launch_attention_fwd(
         return out, lse
     if _dtype_meta(int(d), q.dtype)["interpret"]:  # cached: no environment read per call
         q, k, v = widened_for_interpreter(q, k, v)
-    meta = _launch_meta(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
+    gluon = config is None and _fwd_takes_gluon(q, k, v, causal, scale, has_kpm, dropping, kv_len)
+    if gluon and not is_traced(q):
+        # Hopper's warp-specialized forward in Gluon (`attention_hopper_fwd`; traced code
+        # reaches this eagerly, through the opaque op: `_traced_forward_op`)
+        attention_hopper_fwd.launch_fwd_sm90(
+            q, k, v, out.transpose(1, 2), lse, causal, scale * LOG2E, LONGEST_FIRST_BYTES,
+            need_lse,
+        )  # fmt: skip
+        return out, lse
+    meta = _launch_meta(q, k, v)
     decode = bool(n_q <= 16)
     if config is None:
         config = (
@@ -1159,6 +1168,17 @@ def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> 
     else:
         blocks_per_split = -(-key_blocks // 3)
     return -(-key_blocks // blocks_per_split), blocks_per_split * block_n
+
+
+def _fwd_takes_gluon(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    has_kpm: bool, dropping: bool, kv_len: torch.Tensor | None,
+) -> bool:  # fmt: skip
+    """Whether a forward of these tensors (traced or not) takes `attention_hopper_fwd`'s
+    kernel: its `usable` (no key padding mask, dropout or device-side key count) and
+    TMA-describable q, k and v."""
+    plain = not (has_kpm or dropping) and kv_len is None
+    return attention_hopper_fwd.usable(q, k, causal, scale, plain) and _tma_layouts(q, k, v)
 
 
 def _takes_gluon(
@@ -1323,10 +1343,18 @@ def _forward_outputs(q, need_lse):
     return out, lse
 
 
-def _traced_forward_op(op, opaque_op, q: torch.Tensor, causal: bool, dropout_p: float):
-    """`opaque_op` where traced code would launch the forward without its register cap."""
-    traced = tracing(q)
-    return opaque_op if TRACED_OPAQUE and traced and _capped_forward(q, causal, dropout_p) else op
+def _traced_forward_op(
+    op, opaque_op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+    scale: float, has_kpm: bool, dropout_p: float,
+):  # fmt: skip
+    """`opaque_op` where traced code would launch the forward without its register cap, or
+    where an eager forward would take `attention_hopper_fwd`'s kernel."""
+    if not (TRACED_OPAQUE and tracing(q)):
+        return op
+    dropping = dropout_p > 0.0
+    if _capped_forward(q, causal, dropout_p):
+        return opaque_op
+    return opaque_op if _fwd_takes_gluon(q, k, v, causal, scale, has_kpm, dropping, None) else op
 
 
 def _capped_forward(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
@@ -1681,7 +1709,10 @@ def attention(
     if not use_triton:
         return _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
     seed = seed_or_draw(seed, q.device) if dropout_p > 0.0 else None
-    op = _traced_forward_op(flash_attention_op, flash_attention_opaque_op, q, causal, dropout_p)
+    op = _traced_forward_op(
+        flash_attention_op, flash_attention_opaque_op, q, k, v, causal, scale,
+        key_padding_mask is not None, dropout_p,
+    )  # fmt: skip
     out, _ = call_op(
         op, q, k, v, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(q, k, v)
     )  # fmt: skip
@@ -1726,8 +1757,9 @@ def attention_packed(
     scale = _check_scale(scale, q.shape[-1])
     seed = seed_or_draw(seed, qkv.device) if dropout_p > 0.0 else None
     op = _traced_forward_op(
-        flash_attention_packed_op, flash_attention_packed_opaque_op, q, causal, dropout_p
-    )
+        flash_attention_packed_op, flash_attention_packed_opaque_op, q, k, v, causal, scale,
+        key_padding_mask is not None, dropout_p,
+    )  # fmt: skip
     out, _ = call_op(
         op, qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv)
     )  # fmt: skip

@@ -1,0 +1,452 @@
+"""The attention forward for Hopper GPUs, written in Gluon and warp-specialized, as
+FlashAttention-3's (Shah et al., 2024).
+
+Math, for one block of query rows Q_i against key blocks K_j, V_j of BLOCK_N keys (scores in
+log2 units, c = scale·log2(e) > 0):
+
+    S_j = Q_i K_jᵀ                                      raw scores, (rows, BLOCK_N)
+    m_j = max(m_{j-1}, c · rowmax(S_j))                 running row max
+    P_j = exp2(c·S_j - m_j)                             masked scores are -inf: P = 0
+    α_j = exp2(m_{j-1} - m_j)
+    l_j = α_j · l_{j-1} + rowsum(P_j)
+    O_j = α_j · O_{j-1} + P_j V_j
+    out = O / l,   lse = m + log2(l)                    (zeros and +inf for rows that see no key)
+
+The max is taken on the raw scores and scaled once per row (max commutes with a positive
+scale), so each score costs one fused multiply-add before its exp2, as in
+`attention._fwd_block`.
+
+Why a second kernel: the Triton forward (`attention._attention_fwd_kernel`) waits for each
+product right after issuing it, so the tensor cores idle while the exponentials run. Here the
+work is split between warps (`gl.warp_specialize`):
+
+- a loader warp brings the program's 128 query rows once, then K_j and V_j by TMA into a
+  ring of STAGES buffers;
+- two consumer warpgroups, each owning 64 of the query rows, walk the same key blocks. Per
+  block a consumer issues S_j's product and then P_{j-1} V_{j-1}'s, waits for S_j only, and
+  computes P_j while P_{j-1} V_{j-1} is still on the tensor cores; it waits for that product
+  before rescaling O by α_j, and then hands the buffers of block j - 1 back to the loader
+  (each consumer arrives once on the buffer's `empty` barrier).
+
+The output leaves through the consumer's query buffer by one TMA store (rows past n_q are
+clipped), the log-sum-exp through pointers.
+
+Scope: Hopper (sm_90), fp16 / bf16, head dims of `HEAD_DIMS`, causal (bottom-right aligned,
+as `attention`'s) or not, multi-head or grouped-query heads, no key padding mask, no dropout,
+no KV cache length on the device, tensors TMA can describe. `attention.launch_attention_fwd`
+takes it for eager launches where `usable` says so; traced code reaches it through
+`attention`'s opaque forward op (torch.compile cannot trace a Gluon kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from triton_transformer import _gluon
+from triton_transformer._gluon import (
+    HAVE_GLUON,
+    TensorDescriptor,
+    gl,
+    gluon,
+    hopper,
+    is_sm90,
+    mbarrier,
+    tma,
+)
+from triton_transformer._jit_helpers import longest_first
+from triton_transformer.attention_hopper import _layouts, _load_head_rows
+from triton_transformer.utils import launcher
+
+__all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
+
+# head dims the kernel takes (rows of 64, 128 and 256 bytes in 16-bit types)
+HEAD_DIMS = (32, 64, 128)
+# query rows per consumer warpgroup (a warpgroup product's M); a program has CONSUMERS of them
+ROWS = gl.constexpr(64) if HAVE_GLUON else 64
+
+# registers per thread of the loader's warpgroup (`_launch`)
+LOADER_REGS = 32
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _key_blocks(
+        m0, N_Q, N_K, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr
+    ):  # fmt: skip
+        """(key blocks the query rows [m0, m0 + BLOCK_M) read, how many of the first of them
+        every row sees whole, i.e. need no mask). Causal: query i sees keys j <= i + n_k - n_q.
+        At least one block: a program whose rows see no key still writes their zeros."""
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        if CAUSAL:
+            causal_off = N_K - N_Q
+            hi = gl.minimum(gl.maximum(m0 + BLOCK_M + causal_off, 0), N_K)
+            whole = gl.minimum(gl.maximum(m0 + causal_off + 1, 0), N_K)
+        else:
+            hi = N_K
+            whole = N_K
+        return gl.maximum(gl.cdiv(hi, BLOCK_N), 1), whole // BLOCK_N
+
+    @gluon.jit
+    def _softmax_block(
+        s, m_i, l_i, j, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale,
+        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """P_j, α_j, m_j and l_j of the raw scores s of key block j (module docstring). Blocks
+        from n_whole on are masked: keys past n_k and, causal, past each row's diagonal."""
+        if j >= n_whole:
+            offs_n = j * BLOCK_N + cols_n
+            visible = offs_n[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        # a row that has seen no visible key keeps m = -inf: subtract 0 instead, so that its
+        # P and α are exp2(-inf) = 0, not NaN
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_sub[:, None])
+        alpha = gl.exp2(m_i - m_sub)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _take_turn(turn, which: gl.constexpr, k, PINGPONG: gl.constexpr):
+        """PINGPONG: wait until this consumer may issue its k-th group of products: the
+        previous consumer (round robin) has issued its own k-th, or, for consumer 0, the last
+        one its (k - 1)-th (consumer 0's first passes on the fresh barrier, which counts as
+        having completed the phase before 0)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(which), (k & 1) ^ (1 if which == 0 else 0))
+
+    @gluon.jit
+    def _pass_turn(turn, which: gl.constexpr, PINGPONG: gl.constexpr):
+        """PINGPONG: this consumer's products are issued: the next consumer's turn."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index((which + 1) % turn.shape[0]))
+
+    @gluon.jit
+    def _fwd_loader(args, meta: gl.constexpr):
+        """The loader partition (one warp): the program's query rows, then every key block's
+        K and V into the ring, each once both consumers have handed its buffer back."""
+        (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, _turn,
+         _lse, b, h, h_kv, _bh, m0, n_blocks, _n_whole, _n_q, _n_k, _qk_scale) = args  # fmt: skip
+        HEAD_DIM: gl.constexpr = meta[0]
+        BLOCK_N: gl.constexpr = meta[1]
+        STAGES: gl.constexpr = meta[2]
+        nbytes: gl.constexpr = HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
+        mbarrier.expect(q_bar, CONSUMERS * ROWS * nbytes)
+        for c in gl.static_range(CONSUMERS):
+            _load_head_rows(q_desc, b, h, m0 + c * ROWS, q_bar, q_smem.index(c))
+        for j in range(n_blocks):
+            stage = j % STAGES
+            # a fresh barrier counts as having completed the phase before 0
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, 2 * BLOCK_N * nbytes)
+            _load_head_rows(k_desc, b, h_kv, j * BLOCK_N, bar, k_smem.index(stage))
+            _load_head_rows(v_desc, b, h_kv, j * BLOCK_N, bar, v_smem.index(stage))
+
+    @gluon.jit
+    def _fwd_consume(args, meta: gl.constexpr, which: gl.constexpr):
+        """Consumer `which` (one warpgroup): query rows m0 + 64·which ... + 63 against every
+        key block of the program (module docstring), then its output and log-sum-exp."""
+        (_q_desc, _k_desc, _v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn,
+         LSE, b, h, _h_kv, bh, m0, n_blocks, n_whole, N_Q, N_K, qk_scale) = args  # fmt: skip
+        HEAD_DIM: gl.constexpr = meta[0]
+        BLOCK_N: gl.constexpr = meta[1]
+        STAGES: gl.constexpr = meta[2]
+        CAUSAL: gl.constexpr = meta[3]
+        WRITE_LSE: gl.constexpr = meta[4]
+        PINGPONG: gl.constexpr = meta[5]
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        # P feeds P·V's product from registers, in the accumulator's rows
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row0 = m0 + which * ROWS
+        q_s = q_smem.index(which)
+        offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        causal_off = N_K - N_Q
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(ready.index(0), 0)
+        _take_turn(turn, which, 0, PINGPONG)
+        s = _gluon.mma(q_s, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, which, PINGPONG)
+        s = _gluon.mma_wait(num_outstanding=0, deps=[s])
+        p, _alpha, m_i, l_i = _softmax_block(
+            s, m_i, l_i, 0, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL, BLOCK_N
+        )  # fmt: skip
+        p_a = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_blocks):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            _take_turn(turn, which, j, PINGPONG)
+            s = _gluon.mma(
+                q_s, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            acc = _gluon.mma(p_a, v_smem.index(prev), acc, is_async=True)
+            _pass_turn(turn, which, PINGPONG)
+            s = _gluon.mma_wait(num_outstanding=1, deps=[s])  # P_{j-1} V_{j-1} still runs
+            p, alpha, m_i, l_i = _softmax_block(
+                s, m_i, l_i, j, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
+                BLOCK_N,
+            )  # fmt: skip
+            # (a register operand stays live until its product is done)
+            acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
+            mbarrier.arrive(empty.index(prev))  # block j - 1's K and V are read
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_a = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_blocks - 1) % STAGES
+        _take_turn(turn, which, n_blocks, PINGPONG)
+        acc = _gluon.mma(p_a, v_smem.index(last), acc, is_async=True)
+        _pass_turn(turn, which, PINGPONG)
+        acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
+
+        seen = l_i > 0.0  # rows that saw no key output zeros
+        inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+        out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+        # the output leaves through this consumer's query buffer, whose products are done
+        q_s.store(out.to(dtype))
+        hopper.fence_async_shared()
+        _gluon.cta_barrier()  # every warp's rows written before the one store
+        block = _gluon.reinterpret(q_s, o_desc.dtype, o_desc.block_shape, o_desc.layout)
+        _gluon.tma_store(o_desc, [b, h, row0, 0], block)
+        if WRITE_LSE:  # +inf for rows that saw nothing: the backward's exp2(s - lse) is 0
+            lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("inf"))
+            gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fwd_consumer_1(args, meta: gl.constexpr):
+        """The second consumer, as a worker partition (workers share one signature, the
+        loader's: `which` cannot be passed)."""
+        _fwd_consume(args, meta, 1)
+
+    @gluon.jit
+    def _fwd_consumer_2(args, meta: gl.constexpr):
+        """The third consumer (CONSUMERS = 3)."""
+        _fwd_consume(args, meta, 2)
+
+    @gluon.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
+    def _attention_fwd_sm90_kernel(
+        q_desc, k_desc, v_desc, o_desc, LSE, BH, H, N_Q, N_K, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+        WRITE_LSE: gl.constexpr, LPT_BYTES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M = 64·CONSUMERS query rows of one batch·head (grid (query blocks,
+        b·h);
+        causal: longest first, `longest_first`). q, k, v and the output come as host-made
+        (b, h, n, HEAD_DIM) TMA descriptors (`_descriptors`); LSE: the (b·h, n_q) fp32
+        log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per key/value head."""
+        qk_scale = qk_scale.to(gl.float32)
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        if CAUSAL:  # each program streams its head's K and V; the longest rows first
+            pid_m, bh = longest_first(pid_m, bh, BH, N_K.to(gl.int64) * HEAD_DIM * 4, LPT_BYTES)
+            pid_m = gl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
+        b = bh // H
+        h = bh % H
+        h_kv = h // GROUP
+        m0 = pid_m * BLOCK_M
+        n_blocks, n_whole = _key_blocks(m0, N_Q, N_K, CAUSAL, BLOCK_N, CONSUMERS)
+
+        row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], row_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], key_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], key_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(turn.index(i), count=1)
+        args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
+                turn, LSE, b, h, h_kv, bh, m0, n_blocks, n_whole, N_Q, N_K, qk_scale)  # fmt: skip
+        # the partitions' compile-time parameters, in this order
+        meta: gl.constexpr = (
+            HEAD_DIM,
+            BLOCK_N,
+            STAGES,
+            CAUSAL,
+            WRITE_LSE,
+            PINGPONG and CONSUMERS > 1,
+        )
+        # consumer 0 is the default partition (num_warps = 4), and keeps the registers the
+        # workers leave of the launch's cap (`_launch`)
+        if CONSUMERS == 1:
+            gl.warp_specialize(
+                [(_fwd_consume, (args, meta, 0)), (_fwd_loader, (args, meta))],
+                [1],
+                [LOADER_REGS],
+            )
+        elif CONSUMERS == 2:
+            gl.warp_specialize(
+                [
+                    (_fwd_consume, (args, meta, 0)),
+                    (_fwd_consumer_1, (args, meta)),
+                    (_fwd_loader, (args, meta)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOADER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_fwd_consume, (args, meta, 0)),
+                    (_fwd_consumer_1, (args, meta)),
+                    (_fwd_consumer_2, (args, meta)),
+                    (_fwd_loader, (args, meta)),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
+            )
+
+
+@functools.cache
+def fwd_tiles(head_dim: int, causal: bool) -> dict:
+    """The program's shape: CONSUMERS consumer warpgroups of 64 query rows each, PER_SM
+    programs per SM (the register cap follows, `_launch`), key blocks of BLOCK_N keys in a
+    ring of STAGES buffers, and whether the consumers take turns issuing their products
+    (PINGPONG). Shared memory per program: CONSUMERS · 64 query rows plus STAGES · 2 · BLOCK_N
+    key rows of head_dim 16-bit elements (d128: 2 · 64 + 3 · 2 · 128 rows, 224 KiB of the
+    H200's 227).
+
+    Measured (H200, 2026-11-28, `attention_fwd_gluon_session25*.md`, µs per forward, causal /
+    not, against the Triton forward):
+    - d128, (4, 4096, 16): two consumers, 128-key blocks, three stages 455.5 / 807.3 (Triton
+      606.2 / 1082.9, cuDNN 467.3 / 811.4); two stages 611.3 / 1170.9 (the ring runs dry);
+      with turns 454.3 / 812.6 (no gain, none taken); 64-key blocks 511.5 / 932.8; three
+      consumers 480-486 / 846-857.
+    - d64, GPT-2's (16, 1024, 12): two consumers, 128-key blocks 110.7 / 148.3 (Triton 90.0 /
+      134.4): with two warpgroups per SM the exponentials' latency shows. One consumer, three
+      programs per SM (128 registers each), 64-key blocks: 86.8 / 132.9, at (8, 2048, 16)
+      183.4 / 317.2 (Triton 184.8 / 316.1), at (4, 4096, 16) 326.0 / 608.7 (325.6 / 596.4):
+      within 1-4% of the Triton forward. Three consumers, 128-key blocks, in turns: not
+      causal (8, 2048, 16) 298.7, (4, 4096, 16) 545.2 (Triton 316.6, 595.7), but GPT-2's
+      145.1 and causal 123.8 at GPT-2's shape.
+    So d128 takes two consumers over three stages; d64 causal heads one consumer, three
+    programs per SM (what an eager call takes by default: `usable`), d64 others three
+    consumers in turns. d32 was measured only with two consumers (0.76 / 0.90x the Triton
+    forward at (8, 2048, 16)) and takes one consumer as d64 causal does."""
+    if head_dim > 64:
+        return {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
+    if head_dim == 64 and not causal:
+        return {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
+    return {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}
+
+
+@functools.cache
+def _launch(consumers: int, per_sm: int) -> dict:
+    """Launch options of a program of `consumers` consumer warpgroups (4 warps each; the
+    layouts assume it) and the loader, `per_sm` programs per SM: a register cap per thread
+    that fills the SM's 65,536 registers, which the partitions then redistribute (the loader's
+    warp takes a warpgroup's share, `LOADER_REGS`; each consumer an equal part of the rest, a
+    multiple of 8, as setmaxnreg takes them). Two consumers, one program: 3 x 168 = 2 x 232 +
+    40; three: 4 x 128 = 3 x 160 + 32."""
+    slots = consumers + 1  # warpgroups per program
+    cap = (65536 // (per_sm * slots * 128)) // 8 * 8
+    consumer = (slots * cap - LOADER_REGS) // consumers // 8 * 8
+    return {"num_warps": 4, "maxnreg": cap, "CONSUMER_REGS": consumer, "LOADER_REGS": LOADER_REGS}
+
+
+# Where eager forwards take this kernel: `ENABLED` (benchmarks turn it off to compare), d128
+# heads of at least `MIN_QUERIES` queries and d64 heads without a causal mask of at least
+# `MIN_QUERIES_D64`: where it measured faster than the Triton forward (`fwd_tiles`; d128 at
+# 512 queries 145.0 / 165.7 µs against 156.8 / 213.7 at (32, 512, 16), causal / not; at 128
+# queries 19.8 against 17.6 causal, H200, 2026-11-28). Elsewhere the two are within a few per
+# cent, or the Triton forward is faster, and it runs.
+ENABLED = True
+MIN_QUERIES = 512
+MIN_QUERIES_D64 = 2048
+
+
+def _taken(head_dim: int, n_q: int, causal: bool) -> bool:
+    """The head dims and query counts above."""
+    if head_dim == 128:
+        return n_q >= MIN_QUERIES
+    return head_dim == 64 and not causal and n_q >= MIN_QUERIES_D64
+
+
+def usable(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, plain: bool
+) -> bool:  # fmt: skip
+    """Whether the kernel takes this forward of (b, h, n, d) views q and k: Gluon present,
+    `ENABLED`, a Hopper GPU, the head dims and query counts above, a 16-bit dtype, a positive
+    scale, whole groups of query heads per key/value head, at most 65535 batch·heads (grid
+    dim 1), at least one key, and `plain`: no key padding mask, dropout or device-side KV
+    length. The caller has checked the rest: TMA-describable q, k, v (`attention._tma_layouts`)."""
+    b, h, n_q, d = q.shape
+    return (
+        HAVE_GLUON
+        and ENABLED
+        and plain
+        and is_sm90(q.device)
+        and _taken(d, n_q, causal)
+        and k.shape[2] > 0
+        and scale > 0
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and h % k.shape[1] == 0
+        and b * h <= 65535
+    )
+
+
+def _descriptors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int
+) -> tuple:  # fmt: skip
+    """The kernel's TMA descriptors, made on the host: (b, h, n, d) views q, k, v and the
+    output, by blocks of one head's 64 query rows or block_n key rows."""
+    d = q.shape[3]
+    rows, keys = _layouts(d, int(ROWS), block_n)[:2]
+
+    def heads(t: torch.Tensor, block: int, layout) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block, d], layout)
+
+    return (
+        heads(q, int(ROWS), rows), heads(k, block_n, keys), heads(v, block_n, keys),
+        heads(out, int(ROWS), rows),
+    )  # fmt: skip
+
+
+def launch_fwd_sm90(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, qk_scale: float, lpt_bytes: int, need_lse: bool, tiles: dict | None = None,
+) -> None:  # fmt: skip
+    """Launch the kernel for (b, h, n, d) views q, k, v (unit stride along d, TMA-describable;
+    k and v with h or a divisor of h heads): fills `out`, a (b, h, n_q, d) view (the
+    (b, n_q, h, d) output transposed), and, need_lse, the (b·h, n_q) fp32 lse with the
+    log-sum-exp in log2 units. qk_scale: the softmax scale times log2(e). tiles: `fwd_tiles`
+    unless given (benchmarks)."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    tiles = tiles or fwd_tiles(d, causal)
+    descs = _descriptors(q, k, v, out, tiles["BLOCK_N"])
+    grid = (-(-n_q // (tiles["CONSUMERS"] * int(ROWS))), b * h, 1)
+    tiles = dict(tiles)
+    options = _launch(tiles["CONSUMERS"], tiles.pop("PER_SM"))
+    launcher(_attention_fwd_sm90_kernel)[grid](
+        *descs, lse if need_lse else q, b * h, h, n_q, n_k, qk_scale, HEAD_DIM=d,
+        CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse, LPT_BYTES=lpt_bytes,
+        **tiles, **options,
+    )  # fmt: skip
