@@ -28,7 +28,11 @@ online softmax in fp32 (scores in log2 units, exp2 with scale·log2(e) folded in
 keeps the running max m, sum l and the output accumulator in registers, and writes the output
 and (only when a gradient is needed) the log-sum-exp per query row. Key blocks fully visible to
 every query of the block run without masks; only the causal diagonal and the ragged last key
-block are masked; blocks past the diagonal are never visited.
+block are masked; blocks past the diagonal are never visited. On Hopper, eager launches of
+d128 heads from 512 queries and of d64 heads without a causal mask from 2048 (no key padding
+mask, dropout or device-side key count) run the same forward written in Gluon and
+warp-specialized (`attention_hopper_fwd`: a TMA loader warp, consumer warpgroups computing
+P_j while P_{j-1} V_{j-1} runs), where it measured faster.
 
 Backward: a small kernel computes Δ_i = Σ_d dO·O; then one launch holds the programs that
 recompute the probabilities from q, k and the log-sum-exp. Two variants, as PyTorch's own

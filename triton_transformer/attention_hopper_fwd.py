@@ -20,13 +20,20 @@ Why a second kernel: the Triton forward (`attention._attention_fwd_kernel`) wait
 product right after issuing it, so the tensor cores idle while the exponentials run. Here the
 work is split between warps (`gl.warp_specialize`):
 
-- a loader warp brings the program's 128 query rows once, then K_j and V_j by TMA into a
-  ring of STAGES buffers;
-- two consumer warpgroups, each owning 64 of the query rows, walk the same key blocks. Per
-  block a consumer issues S_j's product and then P_{j-1} V_{j-1}'s, waits for S_j only, and
-  computes P_j while P_{j-1} V_{j-1} is still on the tensor cores; it waits for that product
-  before rescaling O by α_j, and then hands the buffers of block j - 1 back to the loader
-  (each consumer arrives once on the buffer's `empty` barrier).
+- a loader warp brings the program's query rows once, then K_j and V_j by TMA into a ring of
+  STAGES buffers;
+- one to three consumer warpgroups, each owning 64 of the query rows, walk the same key
+  blocks. Per block a consumer issues S_j's product and then P_{j-1} V_{j-1}'s, waits for
+  S_j only, and computes P_j while P_{j-1} V_{j-1} is still on the tensor cores; it waits for
+  that product before rescaling O by α_j, and then hands the buffers of block j - 1 back to
+  the loader (each consumer arrives once on the buffer's `empty` barrier). With PINGPONG the
+  consumers take turns issuing their products (round robin), so that one's exponentials run
+  while another's products do; with one consumer, several programs share an SM instead.
+
+`fwd_tiles` says which shape each head dim takes, and what was measured: at d128 this kernel
+is 1.08-1.35x the Triton forward and reaches cuDNN's speed from 4096 queries; at d64 only
+long heads without a causal mask gain (three consumers in turns), the rest keep the Triton
+forward (`usable`).
 
 The output leaves through the consumer's query buffer by one TMA store (rows past n_q are
 clipped), the log-sum-exp through pointers.
