@@ -308,6 +308,11 @@ def run_presets(args: argparse.Namespace) -> None:
                        if k in prob},
                 }  # fmt: skip
                 with torch.no_grad():
+                    # a warm-up pass over every provider first: timed first, "auto" of each
+                    # preset's first problem read 12% below the same cuBLAS kernel called
+                    # directly (H200, 2026-11-28; a probe timed both at 140.7 / 140.8 µs)
+                    for fn in providers.values():
+                        kernel_time(fn, 1)
                     ms = {k: kernel_time(fn, args.iters) for k, fn in providers.items()}
                     choice = picked(providers["auto"])
                 key = layout_key(gm, gn, gk, prob["a"], prob["b"]) + prob["epi"]
