@@ -20,8 +20,9 @@ MFU = model FLOPs per token x tokens/s / measured bf16 matmul rate (same run); F
 as nanoGPT counts them (`flops_per_token`).
 
 Presets (`PRESETS`): small (alias enwik8: d512, depth 8, seq 512, batch 16, bytes), gpt2
-(GPT-2 small's shape: d768, depth 12, 12 heads, seq 1024, batch 16, vocab 50,304) and large
-(d1024, depth 12, seq 2048, batch 8, bytes). Random tokens from the preset's vocabulary.
+(GPT-2 small's shape: d768, depth 12, 12 heads, seq 1024, batch 16, vocab 50,304), large
+(d1024, depth 12, seq 2048, batch 8, bytes) and large-d128 (the same with 8 heads of 128).
+Random tokens from the preset's vocabulary.
 
 `--optimizer auto|torch|both`: the Triton model's optimizer step, the package's AdamW (clip
 folded into its launch; "auto", the default, as `capturable_train_step` picks by `use_triton`)
@@ -37,7 +38,7 @@ Besides the table of steps (step_<preset>.md) and each case's longest kernels
 by kind of kernel (`categorize`: matmul, attention forward / backward, layernorm forward /
 backward, cross entropy, embedding, optimizer, elementwise and other) next to sdpa-gpt's.
 
-Usage: python3 benchmarks/bench_step.py --out DIR [--preset small|enwik8|gpt2|large]
+Usage: python3 benchmarks/bench_step.py --out DIR [--preset small|enwik8|gpt2|large|large-d128]
            [--steps N] [--dropout P ...] [--cases provider:mode ...] [--fused-loss on|off|both]
 e.g.   python3 benchmarks/bench_step.py --out DIR --preset gpt2 --dropout 0.0 \
            --cases triton:graph sdpa-gpt:compile-ro torch:compile-ro
@@ -71,6 +72,8 @@ PRESETS = {
     # GPT-2 small's shape (nanoGPT's vocabulary, 50,257 padded to a multiple of 64)
     "gpt2": dict(dim=768, depth=12, heads=12, dim_head=64, seq=1024, batch=16, vocab=50304),
     "large": dict(dim=1024, depth=12, heads=16, dim_head=64, seq=2048, batch=8, vocab=256),
+    # large with 128-wide heads (Llama's), where the attention kernels differ most from d64's
+    "large-d128": dict(dim=1024, depth=12, heads=8, dim_head=128, seq=2048, batch=8, vocab=256),
 }
 PRESETS["enwik8"] = PRESETS["small"]  # the same model, by its data set's name
 
