@@ -370,8 +370,10 @@ def _launch(consumers: int, per_sm: int) -> dict:
     layouts assume it) and the loader, `per_sm` programs per SM: a register cap per thread
     that fills the SM's 65,536 registers, which the partitions then redistribute (the loader's
     warp takes a warpgroup's share, `LOADER_REGS`; each consumer an equal part of the rest, a
-    multiple of 8, as setmaxnreg takes them). Two consumers, one program: 3 x 168 = 2 x 232 +
-    40; three: 4 x 128 = 3 x 160 + 32."""
+    multiple of 8, as setmaxnreg takes them; consumer 0, the default partition, keeps what
+    the workers leave). Two consumers, one program per SM: a cap of 168, 3 x 168 = 232 + 240
+    + 32; three: 128, 4 x 128 = 3 x 160 + 32; one consumer, three programs per SM: 80,
+    2 x 80 = 128 + 32."""
     slots = consumers + 1  # warpgroups per program
     cap = (65536 // (per_sm * slots * 128)) // 8 * 8
     consumer = (slots * cap - LOADER_REGS) // consumers // 8 * 8
