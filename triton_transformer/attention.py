@@ -1355,10 +1355,8 @@ def _traced_forward_op(
     where an eager forward would take `attention_hopper_fwd`'s kernel."""
     if not (TRACED_OPAQUE and tracing(q)):
         return op
-    dropping = dropout_p > 0.0
-    if _capped_forward(q, causal, dropout_p):
-        return opaque_op
-    return opaque_op if _fwd_takes_gluon(q, k, v, causal, scale, has_kpm, dropping, None) else op
+    gluon = _fwd_takes_gluon(q, k, v, causal, scale, has_kpm, dropout_p > 0.0, None)
+    return opaque_op if gluon or _capped_forward(q, causal, dropout_p) else op
 
 
 def _capped_forward(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:

@@ -135,7 +135,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _fwd_loader(args, meta: gl.constexpr):
         """The loader partition (one warp): the program's query rows, then every key block's
-        K and V into the ring, each once both consumers have handed its buffer back."""
+        K and V into the ring, each once every consumer has handed its buffer back."""
         (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, _turn,
          _lse, b, h, h_kv, _bh, m0, n_blocks, _n_whole, _n_q, _n_k, _qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
@@ -255,11 +255,11 @@ if HAVE_GLUON:
         WRITE_LSE: gl.constexpr, LPT_BYTES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_M = 64·CONSUMERS query rows of one batch·head (grid (query blocks,
-        b·h);
-        causal: longest first, `longest_first`). q, k, v and the output come as host-made
-        (b, h, n, HEAD_DIM) TMA descriptors (`_descriptors`); LSE: the (b·h, n_q) fp32
-        log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per key/value head."""
+        """One program: BLOCK_M = 64·CONSUMERS query rows of one batch·head (grid (query
+        blocks, b·h); causal: longest first, `longest_first`). q, k, v and the output come as
+        host-made (b, h, n, HEAD_DIM) TMA descriptors (`_descriptors`); LSE: the (b·h, n_q)
+        fp32 log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per key/value head.
+        CONSUMER_REGS, LOADER_REGS: the partitions' registers per thread (`_launch`)."""
         qk_scale = qk_scale.to(gl.float32)
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
