@@ -29,19 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 from probe_attention_bwd_tiles import cudnn_attention, packed_attention
+from probe_attention_gluon import SHAPES as BWD_SHAPES
 
 import triton_transformer.attention_hopper_fwd as af
 
 FLASH = SDPBackend.FLASH_ATTENTION
 
-# b, n, h, d
-SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64),
-          "large": (8, 2048, 16, 64), "d64-4096": (4, 4096, 16, 64),
-          "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16, 128),
-          "d128-512": (32, 512, 16, 128),
-          "d128-1024": (16, 1024, 16, 128), "d128-2048": (8, 2048, 16, 128),
-          "d128": (4, 4096, 16, 128), "d128-8192": (2, 8192, 16, 128),
-          "d32": (8, 2048, 16, 32)}  # fmt: skip
+# b, n, h, d: the backward probe's shapes, and the d128 ones of every length
+SHAPES = {**BWD_SHAPES, "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16, 128),
+          "d128-512": (32, 512, 16, 128), "d128-1024": (16, 1024, 16, 128),
+          "d128-8192": (2, 8192, 16, 128)}  # fmt: skip
 
 
 def _tiles(text: str) -> tuple[str, dict]:

@@ -88,6 +88,21 @@ def on_hopper(test):
     return pytest.mark.gpu(test)
 
 
+def record_calls(monkeypatch, module, name: str, record=lambda *args, **kwargs: args[0].shape):
+    """Replace `module.name` for the test with a wrapper that appends `record(*args,
+    **kwargs)` (by default the first argument's shape) to the returned list, then calls the
+    real function: which launches a test's code made, and with what."""
+    calls = []
+    real = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def compile_trace_check(*groups: str) -> tuple[bool, int, str]:
     """tests/_compile_trace_check.py over `groups` (see its docstring): (every case passed,
     the number of cases run, the output to show on failure)."""

@@ -15,6 +15,7 @@ from helpers import (
     deterministic_algorithms,
     needs_gluon,
     on_hopper,
+    record_calls,
 )
 from test_attention import (
     TOL,
@@ -162,15 +163,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(ah, "MIN_QUERIES_DROPOUT", 1)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
     monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS_CAUSAL", ah.HEAD_DIMS)
-    calls = []
-    real = ah.launch_bwd_sm90
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ah, "launch_bwd_sm90", counted)
-    return calls
+    return record_calls(monkeypatch, ah, "launch_bwd_sm90")
 
 
 SHAPES = [  # b, h, n_q, n_k: tile edges, ragged last blocks, a single query block, long heads

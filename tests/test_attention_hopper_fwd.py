@@ -8,8 +8,9 @@ configuration it takes, and each test checks that it was the kernel that ran.
 
 import pytest
 import torch
-from helpers import SM90_DRIVER, check_compiles, needs_gluon, on_hopper
+from helpers import SM90_DRIVER, check_compiles, needs_gluon, on_hopper, record_calls
 from test_attention import TOL, check_attention, make_qkv, ref_attention, rel_err
+from test_attention_hopper import SHAPES as BWD_SHAPES
 
 import triton_transformer.attention_hopper as ah
 import triton_transformer.attention_hopper_fwd as af
@@ -111,26 +112,12 @@ def launches(monkeypatch):
     """Counts the Gluon forward's launches, and lets eager forwards take it at every length and
     head dim it supports (by default only where it measured faster)."""
     monkeypatch.setattr(af, "_taken", lambda d, n_q, causal: d in af.HEAD_DIMS)
-    calls = []
-    real = af.launch_fwd_sm90
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(af, "launch_fwd_sm90", counted)
-    return calls
+    return record_calls(monkeypatch, af, "launch_fwd_sm90")
 
 
-SHAPES = [  # b, h, n_q, n_k: tile edges, ragged last blocks, a single block, long heads
-    (2, 3, 1000, 1000),
-    (1, 2, 2048, 2048),
-    (3, 2, 65, 65),
-    (1, 1, 1, 1),
-    (2, 2, 128, 128),
-    (2, 2, 130, 333),  # causal: bottom-right aligned, n_q < n_k (a KV-cache step)
-    (2, 2, 333, 130),  # causal: the first 203 queries see no key (zero output, no gradient)
-]
+# the backward's shapes (tile edges, ragged last blocks, n_q < n_k and n_q > n_k under a
+# causal mask), and one whole 128-row query block
+SHAPES = [*BWD_SHAPES, (2, 2, 128, 128)]
 
 
 @on_hopper

@@ -7,7 +7,7 @@ layouts of B); on the GPU it runs every epilogue, layout and dtype at ragged sha
 
 import pytest
 import torch
-from helpers import SM90_DRIVER, check_compiles, needs_gluon, on_hopper
+from helpers import SM90_DRIVER, check_compiles, needs_gluon, on_hopper, record_calls
 
 import triton_transformer.matmul_hopper as mh
 
@@ -245,15 +245,7 @@ def test_dropout_forward_draws_the_package_mask(shape, b_t):
 @pytest.fixture
 def gluon_launches(monkeypatch):
     """The epilogues of the Gluon kernel's launches."""
-    calls = []
-    real = mh.launch_mm_sm90
-
-    def counted(*args, **kwargs):
-        calls.append(args[4])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mh, "launch_mm_sm90", counted)
-    return calls
+    return record_calls(monkeypatch, mh, "launch_mm_sm90", lambda *args, **kwargs: args[4])
 
 
 @on_hopper
