@@ -761,9 +761,11 @@ def test_gpu_compiled_gradients_match_eager(
 
     torch._dynamo.reset()
     monkeypatch.setattr(attention_module, "TRACED_SINGLE_PASS", traced_single_pass)
-    # the Triton kernels' launches: on a Hopper GPU the Gluon backward would take these d64
-    # heads, eager and traced alike (through the opaque op; test_attention_hopper covers it)
+    # the Triton kernels' launches: on a Hopper GPU the Gluon backwards would take these d64
+    # and d128 heads, eager and traced alike (through the opaque op; test_attention_hopper
+    # and test_attention_hopper_bwd_ws cover them)
     monkeypatch.setattr(attention_module.attention_hopper, "ENABLED", False)
+    monkeypatch.setattr(attention_module.attention_hopper_bwd_ws, "ENABLED", False)
     # the flag is read while the backward is traced: a graph cached by another test (the
     # same function with the other flag) would skip the trace
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)

@@ -90,6 +90,23 @@ def test_gate(monkeypatch):
     assert af.usable(q.half(), q.half(), False, 0.1, plain=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_tma_check_traces_on_views_made_in_the_graph(d, monkeypatch):
+    # the packed op's q, k, v are views made inside the compiled graph, whose storage offset
+    # Dynamo cannot trace: the check that picks the opaque forward must not read it there
+    # (a graph break, or an error under fullgraph), and must answer as eagerly
+    monkeypatch.setattr(attn, "_has_tma", lambda device: True)
+
+    def takes_tma(x):
+        q, k, v = attn._split_packed(x.unflatten(-1, (3, 4, -1)))
+        return x * 2 if attn._tma_layouts(q, k, v) else x * 3
+
+    x = torch.randn(2, 64, 3 * 4 * d, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(takes_tma, fullgraph=True)(x), takes_tma(x))
+    assert torch.equal(takes_tma(x), x * 2)
+
+
 def test_descriptors_describe_each_head():
     # (b, h, n, d) views of q, k, v and the output, one head's 64 query rows or BLOCK_N keys
     if not af.HAVE_GLUON:

@@ -93,7 +93,7 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_transformer import attention_hopper, attention_hopper_fwd
+from triton_transformer import attention_hopper, attention_hopper_bwd_ws, attention_hopper_fwd
 from triton_transformer._jit_helpers import dropout_keep_tile, longest_first
 from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
@@ -1058,13 +1058,19 @@ def _tma_loads(*tensors: torch.Tensor) -> bool:
 def _tma_layouts(*tensors: torch.Tensor) -> bool:
     """Whether TMA can load tiles of these (b, h, n, d) views (`TMA_LOADS` on, a Hopper GPU):
     unit stride along d, 16-byte aligned starts and row / head / batch strides (judged by the
-    storage offset: PyTorch aligns storages), 2-byte elements."""
+    storage offset: PyTorch aligns storages), 2-byte elements.
+
+    While torch.compile traces, the storage offset is not read: Dynamo cannot trace it for a
+    view made inside the graph (the packed qkv's), and a traced call only chooses between an
+    op and its opaque twin, whose eager call checks again on the real tensors."""
     if not (TMA_LOADS and _has_tma(tensors[0].device)):
         return False
+    compiling = torch.compiler.is_compiling()
     for t in tensors:
         if t.element_size() != 2 or t.stride(3) != 1:
             return False
-        if any((x * 2) % 16 for x in (t.storage_offset(), t.stride(0), t.stride(1), t.stride(2))):
+        offset = 0 if compiling else t.storage_offset()
+        if any((x * 2) % 16 for x in (offset, t.stride(0), t.stride(1), t.stride(2))):
             return False
     return True
 
@@ -1188,14 +1194,20 @@ def _fwd_takes_gluon(
 def _takes_gluon(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_kpm: bool,
     causal: bool, dropping: bool, deterministic: bool,
-) -> bool:  # fmt: skip
-    """Whether a backward of these tensors (traced or not) takes `attention_hopper`'s kernel:
-    not `deterministic`, the kernel's `usable`, and TMA-describable q, k, v and dout."""
-    return (
-        not deterministic
-        and attention_hopper.usable(q, k, int(q.shape[3]), causal, not has_kpm, dropping)
-        and _tma_layouts(q, k, v, dout)
-    )
+) -> str | None:  # fmt: skip
+    """Which Gluon kernel a backward of these tensors (traced or not) takes: "ws"
+    (`attention_hopper_bwd_ws`'s), "single" (`attention_hopper`'s) or None (the Triton
+    kernels). A Gluon kernel needs: not `deterministic`, its `usable`, and TMA-describable
+    q, k, v and dout."""
+    if deterministic:
+        return None
+    if attention_hopper_bwd_ws.usable(q, k, causal, not (has_kpm or dropping)):
+        kernel = "ws"
+    elif attention_hopper.usable(q, k, int(q.shape[3]), causal, not has_kpm, dropping):
+        kernel = "single"
+    else:
+        return None
+    return kernel if _tma_layouts(q, k, v, dout) else None
 
 
 def _bwd_descriptors(
@@ -1257,9 +1269,12 @@ def launch_attention_bwd(
     dq_tma = _has_tma(q.device) and (not traced or (TRACED_SINGLE_PASS and compile_tma()))
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
-    # Hopper's Gluon single pass (`attention_hopper`): eager launches of what it takes
-    gluon = not traced and _takes_gluon(dout, q, k, v, has_kpm, causal, dropping, deterministic)
-    atomic = gluon or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
+    # Hopper's Gluon kernels (`attention_hopper`, `attention_hopper_bwd_ws`): eager launches
+    # of what they take
+    gluon = None
+    if not traced:
+        gluon = _takes_gluon(dout, q, k, v, has_kpm, causal, dropping, deterministic)
+    atomic = gluon is not None or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
     gy, gz = meta["grid_bh"]
     delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
     # the single pass's fp32 dQ sum; the delta kernel zeroes it
@@ -1274,7 +1289,12 @@ def launch_attention_bwd(
     if grads_base is not None:
         grads = (grads_base, q, q)  # q: placeholders the kernel does not use
         offsets = offsets_in(grads_base, dq, dk, dv)
-    if gluon:  # Hopper's single pass in Gluon (`attention_hopper`; its descriptors host-made)
+    if gluon == "ws":  # Hopper's warp-specialized d128 backward (`attention_hopper_bwd_ws`)
+        attention_hopper_bwd_ws.launch_bwd_ws_sm90(
+            q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta, dq_acc,
+            causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
+        )  # fmt: skip
+    elif gluon:  # Hopper's single pass in Gluon (`attention_hopper`; its descriptors host-made)
         attention_hopper.launch_bwd_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta,
             dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES, dropout_p,

@@ -1,0 +1,266 @@
+"""attention_hopper_bwd_ws: the warp-specialized Gluon backward for d128 heads on Hopper,
+against float64 attention and against the single-pass Gluon backward.
+
+Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (causal or not, the shipped
+tiles and a deeper ring); on the GPU it runs every configuration it takes, and each test
+checks that it was the kernel that ran.
+"""
+
+import pytest
+import torch
+from helpers import (
+    SM90_DRIVER,
+    check_compiles,
+    deterministic_algorithms,
+    needs_gluon,
+    on_hopper,
+    record_calls,
+)
+from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
+from test_attention_hopper import SHAPES as SINGLE_PASS_SHAPES
+
+import triton_transformer.attention_hopper as ah
+import triton_transformer.attention_hopper_bwd_ws as ws
+from triton_transformer.attention import attention, attention_packed
+
+# Compiles the kernel to PTX for sm_90 with a stand-in driver (no GPU), q, k, v as the packed
+# projection's strided views, dK and dV written into d(qkv)
+COMPILE_SCRIPT = (
+    SM90_DRIVER
+    + r"""
+import re
+
+import triton_transformer.attention_hopper_bwd_ws as ws
+
+for causal in (False, True):
+    for tiles in (ws.bwd_tiles(causal), dict(STAGES=3, CONSUMERS=2)):
+        b, h, n, d = 2, 3, 300, 128
+        qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+        lse = torch.empty(b * h, n)
+        acc = torch.empty(b * h, n, d)
+        descs = ws._descriptors(q, k, v, do, lse, lse, acc, tiles["CONSUMERS"])
+        kernel = ws._attention_bwd_ws_sm90_kernel.warmup(
+            *descs, qkv, qkv, 0, 0, *k.stride()[:3], *v.stride()[:3], b * h, h, n, n, 0.18,
+            0.125, HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=2**24, grid=(1,), **tiles,
+            **ws._launch(tiles["CONSUMERS"]),
+        )
+        ptx = kernel.asm["ptx"]
+        # tiles arrive by TMA from descriptors passed as parameters, none made here; dQ leaves
+        # by bulk reductions; the partitions' registers are redistributed
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+        assert "cp.reduce.async.bulk.tensor.3d" in ptx
+        assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", ptx)
+        assert "tensormap.replace" not in ptx
+        print("ok", causal, tiles)
+"""
+)
+
+
+@needs_gluon
+def test_kernel_compiles_for_sm90():
+    check_compiles(COMPILE_SCRIPT, 4)
+
+
+# (n queries, head dim, causal, taken): d128 heads from 512 queries, causal or not
+DEFAULT_GATE = [
+    (512, 128, True, True), (512, 128, False, True), (511, 128, True, False),
+    (8192, 128, False, True), (4096, 64, True, False), (4096, 96, True, False),
+]  # fmt: skip
+
+
+@needs_gluon
+def test_gate(monkeypatch):
+    # on a (pretended) Hopper GPU: d128 heads from 512 queries; 16-bit dtypes, multi-head
+    # attention, and only plain attention (no key padding mask, no dropout)
+    monkeypatch.setattr(ws, "is_sm90", lambda device: True)
+    for n, d, causal, taken in DEFAULT_GATE:
+        q = torch.empty(2, 4, n, d, dtype=torch.bfloat16, device="meta")
+        assert ws.usable(q, q, causal, plain=True) is taken, (n, d, causal)
+    q = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16, device="meta")
+    assert ws.usable(q.half(), q.half(), True, plain=True)
+    assert not ws.usable(q, q, True, plain=False)
+    assert not ws.usable(q, q[:, :2], True, plain=True)  # grouped-query heads
+    assert not ws.usable(q.float(), q.float(), True, plain=True)
+    monkeypatch.setattr(ws, "ENABLED", False)
+    assert not ws.usable(q, q, True, plain=True)
+
+
+@needs_gluon
+def test_launch_options():
+    # two consumers and the loader fill an SM's 65,536 registers: 2 x 240 + 24 = 3 x 168
+    launch = ws._launch(2)
+    assert launch["maxnreg"] == 168 and launch["num_warps"] == 4
+    assert 2 * launch["CONSUMER_REGS"] + launch["LOADER_REGS"] <= 3 * launch["maxnreg"]
+    assert launch["CONSUMER_REGS"] == 240
+
+
+@needs_gluon
+def test_descriptors_describe_each_head():
+    # q, k, v, dO as (b, h, n, 128) by 64 rows of one head; the log-sum-exp and Δ by 64
+    # entries of a (b·h, n_q) row; the dQ sum as (b·h, n_q, 128) by 64 rows of one
+    # consumer's 64 columns
+    b, h, n, d = 2, 3, 100, 128
+    qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    lse = torch.empty(b * h, n)
+    acc = torch.empty(b * h, n, d)
+    descs = ws._descriptors(q, k, v, do, lse, lse, acc, 2)
+    for desc, t in zip(descs[:4], (q, k, v, do), strict=True):
+        assert desc.shape == [b, h, n, d] and desc.strides == list(t.stride())
+        assert desc.block_shape == [1, 1, 64, d]
+    assert descs[4].shape == [b * h, n] and descs[4].block_shape == [1, 64]
+    assert descs[6].shape == [b * h, n, d] and descs[6].block_shape == [1, 64, 64]
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the kernel's launches, and lets eager backwards take it at every length (by
+    default only where it measured faster)."""
+    monkeypatch.setattr(ws, "MIN_QUERIES", 1)
+    return record_calls(monkeypatch, ws, "launch_bwd_ws_sm90")
+
+
+# the single pass's shapes (tile edges, ragged last blocks, n_q < n_k and n_q > n_k under a
+# causal mask), one whole 128-key block and a head of many steps
+SHAPES = [*SINGLE_PASS_SHAPES, (2, 2, 128, 128), (1, 2, 4096, 4096)]
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gpu_against_float64(shape, causal, dtype, launches):
+    b, h, n_q, n_k = shape
+    check_attention(*make_qkv(b, h, n_q, n_k, 128, dtype, "cuda"), causal=causal)
+    assert len(launches) == 1
+
+
+@on_hopper
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_packed_qkv(causal, stages, launches, monkeypatch):
+    # the model's layout: q, k, v are strided views of one (b, n, 3·h·d) projection, and the
+    # backward writes dq, dk, dv into one gradient; each ring depth
+    monkeypatch.setattr(ws, "bwd_tiles", lambda _c: {"STAGES": stages, "CONSUMERS": 2})
+    b, n, h, d = 2, 777, 4, 128
+    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
+    qkv.requires_grad_()
+    out = attention_packed(qkv, h, causal=causal, use_triton=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert len(launches) == 1
+    r = qkv.detach().double().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4).requires_grad_()
+    ref = ref_attention(r[0], r[1], r[2], causal=causal).transpose(1, 2).reshape(b, n, h * d)
+    ref.backward(dout.double())
+    grad = qkv.grad.view(b, n, 3, h, d)
+    ref_grad = r.grad.permute(1, 3, 0, 2, 4)
+    for i, name in enumerate("qkv"):
+        tol = TOL[torch.bfloat16] if name == "v" else TOL_DQK[torch.bfloat16]
+        assert rel_err(grad[:, :, i], ref_grad[:, :, i], floor=0.1) < tol, name
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_matches_the_single_pass(causal, monkeypatch, launches):
+    # the same gradients as `attention_hopper`'s kernel (bf16 inputs, fp32 sums in another
+    # order: to the rounding of the bf16 outputs)
+    monkeypatch.setattr(ah, "MIN_QUERIES", 1)
+    monkeypatch.setattr(ah, "TAKEN_HEAD_DIMS", ah.HEAD_DIMS)
+    single = record_calls(monkeypatch, ah, "launch_bwd_sm90")
+    q, k, v = make_qkv(2, 4, 1500, 1500, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    grads = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(ws, "ENABLED", enabled)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        attention(qs, ks, vs, causal=causal, use_triton=True).backward(dout)
+        grads[enabled] = [t.grad.float() for t in (qs, ks, vs)]
+    assert len(launches) == 1 and len(single) == 1
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert rel_err(a, b) < 1e-2
+
+
+def _backward(q, k, v, **kwargs) -> None:
+    out = attention(q, k, v, use_triton=True, **kwargs)
+    out.backward(torch.randn_like(out))
+
+
+@on_hopper
+def test_gpu_not_taken_where_it_does_not_apply(launches):
+    # deterministic algorithms, a key padding mask, dropout, grouped-query heads, other head
+    # dims and fp32 take the other kernels
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 256, 256, 128, torch.bfloat16, "cuda"))
+    kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
+    with deterministic_algorithms(True):
+        _backward(q, k, v, causal=True)
+    _backward(q, k, v, causal=True, key_padding_mask=kpm)
+    _backward(q, k, v, causal=True, dropout_p=0.1)
+    _backward(q, k[:, :2], v[:, :2], causal=True)
+    q64, k64, v64 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 64, q.dtype, "cuda"))
+    _backward(q64, k64, v64, causal=True)
+    qf, kf, vf = (t.float().detach().requires_grad_() for t in (q, k, v))
+    _backward(qf, kf, vf, causal=True)
+    assert launches == []
+    _backward(q, k, v, causal=True)
+    _backward(q, k, v, causal=False)
+    assert len(launches) == 2
+
+
+@on_hopper
+def test_gpu_cuda_graph_replays(launches):
+    # captured once, replayed on new inputs: the gradients follow the inputs
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 512, 512, 128, torch.bfloat16, "cuda"))
+    dout = torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        attention(q, k, v, causal=True, use_triton=True).backward(dout)
+        return [t.grad for t in (q, k, v)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step()
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_attention(*r, causal=True).backward(dout.double())
+        for g, rt in zip(grads, r, strict=True):
+            assert rel_err(g, rt.grad, floor=0.1) < TOL_DQK[torch.bfloat16]
+    assert len(launches) >= 2
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_compiled_backward_takes_it(causal, launches):
+    # torch.compile cannot launch a Gluon kernel: the traced backward calls the opaque
+    # backward op, whose eager call launches the kernel. The same gradients as the eager
+    # backward (dQ's fp32 sums in another order)
+    b, n, h, d = 2, 1024, 4, 128
+    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
+    dout = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16)
+
+    def run(x):
+        return attention_packed(x, h, causal=causal, use_triton=True)
+
+    grads = []
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        x = qkv.clone().requires_grad_()
+        fn(x).backward(dout)
+        grads.append(x.grad.float())
+    assert len(launches) == 2
+    assert rel_err(grads[1], grads[0]) < 1e-2
