@@ -1,11 +1,14 @@
-"""Probe: the attention backward's Gluon kernel for Hopper (`attention_hopper`) against the
-Triton kernels' backward, cuDNN and FlashAttention-2 (SDPA backends), at the step presets'
-shapes, causal and not, dropout 0. Kernel time per backward (`common.kernel_ms`, L2 flushed:
-every kernel the backward launches, Δ and dQ's cast included), the Gluon kernel's registers and
-spills, and the largest difference of its gradients from the Triton backward's.
+"""Probe: the attention backward's Gluon kernels for Hopper (`attention_hopper`; at d128
+also `attention_hopper_bwd_ws`, column "gluon ws") against the Triton kernels' backward, cuDNN
+and FlashAttention-2 (SDPA backends), at the step presets' shapes, causal and not, dropout 0.
+Kernel time per backward (`common.kernel_ms`, L2 flushed: every kernel the backward launches,
+Δ and dQ's cast included), the single-pass kernel's registers and spills, and the largest
+difference of its gradients from the Triton backward's (and of the warp-specialized one's
+from it).
 
     python3 benchmarks/probe_attention_gluon.py --out DIR [--presets NAME ...]
         [--tiles M,N,WARPS[,NAME=VALUE ...] ...] [--causal both|yes|no]
+        [--ws-tiles STAGES,CONSUMERS ...]
 
 Every shape runs the Gluon kernel (the thresholds of `attention_hopper.usable` lifted); the
 table says which an eager backward takes by default. --tiles times other Gluon tiles (BLOCK_M
@@ -30,6 +33,7 @@ import common
 from probe_attention_bwd_tiles import cudnn_attention, packed_attention
 
 import triton_transformer.attention_hopper as ah
+import triton_transformer.attention_hopper_bwd_ws as ws
 
 FLASH = SDPBackend.FLASH_ATTENTION
 
@@ -37,7 +41,8 @@ FLASH = SDPBackend.FLASH_ATTENTION
 SHAPES = {"train.py": (4, 512, 8, 64), "enwik8": (16, 512, 8, 64), "gpt2": (16, 1024, 12, 64),
           "large": (8, 2048, 16, 64), "d128": (4, 4096, 16, 128),
           "d32": (8, 2048, 16, 32), "d64-4096": (4, 4096, 16, 64),
-          "d128-2048": (8, 2048, 16, 128)}  # fmt: skip
+          "d128-2048": (8, 2048, 16, 128), "d128-512": (32, 512, 16, 128),
+          "d128-1024": (16, 1024, 16, 128), "d128-8192": (2, 8192, 16, 128)}  # fmt: skip
 
 
 def _compiled() -> dict:
@@ -71,6 +76,11 @@ def main() -> None:
     ap.add_argument("--presets", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tiles", nargs="*", type=_tiles, default=[])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument(
+        "--ws-tiles", nargs="*", default=[],
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        help="STAGES,CONSUMERS of attention_hopper_bwd_ws to time besides the shipped ones",
+    )  # fmt: skip
     args = ap.parse_args()
     env = common.env_info()
     print(env, flush=True)
@@ -80,6 +90,7 @@ def main() -> None:
     lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_D64": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
               "TAKEN_HEAD_DIMS_CAUSAL": ah.HEAD_DIMS}  # fmt: skip
     defaults = {name: getattr(ah, name) for name in lifted}
+    ws.MIN_QUERIES = 1
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
@@ -90,6 +101,15 @@ def main() -> None:
             vars(ah).update(lifted)
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]
+            if d == ws.HEAD_DIM:
+                ws_grad = fn()[0].float()
+                row["us"]["gluon ws"] = common.kernel_ms(fn) * 1e3
+                for stages, consumers in args.ws_tiles:
+                    shipped_ws = ws.bwd_tiles
+                    ws.bwd_tiles = lambda _c, s=stages, c=consumers: {"STAGES": s, "CONSUMERS": c}
+                    row["us"][f"gluon ws {stages},{consumers}"] = common.kernel_ms(fn) * 1e3
+                    ws.bwd_tiles = shipped_ws
+                ws.ENABLED = False
             before = set(_compiled())
             gluon_grad = fn()[0].float()
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
@@ -110,10 +130,14 @@ def main() -> None:
                     row["us"][f"gluon {label}"] = float("nan")
                     row[f"stats {label}"] = f"{type(e).__name__}: {str(e)[:120]}"
                 ah.bwd_tiles = shipped
+            if d == ws.HEAD_DIM:
+                row["max |gluon ws - gluon| / max |gluon|"] = (
+                    (ws_grad - gluon_grad).abs().max() / gluon_grad.abs().max()
+                ).item()
             ah.ENABLED = False
             triton_grad = fn()[0].float()
             row["us"]["triton"] = common.kernel_ms(fn) * 1e3
-            ah.ENABLED = True
+            ah.ENABLED = ws.ENABLED = True
             row["max |gluon - triton| / max |triton|"] = (
                 (gluon_grad - triton_grad).abs().max() / triton_grad.abs().max()
             ).item()
