@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument(
         "--no-gluon",
         action="store_true",
-        help="eager attention backwards take the Triton kernel (attention_hopper.ENABLED off)",
+        help="eager attention backwards take the Triton kernel (the Gluon ones turned off)",
     )
     ap.add_argument(
         "--profile",
@@ -117,8 +117,9 @@ def main() -> None:
 
     if args.no_gluon:
         import triton_transformer.attention_hopper as attention_hopper
+        import triton_transformer.attention_hopper_bwd_ws as attention_hopper_bwd_ws
 
-        attention_hopper.ENABLED = False
+        attention_hopper.ENABLED = attention_hopper_bwd_ws.ENABLED = False
     rows = []
     timed = liger_cases() if args.liger else cases(ops, use_triton=not args.torch)
     for name, fwd in timed.items():

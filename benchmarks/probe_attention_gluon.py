@@ -1,5 +1,5 @@
-"""Probe: the attention backward's Gluon kernels for Hopper (`attention_hopper`; at d128
-also `attention_hopper_bwd_ws`, column "gluon ws") against the Triton kernels' backward, cuDNN
+"""Probe: the attention backward's Gluon kernels for Hopper (`attention_hopper`; at d64 and
+d128 also `attention_hopper_bwd_ws`, column "gluon ws") against the Triton kernels' backward, cuDNN
 and FlashAttention-2 (SDPA backends), at the step presets' shapes, causal and not, dropout 0.
 Kernel time per backward (`common.kernel_ms`, L2 flushed: every kernel the backward launches,
 Δ and dQ's cast included), the single-pass kernel's registers and spills, and the largest
@@ -90,7 +90,7 @@ def main() -> None:
     lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_D64": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
               "TAKEN_HEAD_DIMS_CAUSAL": ah.HEAD_DIMS}  # fmt: skip
     defaults = {name: getattr(ah, name) for name in lifted}
-    ws.MIN_QUERIES = 1
+    ws._taken = lambda d, n_q, causal: d in ws.HEAD_DIMS
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
@@ -101,7 +101,7 @@ def main() -> None:
             vars(ah).update(lifted)
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]
-            if d == ws.HEAD_DIM:
+            if d in ws.HEAD_DIMS:
                 ws_grad = fn()[0].float()
                 row["us"]["gluon ws"] = common.kernel_ms(fn) * 1e3
                 for stages, consumers in args.ws_tiles:
@@ -130,7 +130,7 @@ def main() -> None:
                     row["us"][f"gluon {label}"] = float("nan")
                     row[f"stats {label}"] = f"{type(e).__name__}: {str(e)[:120]}"
                 ah.bwd_tiles = shipped
-            if d == ws.HEAD_DIM:
+            if d in ws.HEAD_DIMS:
                 row["max |gluon ws - gluon| / max |gluon|"] = (
                     (ws_grad - gluon_grad).abs().max() / gluon_grad.abs().max()
                 ).item()

@@ -32,47 +32,57 @@ import re
 
 import triton_transformer.attention_hopper_bwd_ws as ws
 
-for causal in (False, True):
-    for tiles in (ws.bwd_tiles(causal), dict(STAGES=3, CONSUMERS=2)):
-        b, h, n, d = 2, 3, 300, 128
-        qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-        do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
-        lse = torch.empty(b * h, n)
-        acc = torch.empty(b * h, n, d)
-        descs = ws._descriptors(q, k, v, do, lse, lse, acc, tiles["CONSUMERS"])
-        kernel = ws._attention_bwd_ws_sm90_kernel.warmup(
-            *descs, qkv, qkv, 0, 0, *k.stride()[:3], *v.stride()[:3], b * h, h, n, n, 0.18,
-            0.125, HEAD_DIM=d, CAUSAL=causal, LPT_BYTES=2**24, grid=(1,), **tiles,
-            **ws._launch(tiles["CONSUMERS"]),
-        )
-        ptx = kernel.asm["ptx"]
-        # tiles arrive by TMA from descriptors passed as parameters, none made here; dQ leaves
-        # by bulk reductions; the partitions' registers are redistributed
-        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
-        assert "cp.reduce.async.bulk.tensor.3d" in ptx
-        assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", ptx)
-        assert "tensormap.replace" not in ptx
-        print("ok", causal, tiles)
+# every head dim, causal or not: the shipped tiles with dK and dV by TMA; a deeper ring with
+# dK and dV through pointers
+DEEPER = dict(STAGES=3, CONSUMERS=2)
+for d in ws.HEAD_DIMS:
+    for causal in (False, True):
+        for tiles, store_tma in ((ws.bwd_tiles(causal), True), (DEEPER, False)):
+            b, h, n = 2, 3, 300
+            qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+            lse = torch.empty(b * h, n)
+            acc = torch.empty(b * h, n, d)
+            dk, dv = (k, v) if store_tma else (None, None)
+            descs = ws._descriptors(q, k, v, do, lse, lse, acc, dk, dv, tiles["CONSUMERS"])
+            kernel = ws._attention_bwd_ws_sm90_kernel.warmup(
+                *descs, qkv, qkv, 0, 0, *k.stride()[:3], *v.stride()[:3], b * h, h, n, n, 0.18,
+                0.125, HEAD_DIM=d, CAUSAL=causal, STORE_TMA=store_tma, LPT_BYTES=2**24,
+                grid=(1,), **tiles, **ws._launch(tiles["CONSUMERS"]),
+            )
+            ptx = kernel.asm["ptx"]
+            # tiles arrive by TMA from descriptors passed as parameters, none made here; dQ
+            # leaves by bulk reductions, dK and dV by TMA stores where asked; the partitions'
+            # registers are redistributed
+            assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d.shared" in ptx
+            assert "cp.reduce.async.bulk.tensor.3d" in ptx
+            assert ("cp.async.bulk.tensor.4d.global.shared" in ptx) == store_tma
+            assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", ptx)
+            assert "tensormap.replace" not in ptx
+            print("ok", d, causal, tiles, store_tma)
 """
 )
 
 
 @needs_gluon
 def test_kernel_compiles_for_sm90():
-    check_compiles(COMPILE_SCRIPT, 4)
+    check_compiles(COMPILE_SCRIPT, len(ws.HEAD_DIMS) * 2 * 2)
 
 
-# (n queries, head dim, causal, taken): d128 heads from 512 queries, causal or not
+# (n queries, head dim, causal, taken): d128 heads from 512 queries, causal or not; d64 heads
+# from 512, with a causal mask below 2048 (longer ones keep `attention_hopper`'s kernel)
 DEFAULT_GATE = [
     (512, 128, True, True), (512, 128, False, True), (511, 128, True, False),
-    (8192, 128, False, True), (4096, 64, True, False), (4096, 96, True, False),
+    (8192, 128, False, True), (512, 64, True, True), (2047, 64, True, True),
+    (2048, 64, True, False), (8192, 64, False, True), (511, 64, False, False),
+    (4096, 96, True, False), (4096, 32, False, False),
 ]  # fmt: skip
 
 
 @needs_gluon
 def test_gate(monkeypatch):
-    # on a (pretended) Hopper GPU: d128 heads from 512 queries; 16-bit dtypes, multi-head
+    # on a (pretended) Hopper GPU: the head dims and lengths above; 16-bit dtypes, multi-head
     # attention, and only plain attention (no key padding mask, no dropout)
     monkeypatch.setattr(ws, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
@@ -107,12 +117,31 @@ def test_descriptors_describe_each_head():
     do = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     lse = torch.empty(b * h, n)
     acc = torch.empty(b * h, n, d)
-    descs = ws._descriptors(q, k, v, do, lse, lse, acc, 2)
-    for desc, t in zip(descs[:4], (q, k, v, do), strict=True):
-        assert desc.shape == [b, h, n, d] and desc.strides == list(t.stride())
-        assert desc.block_shape == [1, 1, 64, d]
+    dqkv = torch.empty_like(qkv)
+    dk, dv = dqkv[:, :, 1].transpose(1, 2), dqkv[:, :, 2].transpose(1, 2)
+    descs = ws._descriptors(q, k, v, do, lse, lse, acc, dk, dv, 2)
+    for i, t in zip((0, 1, 2, 3, 7, 8), (q, k, v, do, dk, dv), strict=True):
+        assert descs[i].shape == [b, h, n, d] and descs[i].strides == list(t.stride())
+        assert descs[i].block_shape == [1, 1, 64, d] and descs[i].base is t
     assert descs[4].shape == [b * h, n] and descs[4].block_shape == [1, 64]
     assert descs[6].shape == [b * h, n, d] and descs[6].block_shape == [1, 64, 64]
+    # without gradients TMA can store, q's descriptor stands in for theirs
+    assert ws._descriptors(q, k, v, do, lse, lse, acc, None, None, 2)[7].base is q
+
+
+@pytest.mark.parametrize(
+    "view, storable",
+    [
+        (lambda t: t, True),
+        (lambda t: t.transpose(1, 2), True),  # (b, n, h, d) storage: the packed gradient's
+        (lambda t: t[..., 1:65], False),  # a start off 16 bytes
+        (lambda t: t.transpose(2, 3), False),  # d not the unit stride
+        (lambda t: t[:, :, :, :120], True),
+    ],
+)
+def test_gradients_tma_can_store(view, storable):
+    t = view(torch.empty(2, 3, 100, 128, dtype=torch.bfloat16))
+    assert ws._storable(t) is storable
 
 
 # --- GPU ---------------------------------------------------------------------------------
@@ -122,7 +151,7 @@ def test_descriptors_describe_each_head():
 def launches(monkeypatch):
     """Counts the kernel's launches, and lets eager backwards take it at every length (by
     default only where it measured faster)."""
-    monkeypatch.setattr(ws, "MIN_QUERIES", 1)
+    monkeypatch.setattr(ws, "_taken", lambda d, n_q, causal: d in ws.HEAD_DIMS)
     return record_calls(monkeypatch, ws, "launch_bwd_ws_sm90")
 
 
@@ -134,10 +163,11 @@ SHAPES = [*SINGLE_PASS_SHAPES, (2, 2, 128, 128), (1, 2, 4096, 4096)]
 @on_hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", ws.HEAD_DIMS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_gpu_against_float64(shape, causal, dtype, launches):
+def test_gpu_against_float64(shape, d, causal, dtype, launches):
     b, h, n_q, n_k = shape
-    check_attention(*make_qkv(b, h, n_q, n_k, 128, dtype, "cuda"), causal=causal)
+    check_attention(*make_qkv(b, h, n_q, n_k, d, dtype, "cuda"), causal=causal)
     assert len(launches) == 1
 
 
@@ -202,8 +232,8 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
     _backward(q, k, v, causal=True, key_padding_mask=kpm)
     _backward(q, k, v, causal=True, dropout_p=0.1)
     _backward(q, k[:, :2], v[:, :2], causal=True)
-    q64, k64, v64 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 64, q.dtype, "cuda"))
-    _backward(q64, k64, v64, causal=True)
+    q32, k32, v32 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 32, q.dtype, "cuda"))
+    _backward(q32, k32, v32, causal=True)
     qf, kf, vf = (t.float().detach().requires_grad_() for t in (q, k, v))
     _backward(qf, kf, vf, causal=True)
     assert launches == []

@@ -13,6 +13,7 @@ from test_attention import TOL, check_attention, make_qkv, ref_attention, rel_er
 from test_attention_hopper import SHAPES as BWD_SHAPES
 
 import triton_transformer.attention_hopper as ah
+import triton_transformer.attention_hopper_bwd_ws as ws
 import triton_transformer.attention_hopper_fwd as af
 from triton_transformer import attention as attn
 from triton_transformer.attention import attention, attention_packed
@@ -266,7 +267,9 @@ def test_gpu_cuda_graph_replays(launches):
 def test_gpu_compiled_forward_takes_it(packed, launches, monkeypatch):
     # torch.compile cannot launch a Gluon kernel: the traced forward calls the opaque op,
     # whose eager call launches the kernel; the same output and gradients as eager code
-    monkeypatch.setattr(ah, "ENABLED", False)  # (the backward: the Triton kernels, traced)
+    # (the backward: the Triton kernels, traced)
+    monkeypatch.setattr(ah, "ENABLED", False)
+    monkeypatch.setattr(ws, "ENABLED", False)
     b, n, h, d = 2, 1024, 4, 64
     qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
     dout = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16)

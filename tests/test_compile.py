@@ -143,11 +143,11 @@ def test_compiled_model_takes_the_hopper_kernels(monkeypatch):
     # attention backward, the relu² feed-forward's products, the in-place loss), the compiled
     # model takes them too, through their opaque ops, and its loss and gradients match the
     # eager model's.
-    import triton_transformer.attention_hopper as ah
+    import triton_transformer.attention_hopper_bwd_ws as ws
     import triton_transformer.cross_entropy_hopper as ceh
     import triton_transformer.matmul_hopper as mh
 
-    launchers = ((ah, "launch_bwd_sm90"), (mh, "launch_mm_sm90"),
+    launchers = ((ws, "launch_bwd_ws_sm90"), (mh, "launch_mm_sm90"),
                  (ceh, "launch_cross_entropy_inplace_sm90"))  # fmt: skip
     launched = set()
     for module, name in launchers:
