@@ -47,14 +47,16 @@ the next Sᵀ within the step avoids the warning but needs more registers (spill
 slower). What paid instead: K and V feed Sᵀ's and dPᵀ's products from registers, which
 halves those products' shared-memory reads, with 64-query steps at d64 (at GPT-2's shape the
 backward then matches cuDNN's on an H200). Producer / consumer warpgroups, as cuDNN and
-FlashAttention-3 have, are the next step.
+FlashAttention-3 have, came next, as a kernel of their own: `attention_hopper_bwd_ws`, which
+takes the plain (no dropout) d128 heads and most d64 ones.
 
 Scope: Hopper (sm_90), fp16 / bf16, head dims 32, 64 and 128 (row lengths TMA and the
 products take without padding), with or without dropout, no key padding mask, multi-head
 (not grouped) attention, tensors TMA can describe. `attention.launch_attention_bwd` takes it
-where all of that holds, the caller allows the non-deterministic single pass and `usable` says
-it measured faster; everything else runs the Triton kernel. torch.compile cannot trace a
-Gluon kernel: compiled code reaches it through `attention`'s opaque backward op.
+where all of that holds, `attention_hopper_bwd_ws` does not take the backward, the caller
+allows the non-deterministic single pass and `usable` says it measured faster; everything
+else runs the Triton kernel. torch.compile cannot trace a Gluon kernel: compiled code reaches
+it through `attention`'s opaque backward op.
 """
 
 from __future__ import annotations
