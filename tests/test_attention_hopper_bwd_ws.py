@@ -197,6 +197,17 @@ def test_gpu_packed_qkv(causal, stages, launches, monkeypatch):
 
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", ws.HEAD_DIMS)
+def test_gpu_pointer_stores(d, causal, launches, monkeypatch):
+    # gradients TMA cannot store leave through pointers: the same checks against float64
+    monkeypatch.setattr(ws, "_storable", lambda t: False)
+    for b, h, n_q, n_k in [(2, 3, 1000, 1000), (2, 2, 333, 130)]:
+        check_attention(*make_qkv(b, h, n_q, n_k, d, torch.bfloat16, "cuda"), causal=causal)
+    assert len(launches) == 2
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
 def test_gpu_matches_the_single_pass(causal, monkeypatch, launches):
     # the same gradients as `attention_hopper`'s kernel (bf16 inputs, fp32 sums in another
     # order: to the rounding of the bf16 outputs)

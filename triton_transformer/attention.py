@@ -1292,7 +1292,7 @@ def launch_attention_bwd(
     if grads_base is not None:
         grads = (grads_base, q, q)  # q: placeholders the kernel does not use
         offsets = offsets_in(grads_base, dq, dk, dv)
-    if gluon == "ws":  # Hopper's warp-specialized d128 backward (`attention_hopper_bwd_ws`)
+    if gluon == "ws":  # Hopper's warp-specialized backward (`attention_hopper_bwd_ws`)
         attention_hopper_bwd_ws.launch_bwd_ws_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta, dq_acc,
             causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,

@@ -113,7 +113,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_consume(args, meta: gl.constexpr, which: gl.constexpr):
         """Consumer `which` (one warpgroup): dK and dV of keys n0 + 64·which ... + 63 over
-        every step, and its 64 columns of each step's dQ (module docstring)."""
+        every step, and its HEAD_DIM / CONSUMERS columns of each step's dQ (module
+        docstring)."""
         (_q_desc, _k_desc, _v_desc, _do_desc, _lse_desc, _delta_desc, dq_desc, q_smem, do_smem,
          k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
          ds_ready, b, h, bh, n0, lo, full_lo, n_steps, N_Q, N_K, scales, dk_dst,
@@ -176,7 +177,8 @@ if HAVE_GLUON:
             ds_base = (step % 2) * CONSUMERS  # this step's buffers
             ds_smem.index(ds_base + which).store(dst)
             hopper.fence_async_shared()
-            mbarrier.arrive(ds_ready.index(step % 2))  # (after all the warpgroup's stores)
+            # one arrival per warpgroup (Triton syncs its four warps first: all rows stored)
+            mbarrier.arrive(ds_ready.index(step % 2))
             dst_a = gl.convert_layout(dst, a_layout)
             dk = _gluon.mma(dst_a, q_s, dk, is_async=True)
             # dQ_i[:, cols] = Σ_c dS_i[:, keys of c] K_j[keys of c, cols], once every
@@ -258,8 +260,7 @@ if HAVE_GLUON:
         BH, H, N_Q, N_K, qk_scale, sm_scale,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
         CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, LPT_BYTES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
-        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of BLOCK_N = 64·CONSUMERS keys of one batch·head (grid (key
         blocks, b·h); causal: longest first), and their share of dQ added to dq_desc's tensor
