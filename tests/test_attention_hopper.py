@@ -194,15 +194,19 @@ def test_gpu_against_float64(shape, d, causal, dtype, launches):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", ah.HEAD_DIMS)
 def test_gpu_packed_qkv(d, causal, launches):
-    # the model's layout: q, k, v are strided views of one (b, n, 3·h·d) projection, and the
-    # backward writes dq, dk, dv into one gradient
+    check_packed_qkv(d, causal)
+    assert len(launches) == 1
+
+
+def check_packed_qkv(d: int, causal: bool) -> None:
+    """The model's layout: q, k, v are strided views of one (b, n, 3·h·d) projection, and the
+    backward writes dq, dk, dv into one gradient. Output and gradients against float64."""
     b, n, h = 2, 777, 4
     qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
     qkv.requires_grad_()
     out = attention_packed(qkv, h, causal=causal, use_triton=True)
     dout = torch.randn_like(out)
     out.backward(dout)
-    assert len(launches) == 1
     r = qkv.detach().double().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4).requires_grad_()
     ref = ref_attention(r[0], r[1], r[2], causal=causal).transpose(1, 2).reshape(b, n, h * d)
     ref.backward(dout.double())
@@ -266,7 +270,8 @@ def test_gpu_dropout_matches_the_triton_backward(causal, monkeypatch, launches):
         assert rel_err(a, b) < 1e-2
 
 
-def _backward(q, k, v, **kwargs) -> None:
+def run_backward(q, k, v, **kwargs) -> None:
+    """One Triton-path attention forward and backward of q, k, v (kwargs: `attention`'s)."""
     out = attention(q, k, v, use_triton=True, **kwargs)
     out.backward(torch.randn_like(out))  # (`.sum()`'s expanded gradient is no TMA operand)
 
@@ -278,18 +283,18 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 256, 256, 64, torch.bfloat16, "cuda"))
     kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
     with deterministic_algorithms(True):
-        _backward(q, k, v, causal=True)
-        _backward(q, k, v, causal=True, dropout_p=0.1)
-    _backward(q, k, v, causal=True, key_padding_mask=kpm)
-    _backward(q, k[:, :2], v[:, :2], causal=True)
+        run_backward(q, k, v, causal=True)
+        run_backward(q, k, v, causal=True, dropout_p=0.1)
+    run_backward(q, k, v, causal=True, key_padding_mask=kpm)
+    run_backward(q, k[:, :2], v[:, :2], causal=True)
     q48, k48, v48 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 48, q.dtype, "cuda"))
-    _backward(q48, k48, v48, causal=True)
+    run_backward(q48, k48, v48, causal=True)
     qf, kf, vf = (t.float().detach().requires_grad_() for t in (q, k, v))
-    _backward(qf, kf, vf, causal=True)
+    run_backward(qf, kf, vf, causal=True)
     assert launches == []
-    _backward(q, k, v, causal=True)
-    _backward(q, k, v, causal=False)
-    _backward(q, k, v, causal=True, dropout_p=0.1)
+    run_backward(q, k, v, causal=True)
+    run_backward(q, k, v, causal=False)
+    run_backward(q, k, v, causal=True, dropout_p=0.1)
     assert len(launches) == 3
 
 
@@ -304,20 +309,26 @@ def test_gpu_taken_by_default_where_it_measured_faster(monkeypatch, launches):
     for n, d, causal, taken in DEFAULT_GATE:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
         before = len(launches)
-        _backward(q, k, v, causal=causal)
+        run_backward(q, k, v, causal=causal)
         assert (len(launches) > before) == taken, (n, d, causal)
     for n, d, causal, taken in DROPOUT_GATE:
         q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, d, torch.bfloat16, "cuda"))
         before = len(launches)
-        _backward(q, k, v, causal=causal, dropout_p=0.1)
+        run_backward(q, k, v, causal=causal, dropout_p=0.1)
         assert (len(launches) > before) == taken, (n, d, causal, "dropout")
 
 
 @on_hopper
 def test_gpu_cuda_graph_replays(launches):
-    # captured once, replayed on new inputs: the gradients follow the inputs
-    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 512, 512, 64, torch.bfloat16, "cuda"))
-    dout = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+    check_graph_replays(64)
+    assert len(launches) >= 2
+
+
+def check_graph_replays(d: int) -> None:
+    """A causal attention backward captured once and replayed on new inputs: the gradients
+    follow the inputs (against float64)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 512, 512, d, torch.bfloat16, "cuda"))
+    dout = torch.randn(2, 4, 512, d, device="cuda", dtype=torch.bfloat16)
 
     def step():
         for t in (q, k, v):
@@ -342,7 +353,6 @@ def test_gpu_cuda_graph_replays(launches):
         ref_attention(*r, causal=True).backward(dout.double())
         for g, rt in zip(grads, r, strict=True):
             assert rel_err(g, rt.grad, floor=0.1) < TOL_DQK[torch.bfloat16]
-    assert len(launches) >= 2
 
 
 @on_hopper

@@ -16,8 +16,9 @@ from helpers import (
     on_hopper,
     record_calls,
 )
-from test_attention import TOL, TOL_DQK, check_attention, make_qkv, ref_attention, rel_err
+from test_attention import check_attention, make_qkv, rel_err
 from test_attention_hopper import SHAPES as SINGLE_PASS_SHAPES
+from test_attention_hopper import check_graph_replays, check_packed_qkv, run_backward
 
 import triton_transformer.attention_hopper as ah
 import triton_transformer.attention_hopper_bwd_ws as ws
@@ -175,24 +176,10 @@ def test_gpu_against_float64(shape, d, causal, dtype, launches):
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_packed_qkv(causal, stages, launches, monkeypatch):
-    # the model's layout: q, k, v are strided views of one (b, n, 3·h·d) projection, and the
-    # backward writes dq, dk, dv into one gradient; each ring depth
+    # the model's layout (strided views of one projection, one gradient); each ring depth
     monkeypatch.setattr(ws, "bwd_tiles", lambda _c: {"STAGES": stages, "CONSUMERS": 2})
-    b, n, h, d = 2, 777, 4, 128
-    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device="cuda")).to(torch.bfloat16)
-    qkv.requires_grad_()
-    out = attention_packed(qkv, h, causal=causal, use_triton=True)
-    dout = torch.randn_like(out)
-    out.backward(dout)
+    check_packed_qkv(128, causal)
     assert len(launches) == 1
-    r = qkv.detach().double().view(b, n, 3, h, d).permute(2, 0, 3, 1, 4).requires_grad_()
-    ref = ref_attention(r[0], r[1], r[2], causal=causal).transpose(1, 2).reshape(b, n, h * d)
-    ref.backward(dout.double())
-    grad = qkv.grad.view(b, n, 3, h, d)
-    ref_grad = r.grad.permute(1, 3, 0, 2, 4)
-    for i, name in enumerate("qkv"):
-        tol = TOL[torch.bfloat16] if name == "v" else TOL_DQK[torch.bfloat16]
-        assert rel_err(grad[:, :, i], ref_grad[:, :, i], floor=0.1) < tol, name
 
 
 @on_hopper
@@ -227,11 +214,6 @@ def test_gpu_matches_the_single_pass(causal, monkeypatch, launches):
         assert rel_err(a, b) < 1e-2
 
 
-def _backward(q, k, v, **kwargs) -> None:
-    out = attention(q, k, v, use_triton=True, **kwargs)
-    out.backward(torch.randn_like(out))
-
-
 @on_hopper
 def test_gpu_not_taken_where_it_does_not_apply(launches):
     # deterministic algorithms, a key padding mask, dropout, grouped-query heads, other head
@@ -239,49 +221,23 @@ def test_gpu_not_taken_where_it_does_not_apply(launches):
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 256, 256, 128, torch.bfloat16, "cuda"))
     kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
     with deterministic_algorithms(True):
-        _backward(q, k, v, causal=True)
-    _backward(q, k, v, causal=True, key_padding_mask=kpm)
-    _backward(q, k, v, causal=True, dropout_p=0.1)
-    _backward(q, k[:, :2], v[:, :2], causal=True)
+        run_backward(q, k, v, causal=True)
+    run_backward(q, k, v, causal=True, key_padding_mask=kpm)
+    run_backward(q, k, v, causal=True, dropout_p=0.1)
+    run_backward(q, k[:, :2], v[:, :2], causal=True)
     q32, k32, v32 = (t.requires_grad_() for t in make_qkv(1, 2, 256, 256, 32, q.dtype, "cuda"))
-    _backward(q32, k32, v32, causal=True)
+    run_backward(q32, k32, v32, causal=True)
     qf, kf, vf = (t.float().detach().requires_grad_() for t in (q, k, v))
-    _backward(qf, kf, vf, causal=True)
+    run_backward(qf, kf, vf, causal=True)
     assert launches == []
-    _backward(q, k, v, causal=True)
-    _backward(q, k, v, causal=False)
+    run_backward(q, k, v, causal=True)
+    run_backward(q, k, v, causal=False)
     assert len(launches) == 2
 
 
 @on_hopper
 def test_gpu_cuda_graph_replays(launches):
-    # captured once, replayed on new inputs: the gradients follow the inputs
-    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 512, 512, 128, torch.bfloat16, "cuda"))
-    dout = torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        attention(q, k, v, causal=True, use_triton=True).backward(dout)
-        return [t.grad for t in (q, k, v)]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
-    for _ in range(2):
-        with torch.no_grad():
-            for t in (q, k, v):
-                t.copy_(torch.randn_like(t))
-        graph.replay()
-        r = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref_attention(*r, causal=True).backward(dout.double())
-        for g, rt in zip(grads, r, strict=True):
-            assert rel_err(g, rt.grad, floor=0.1) < TOL_DQK[torch.bfloat16]
+    check_graph_replays(128)
     assert len(launches) >= 2
 
 

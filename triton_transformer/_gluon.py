@@ -58,7 +58,7 @@ except (ImportError, AttributeError):  # pragma: no cover - a Triton whose Gluon
 __all__ = [
     "HAVE_GLUON", "TensorDescriptor", "cta_barrier", "gl", "gluon", "hopper", "is_sm90",
     "keep_tile", "mbarrier", "mma", "mma_wait", "philox", "reinterpret", "tma", "tma_load",
-    "tma_reduce_add", "tma_store",
+    "tma_reduce_add", "tma_store", "warp_specialized_launch",
 ]  # fmt: skip
 
 
@@ -67,6 +67,21 @@ def is_sm90(device: torch.device) -> bool:
     """Hopper: the kernels' warpgroup products exist on compute capability 9.x only
     (Blackwell has TMA but tensor-memory products instead)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.cache
+def warp_specialized_launch(consumers: int, per_sm: int, loader_regs: int) -> dict:
+    """Launch options of a warp-specialized program of `consumers` consumer warpgroups (4
+    warps each, the default partition one of them) and a one-warp loader, `per_sm` programs
+    per SM: a register cap per thread that fills the SM's 65,536 registers, which the
+    partitions then redistribute (setmaxnreg): the loader's warp takes a warpgroup's share of
+    `loader_regs`, each consumer an equal part of the rest, a multiple of 8 (the default
+    partition keeps what the workers leave). E.g. two consumers, one program per SM: a cap of
+    168, 3 x 168 = 2 x 240 + 24 (loader_regs 24)."""
+    slots = consumers + 1  # warpgroups per program
+    cap = (65536 // (per_sm * slots * 128)) // 8 * 8
+    consumer = (slots * cap - loader_regs) // consumers // 8 * 8
+    return {"num_warps": 4, "maxnreg": cap, "CONSUMER_REGS": consumer, "LOADER_REGS": loader_regs}
 
 
 # ----------------------------------------------------------------------------- dropout masks

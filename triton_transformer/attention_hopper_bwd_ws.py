@@ -352,17 +352,11 @@ def bwd_tiles(causal: bool) -> dict:
     return {"STAGES": 2, "CONSUMERS": 2}
 
 
-@functools.cache
 def _launch(consumers: int) -> dict:
     """Launch options of a program of `consumers` warpgroups and the loader, one program per
-    SM: a register cap of 65,536 / (warpgroups · 128) per thread, which the partitions then
-    redistribute (the loader's warp takes a warpgroup's share, `LOADER_REGS`; each consumer
-    an equal part of the rest, a multiple of 8, as setmaxnreg takes them). Two consumers: a
-    cap of 168, 3 x 168 = 2 x 240 + 24."""
-    slots = consumers + 1
-    cap = (65536 // (slots * 128)) // 8 * 8
-    consumer = (slots * cap - LOADER_REGS) // consumers // 8 * 8
-    return {"num_warps": 4, "maxnreg": cap, "CONSUMER_REGS": consumer, "LOADER_REGS": LOADER_REGS}
+    SM (`_gluon.warp_specialized_launch`, the loader at `LOADER_REGS`). Two consumers: a cap of
+    168, 3 x 168 = 2 x 240 + 24."""
+    return _gluon.warp_specialized_launch(consumers, 1, LOADER_REGS)
 
 
 # Where eager backwards take this kernel: `ENABLED` (benchmarks turn it off to compare), heads

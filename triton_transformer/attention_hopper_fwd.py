@@ -364,20 +364,13 @@ def fwd_tiles(head_dim: int, causal: bool) -> dict:
     return {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}
 
 
-@functools.cache
 def _launch(consumers: int, per_sm: int) -> dict:
-    """Launch options of a program of `consumers` consumer warpgroups (4 warps each; the
-    layouts assume it) and the loader, `per_sm` programs per SM: a register cap per thread
-    that fills the SM's 65,536 registers, which the partitions then redistribute (the loader's
-    warp takes a warpgroup's share, `LOADER_REGS`; each consumer an equal part of the rest, a
-    multiple of 8, as setmaxnreg takes them; consumer 0, the default partition, keeps what
-    the workers leave). Two consumers, one program per SM: a cap of 168, 3 x 168 = 232 + 240
-    + 32; three: 128, 4 x 128 = 3 x 160 + 32; one consumer, three programs per SM: 80,
-    2 x 80 = 128 + 32."""
-    slots = consumers + 1  # warpgroups per program
-    cap = (65536 // (per_sm * slots * 128)) // 8 * 8
-    consumer = (slots * cap - LOADER_REGS) // consumers // 8 * 8
-    return {"num_warps": 4, "maxnreg": cap, "CONSUMER_REGS": consumer, "LOADER_REGS": LOADER_REGS}
+    """Launch options of a program of `consumers` consumer warpgroups (the layouts assume 4
+    warps each) and the loader, `per_sm` programs per SM (`_gluon.warp_specialized_launch`,
+    the loader at `LOADER_REGS`). Two consumers, one program per SM: a cap of 168, 3 x 168 =
+    232 + 240 + 32; three: 128, 4 x 128 = 3 x 160 + 32; one consumer, three programs per SM:
+    80, 2 x 80 = 128 + 32."""
+    return _gluon.warp_specialized_launch(consumers, per_sm, LOADER_REGS)
 
 
 # Where eager forwards take this kernel: `ENABLED` (benchmarks turn it off to compare), d128
