@@ -10,10 +10,10 @@ from it).
         [--tiles M,N,WARPS[,NAME=VALUE ...] ...] [--causal both|yes|no]
         [--ws-tiles STAGES,CONSUMERS ...]
 
-Every shape runs the Gluon kernel (the thresholds of `attention_hopper.usable` lifted); the
-table says which an eager backward takes by default. --tiles times other Gluon tiles (BLOCK_M
-queries, BLOCK_N keys, warps; further `bwd_tiles` entries as NAME=VALUE, e.g. LSE_TMA=1 or
-maxnreg=none to drop the register cap) besides the shipped ones.
+Every shape runs the Gluon kernels (the thresholds of both modules' `usable` lifted); the
+table says which kernel an eager backward takes by default. --tiles times other tiles of the
+single pass (BLOCK_M queries, BLOCK_N keys, warps; further `bwd_tiles` entries as NAME=VALUE,
+e.g. LSE_TMA=1 or maxnreg=none to drop the register cap) besides the shipped ones.
 Writes DIR/attention_gluon.json and attention_gluon.md.
 """
 
@@ -70,6 +70,14 @@ def _tiles(text: str) -> tuple[str, dict]:
     return text, tile
 
 
+def default_kernel(q: torch.Tensor, d: int, causal: bool) -> str:
+    """The kernel an eager backward of (b, h, n, d) q (plain attention) takes: "gluon ws",
+    "gluon" (the single pass) or "triton"."""
+    if ws.usable(q, q, causal, plain=True):
+        return "gluon ws"
+    return "gluon" if ah.usable(q, q, d, causal, no_key_mask=True) else "triton"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -86,19 +94,22 @@ def main() -> None:
     print(env, flush=True)
     rows = []
     shipped = ah.bwd_tiles
-    # every shape takes the kernel here; "default" is `usable`'s answer under its defaults
+    # every shape takes the kernels here; "default" is the kernel an eager backward takes
+    # under the gates' defaults
     lifted = {"MIN_QUERIES": 1, "MIN_QUERIES_D64": 1, "TAKEN_HEAD_DIMS": ah.HEAD_DIMS,
               "TAKEN_HEAD_DIMS_CAUSAL": ah.HEAD_DIMS}  # fmt: skip
     defaults = {name: getattr(ah, name) for name in lifted}
-    ws._taken = lambda d, n_q, causal: d in ws.HEAD_DIMS
+    ws_taken = ws._taken
     for preset in args.presets:
         b, n, h, d = SHAPES[preset]
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             vars(ah).update(defaults)
+            ws._taken = ws_taken
             q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
-                   "default": ah.usable(q, q, d, causal, no_key_mask=True)}  # fmt: skip
+                   "default": default_kernel(q, d, causal)}  # fmt: skip
             vars(ah).update(lifted)
+            ws._taken = lambda d, n_q, causal: d in ws.HEAD_DIMS
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]
             if d in ws.HEAD_DIMS:
@@ -160,7 +171,7 @@ def main() -> None:
     lines += ["dropout 0; `triton`: the Triton kernels' backward (single pass causal, two programs"]
     lines += ["otherwise); gluon / cuDNN > 1 means slower.", ""]
     lines.append(
-        "| preset | causal | taken by default | "
+        "| preset | causal | default kernel | "
         + " | ".join(names)
         + " | gluon / cuDNN | gluon TFLOP/s | gluon kernel | max rel diff |"
     )
