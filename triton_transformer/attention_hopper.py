@@ -96,6 +96,13 @@ if HAVE_GLUON:
         _gluon.tma_load(desc, [b, h, row, 0], bar, block)
 
     @gluon.jit
+    def _store_head_rows(desc, b, h, row, src):
+        """TMA store of the 2-D buffer src into rows [row, row + block rows) of head (b, h)
+        of a (b, h, n, d) descriptor (rows past n are clipped)."""
+        block = _gluon.reinterpret(src, desc.dtype, desc.block_shape, desc.layout)
+        _gluon.tma_store(desc, [b, h, row, 0], block)
+
+    @gluon.jit
     def _load_step(
         q_desc, do_desc, lse_desc, delta_desc, b, h, bh, row, bar,
         q_dst, do_dst, lse_dst, delta_dst, LSE_TMA: gl.constexpr,

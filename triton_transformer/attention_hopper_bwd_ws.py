@@ -69,7 +69,13 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.attention_hopper import _aligned_rows, _load_head_rows, _load_step
+from triton_transformer.attention_hopper import (
+    _aligned_rows,
+    _layouts,
+    _load_head_rows,
+    _load_step,
+    _store_head_rows,
+)
 from triton_transformer.utils import launcher
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_ws_sm90", "usable"]
@@ -230,13 +236,6 @@ if HAVE_GLUON:
             cols_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
             _store_rows(dk_dst, dk, b, h, rows_n, cols_d, N_K)
             _store_rows(dv_dst, dv, b, h, rows_n, cols_d, N_K)
-
-    @gluon.jit
-    def _store_head_rows(desc, b, h, row, src):
-        """TMA store of the 2-D buffer src into rows [row, row + block rows) of head (b, h)
-        of a (b, h, n, d) descriptor (rows past n are clipped)."""
-        block = _gluon.reinterpret(src, desc.dtype, desc.block_shape, desc.layout)
-        _gluon.tma_store(desc, [b, h, row, 0], block)
 
     @gluon.jit
     def _store_rows(dst, tile, b, h, rows_n, cols_d, N_K):
@@ -400,20 +399,6 @@ def usable(q: torch.Tensor, k: torch.Tensor, causal: bool, plain: bool) -> bool:
     )
 
 
-@functools.cache
-def _layouts(head_dim: int, dq_cols: int) -> tuple:
-    """Shared-memory layouts of the descriptors' blocks: 64 rows of one head of a (b, h, n, d)
-    tensor (16-bit), 64 rows by dq_cols columns of the (b·h, n_q, d) fp32 dQ sum, 64 entries
-    of a (b·h, n_q) fp32 row. Each swizzles as the kernel's buffers do (the same bytes)."""
-    nvmma = gl.NVMMASharedLayout.get_default_for
-    rows = int(ROWS)
-    return (
-        nvmma([1, 1, rows, head_dim], gl.bfloat16),
-        nvmma([1, rows, dq_cols], gl.float32),
-        nvmma([1, rows], gl.float32),
-    )
-
-
 def _descriptors(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor | None,
@@ -423,7 +408,10 @@ def _descriptors(
     stands in) dK, dV by blocks of one head's 64 rows, the log-sum-exp and Δ by 64 entries of
     a row, the dQ sum by 64 rows of one consumer's columns."""
     d = q.shape[3]
-    rows, acc, vec = _layouts(d, d // consumers)
+    # 64-row blocks of a head and 64 entries of a row, as `attention_hopper`'s; the dQ sum by
+    # 64 rows of one consumer's columns (each swizzled as the kernel's buffer, the same bytes)
+    rows, _, _, vec = _layouts(d, int(ROWS), int(ROWS))
+    acc = gl.NVMMASharedLayout.get_default_for([1, int(ROWS), d // consumers], gl.float32)
 
     def heads(t: torch.Tensor) -> TensorDescriptor:
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, int(ROWS), d], rows)

@@ -63,7 +63,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.attention_hopper import _layouts, _load_head_rows
+from triton_transformer.attention_hopper import _layouts, _load_head_rows, _store_head_rows
 from triton_transformer.utils import launcher
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
@@ -229,8 +229,7 @@ if HAVE_GLUON:
         q_s.store(out.to(dtype))
         hopper.fence_async_shared()
         _gluon.cta_barrier()  # every warp's rows written before the one store
-        block = _gluon.reinterpret(q_s, o_desc.dtype, o_desc.block_shape, o_desc.layout)
-        _gluon.tma_store(o_desc, [b, h, row0, 0], block)
+        _store_head_rows(o_desc, b, h, row0, q_s)
         if WRITE_LSE:  # +inf for rows that saw nothing: the backward's exp2(s - lse) is 0
             lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("inf"))
             gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
