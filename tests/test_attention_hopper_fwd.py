@@ -28,8 +28,8 @@ import triton_transformer.attention_hopper_fwd as af
 # the shipped tiles; grouped-query heads without the log-sum-exp on three consumers in turns;
 # one consumer, two programs per SM
 OTHERS = (
-    dict(BLOCK_N=64, STAGES=2, PINGPONG=True, CONSUMERS=3, PER_SM=1),
-    dict(BLOCK_N=128, STAGES=2, PINGPONG=False, CONSUMERS=1, PER_SM=2),
+    dict(BLOCK_N=64, STAGES=2, PINGPONG=True, CONSUMERS=3, PER_SM=1, PERSISTENT=True),
+    dict(BLOCK_N=128, STAGES=2, PINGPONG=False, CONSUMERS=1, PER_SM=2, PERSISTENT=False),
 )
 for d in af.HEAD_DIMS:
     for causal in (False, True):
@@ -42,11 +42,12 @@ for d in af.HEAD_DIMS:
             out = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
             lse = torch.empty(b * h, n)
             tiles = dict(tiles)
+            del tiles["PERSISTENT"]  # the grid's size only
             launch = af._launch(tiles["CONSUMERS"], tiles.pop("PER_SM"))
             kernel = af._attention_fwd_sm90_kernel.warmup(
                 *af._descriptors(q, k, v, out, tiles["BLOCK_N"]), lse, b * h, h, n, n, 0.18,
-                HEAD_DIM=d, CAUSAL=causal, GROUP=group, WRITE_LSE=need_lse, LPT_BYTES=2**24,
-                grid=(1,), **tiles, **launch,
+                HEAD_DIM=d, CAUSAL=causal, GROUP=group, WRITE_LSE=need_lse, grid=(1,), **tiles,
+                **launch,
             )
             ptx = kernel.asm["ptx"]
             # tiles by TMA from descriptors passed as parameters; the output by a TMA store
@@ -67,15 +68,16 @@ def test_kernel_compiles_for_sm90():
 DEFAULT_GATE = [
     (512, 128, True, True), (511, 128, False, False), (512, 128, False, True),
     (4096, 64, True, False), (2048, 64, False, True), (2047, 64, False, False),
-    (4096, 32, False, False), (4096, 48, False, False),
+    (1024, 64, True, True), (2048, 64, True, True), (1023, 64, True, False),
+    (2049, 64, True, False), (4096, 32, False, False), (4096, 48, False, False),
 ]  # fmt: skip
 
 
 @needs_gluon
 def test_gate(monkeypatch):
     # on a (pretended) Hopper GPU: d128 heads from 512 queries, d64 heads without a causal
-    # mask from 2048; 16-bit dtypes, whole query-head groups, and only plain attention (no
-    # mask, dropout or device-side length)
+    # mask from 2048, causal ones of 1024 to 2048; 16-bit dtypes, whole query-head groups,
+    # and only plain attention (no mask, dropout or device-side length)
     monkeypatch.setattr(af, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
         q = torch.empty(2, 4, n, d, dtype=torch.bfloat16, device="meta")
@@ -151,18 +153,24 @@ def test_gpu_against_float64(shape, d, causal, dtype, launches):
     assert len(launches) == 1
 
 
-# tiles other than the shipped ones (benchmarks time them): key blocks, ring depth, ping-pong
-# turns, three consumer warpgroups
 # every shape `fwd_tiles` gives and others benchmarks time (key blocks, ring depth, turns,
-# consumers, programs per SM), at the head dims each fits (registers, shared memory)
+# consumers, programs per SM, a persistent grid or one program per unit of work), at the head
+# dims each fits (registers, shared memory)
+KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "CONSUMERS", "PER_SM", "PERSISTENT")
 TILES = [
-    ({"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}, (32, 64, 128)),
-    ({"BLOCK_N": 64, "STAGES": 2, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}, (32, 64, 128)),
-    ({"BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMERS": 2, "PER_SM": 1}, (32, 64, 128)),
-    ({"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}, (32, 64)),
-    ({"BLOCK_N": 64, "STAGES": 4, "PINGPONG": False, "CONSUMERS": 3, "PER_SM": 1}, (32, 64, 128)),
-    ({"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}, (32, 64)),
-    ({"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 1, "PER_SM": 2}, (32, 64, 128)),
+    (dict(zip(KEYS, values, strict=True)), dims)
+    for values, dims in [
+        ((128, 3, False, 2, 1, True), (32, 64, 128)),
+        ((128, 3, False, 2, 1, False), (64, 128)),
+        ((64, 2, False, 2, 1, True), (32, 64, 128)),
+        ((128, 2, True, 2, 1, True), (32, 64, 128)),
+        ((128, 3, True, 3, 1, True), (32, 64)),
+        ((128, 3, True, 3, 1, False), (64,)),
+        ((64, 4, False, 3, 1, True), (32, 64, 128)),
+        ((64, 3, False, 1, 3, True), (32, 64)),
+        ((64, 3, False, 1, 3, False), (64,)),
+        ((128, 3, True, 1, 2, True), (32, 64, 128)),
+    ]
 ]
 
 
@@ -177,6 +185,28 @@ def test_gpu_other_tiles(tiles, d, causal, launches, monkeypatch):
         q, k, v = make_qkv(b, h, n_q, n_k, d, torch.bfloat16, "cuda")
         out = attention(q, k, v, causal=causal, use_triton=True)
         assert rel_err(out, ref_attention(q, k, v, causal=causal)) < TOL[torch.bfloat16]
+    assert len(launches) == 3
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "tiles, d", [(t, d) for t, dims in TILES if t["PERSISTENT"] for d in dims],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_gpu_persistent_programs_take_many_tiles(tiles, d, causal, launches, monkeypatch):
+    # a GPU of one SM: PER_SM programs deal every tile among them, so each walks tiles of
+    # different heads and lengths (causal, n_q != n_k, grouped-query heads) with its ring,
+    # query buffer and turns carried from one tile to the next
+    monkeypatch.setattr(af, "fwd_tiles", lambda _d, _c: tiles)
+    monkeypatch.setattr(af, "sm_count", lambda device: 1)
+    for b, h, n_q, n_k, group in [(2, 3, 1000, 1000, 1), (3, 4, 333, 517, 2), (2, 2, 700, 300, 1)]:
+        q, k, v = make_qkv(b, h, n_q, n_k, d, torch.float16, "cuda")
+        k, v = k[:, : h // group], v[:, : h // group]
+        out = attention(q, k, v, causal=causal, use_triton=True)
+        ref = ref_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                            causal=causal)  # fmt: skip
+        assert rel_err(out, ref) < TOL[torch.float16], (b, h, n_q, n_k)
     assert len(launches) == 3
 
 

@@ -140,14 +140,15 @@ def test_compiled_micro_batches_add_weight_grads_in_place():
 @on_hopper
 def test_compiled_model_takes_the_hopper_kernels(monkeypatch):
     # At GPT-2's width and vocabulary, where eager calls take the Gluon kernels on Hopper (the
-    # attention backward, the relu² feed-forward's products, the in-place loss), the compiled
-    # model takes them too, through their opaque ops, and its loss and gradients match the
-    # eager model's.
+    # attention forward and backward, the relu² feed-forward's products, the in-place loss),
+    # the compiled model takes them too, through their opaque ops, and its loss and gradients
+    # match the eager model's.
     import triton_transformer.attention_hopper_bwd_ws as ws
+    import triton_transformer.attention_hopper_fwd as af
     import triton_transformer.cross_entropy_hopper as ceh
     import triton_transformer.matmul_hopper as mh
 
-    launchers = ((ws, "launch_bwd_ws_sm90"), (mh, "launch_mm_sm90"),
+    launchers = ((af, "launch_fwd_sm90"), (ws, "launch_bwd_ws_sm90"), (mh, "launch_mm_sm90"),
                  (ceh, "launch_cross_entropy_inplace_sm90"))  # fmt: skip
     launched = set()
     for module, name in launchers:

@@ -1111,9 +1111,8 @@ def launch_attention_fwd(
         # Hopper's warp-specialized forward in Gluon (`attention_hopper_fwd`; traced code
         # reaches this eagerly, through the opaque op: `_traced_forward_op`)
         attention_hopper_fwd.launch_fwd_sm90(
-            q, k, v, out.transpose(1, 2), lse, causal, scale * LOG2E, LONGEST_FIRST_BYTES,
-            need_lse,
-        )  # fmt: skip
+            q, k, v, out.transpose(1, 2), lse, causal, scale * LOG2E, need_lse
+        )
         return out, lse
     meta = _launch_meta(q, k, v)
     decode = bool(n_q <= 16)

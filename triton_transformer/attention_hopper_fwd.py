@@ -20,8 +20,8 @@ Why a second kernel: the Triton forward (`attention._attention_fwd_kernel`) wait
 product right after issuing it, so the tensor cores idle while the exponentials run. Here the
 work is split between warps (`gl.warp_specialize`):
 
-- a loader warp brings the program's query rows once, then K_j and V_j by TMA into a ring of
-  STAGES buffers;
+- a loader warp brings a block of query rows, then K_j and V_j by TMA into a ring of STAGES
+  buffers;
 - one to three consumer warpgroups, each owning 64 of the query rows, walk the same key
   blocks. Per block a consumer issues S_j's product and then P_{j-1} V_{j-1}'s, waits for
   S_j only, and computes P_j while P_{j-1} V_{j-1} is still on the tensor cores; it waits for
@@ -30,13 +30,23 @@ work is split between warps (`gl.warp_specialize`):
   consumers take turns issuing their products (round robin), so that one's exponentials run
   while another's products do; with one consumer, several programs share an SM instead.
 
+The grid is persistent: PER_SM programs per SM deal the units of work among them round
+robin, and the ring runs on from one query block to the next, so the next block's first keys
+load while the consumers finish the last one (a program per unit pays that ramp each time,
+with a whole program's start and end: 1.06 / 1.08x the time at d128, 512 queries, causal /
+not). Causal units are pairs of a head's query blocks, i and n_m - 1 - i, so that every unit
+reads about the same number of key blocks (`_unit_count`): dealt one by one, the blocks (1 to
+n_m key blocks each) left some programs with more work than others, and the kernel took 1.30x
+the time at 4096 queries.
+
 `fwd_tiles` says which shape each head dim takes, and what was measured: at d128 this kernel
-is 1.08-1.35x the Triton forward and reaches cuDNN's speed from 4096 queries; at d64 only
-long heads without a causal mask gain (three consumers in turns), the rest keep the Triton
-forward (`usable`).
+is 1.23-1.38x the Triton forward and at least cuDNN's speed from 4096 queries; at d64 long
+heads without a causal mask gain (three consumers in turns), and causal heads of 1024 to 2048
+queries (one consumer, three programs per SM); the rest keep the Triton forward (`usable`).
 
 The output leaves through the consumer's query buffer by one TMA store (rows past n_q are
-clipped), the log-sum-exp through pointers.
+clipped); once the store has read it, the loader may bring the next block's rows into it. The
+log-sum-exp leaves through pointers.
 
 Scope: Hopper (sm_90), fp16 / bf16, head dims of `HEAD_DIMS`, causal (bottom-right aligned,
 as `attention`'s) or not, multi-head or grouped-query heads, no key padding mask, no dropout,
@@ -62,9 +72,8 @@ from triton_transformer._gluon import (
     mbarrier,
     tma,
 )
-from triton_transformer._jit_helpers import longest_first
 from triton_transformer.attention_hopper import _layouts, _load_head_rows, _store_head_rows
-from triton_transformer.utils import launcher
+from triton_transformer.utils import launcher, sm_count
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
 
@@ -133,41 +142,97 @@ if HAVE_GLUON:
             mbarrier.arrive(turn.index((which + 1) % turn.shape[0]))
 
     @gluon.jit
+    def _unit_count(N_Q, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """(units of work, query blocks per head). A unit is one query block of a head, or,
+        causal, a pair of them: blocks i and n_m - 1 - i, whose key blocks add up to about
+        n_m + 1 whatever i, so that units dealt round robin keep a persistent grid's programs
+        equally busy (the blocks alone range from 1 to n_m key blocks)."""
+        n_m = gl.cdiv(N_Q, BLOCK_M)
+        if CAUSAL:
+            return gl.cdiv(n_m, 2) * BH, n_m
+        return n_m * BH, n_m
+
+    @gluon.jit
+    def _unit(unit, n_m, CAUSAL: gl.constexpr):
+        """(b·h, i, query blocks in the unit: 1, or 2 for a causal pair but the middle block
+        of an odd n_m). Units are numbered head-major, so the programs at work at one time
+        read the key blocks of a few heads, from L2."""
+        if CAUSAL:
+            per_head = gl.cdiv(n_m, 2)
+            i = unit % per_head
+            return unit // per_head, i, gl.minimum(n_m - 2 * i, 2)
+        return unit // n_m, unit % n_m, 1
+
+    @gluon.jit
+    def _tile(
+        bh, i, member, n_m, H, GROUP, N_Q, N_K, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Query block `member` of unit (bh, i) (causal: the longer, n_m - 1 - i, first): (b,
+        h, its key/value head, first query row, key blocks, whole key blocks)."""
+        pid_m = i
+        if CAUSAL:
+            pid_m = i + (1 - member) * (n_m - 1 - 2 * i)
+        h = bh % H
+        m0 = pid_m * (CONSUMERS * ROWS)
+        n_blocks, n_whole = _key_blocks(m0, N_Q, N_K, CAUSAL, BLOCK_N, CONSUMERS)
+        return bh // H, h, h // GROUP, m0, n_blocks, n_whole
+
+    @gluon.jit
     def _fwd_loader(args, meta: gl.constexpr):
-        """The loader partition (one warp): the program's query rows, then every key block's
-        K and V into the ring, each once every consumer has handed its buffer back."""
-        (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, _turn,
-         _lse, b, h, h_kv, _bh, m0, n_blocks, _n_whole, _n_q, _n_k, _qk_scale) = args  # fmt: skip
+        """The loader partition (one warp): for each of the program's tiles, its query rows
+        once the consumers are done with the last tile's, then every key block's K and V into
+        the ring, each once every consumer has handed its buffer back. The ring runs on
+        across tiles: the next tile's first blocks load while the consumers finish this one."""
+        (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
+         _turn, _lse, BH, H, GROUP, N_Q, N_K, _qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
         BLOCK_N: gl.constexpr = meta[1]
         STAGES: gl.constexpr = meta[2]
+        CAUSAL: gl.constexpr = meta[3]
         nbytes: gl.constexpr = HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
         CONSUMERS: gl.constexpr = q_smem.shape[0]
-        mbarrier.expect(q_bar, CONSUMERS * ROWS * nbytes)
-        for c in gl.static_range(CONSUMERS):
-            _load_head_rows(q_desc, b, h, m0 + c * ROWS, q_bar, q_smem.index(c))
-        for j in range(n_blocks):
-            stage = j % STAGES
-            # a fresh barrier counts as having completed the phase before 0
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, 2 * BLOCK_N * nbytes)
-            _load_head_rows(k_desc, b, h_kv, j * BLOCK_N, bar, k_smem.index(stage))
-            _load_head_rows(v_desc, b, h_kv, j * BLOCK_N, bar, v_smem.index(stage))
+        n_units, n_m = _unit_count(N_Q, BH, CONSUMERS * ROWS, CAUSAL)
+        done = 0  # query blocks this program has loaded
+        it = 0  # key blocks it has loaded: the ring position
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            bh, i, count = _unit(unit, n_m, CAUSAL)
+            for member in range(count):
+                b, h, h_kv, m0, n_blocks, _n_whole = _tile(
+                    bh, i, member, n_m, H, GROUP, N_Q, N_K, BLOCK_N, CONSUMERS, CAUSAL
+                )  # fmt: skip
+                # a fresh barrier counts as having completed the phase before 0
+                mbarrier.wait(q_empty, ((done + member) & 1) ^ 1)
+                mbarrier.expect(q_bar, CONSUMERS * ROWS * nbytes)
+                for c in gl.static_range(CONSUMERS):
+                    _load_head_rows(q_desc, b, h, m0 + c * ROWS, q_bar, q_smem.index(c))
+                for j in range(n_blocks):
+                    stage = it % STAGES
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                    bar = ready.index(stage)
+                    mbarrier.expect(bar, 2 * BLOCK_N * nbytes)
+                    _load_head_rows(k_desc, b, h_kv, j * BLOCK_N, bar, k_smem.index(stage))
+                    _load_head_rows(v_desc, b, h_kv, j * BLOCK_N, bar, v_smem.index(stage))
+                    it += 1
+            done += count
 
     @gluon.jit
     def _fwd_consume(args, meta: gl.constexpr, which: gl.constexpr):
-        """Consumer `which` (one warpgroup): query rows m0 + 64·which ... + 63 against every
-        key block of the program (module docstring), then its output and log-sum-exp."""
-        (_q_desc, _k_desc, _v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn,
-         LSE, b, h, _h_kv, bh, m0, n_blocks, n_whole, N_Q, N_K, qk_scale) = args  # fmt: skip
+        """Consumer `which` (one warpgroup): for each of the program's tiles, its query rows
+        m0 + 64·which ... + 63 against every key block of the tile (module docstring), then
+        their output and log-sum-exp. It hands the query buffer back once its last S_j is
+        computed, so that the next tile's rows load during this one's last P_j V_j and
+        epilogue; the output therefore leaves by pointer stores from the registers."""
+        (_q_desc, _k_desc, _v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
+         turn, LSE, BH, H, GROUP, N_Q, N_K, qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
         BLOCK_N: gl.constexpr = meta[1]
         STAGES: gl.constexpr = meta[2]
         CAUSAL: gl.constexpr = meta[3]
         WRITE_LSE: gl.constexpr = meta[4]
         PINGPONG: gl.constexpr = meta[5]
-        dtype: gl.constexpr = o_desc.dtype
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -176,64 +241,86 @@ if HAVE_GLUON:
         )
         # P feeds P·V's product from registers, in the accumulator's rows
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row0 = m0 + which * ROWS
         q_s = q_smem.index(which)
-        offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         causal_off = N_K - N_Q
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        n_units, n_m = _unit_count(N_Q, BH, CONSUMERS * ROWS, CAUSAL)
+        done = 0  # query blocks this program has computed
+        it = 0  # key blocks it has read: the ring position
+        turns = 0  # groups of products it has issued (PINGPONG)
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            bh, i, count = _unit(unit, n_m, CAUSAL)
+            for member in range(count):
+                b, h, _h_kv, m0, n_blocks, n_whole = _tile(
+                    bh, i, member, n_m, H, GROUP, N_Q, N_K, BLOCK_N, CONSUMERS, CAUSAL
+                )  # fmt: skip
+                row0 = m0 + which * ROWS
+                offs_m = row0 + rows
+                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(ready.index(0), 0)
-        _take_turn(turn, which, 0, PINGPONG)
-        s = _gluon.mma(q_s, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _pass_turn(turn, which, PINGPONG)
-        s = _gluon.mma_wait(num_outstanding=0, deps=[s])
-        p, _alpha, m_i, l_i = _softmax_block(
-            s, m_i, l_i, 0, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL, BLOCK_N
-        )  # fmt: skip
-        p_a = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_blocks):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            _take_turn(turn, which, j, PINGPONG)
-            s = _gluon.mma(
-                q_s, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            acc = _gluon.mma(p_a, v_smem.index(prev), acc, is_async=True)
-            _pass_turn(turn, which, PINGPONG)
-            s = _gluon.mma_wait(num_outstanding=1, deps=[s])  # P_{j-1} V_{j-1} still runs
-            p, alpha, m_i, l_i = _softmax_block(
-                s, m_i, l_i, j, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
-                BLOCK_N,
-            )  # fmt: skip
-            # (a register operand stays live until its product is done)
-            acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
-            mbarrier.arrive(empty.index(prev))  # block j - 1's K and V are read
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_a = gl.convert_layout(p.to(dtype), p_layout)
-        last = (n_blocks - 1) % STAGES
-        _take_turn(turn, which, n_blocks, PINGPONG)
-        acc = _gluon.mma(p_a, v_smem.index(last), acc, is_async=True)
-        _pass_turn(turn, which, PINGPONG)
-        acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
+                mbarrier.wait(q_bar, (done + member) & 1)
+                mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+                _take_turn(turn, which, turns, PINGPONG)
+                s = _gluon.mma(
+                    q_s, k_smem.index(it % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                _pass_turn(turn, which, PINGPONG)
+                s = _gluon.mma_wait(num_outstanding=0, deps=[s])
+                p, _alpha, m_i, l_i = _softmax_block(
+                    s, m_i, l_i, 0, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
+                    BLOCK_N,
+                )  # fmt: skip
+                p_a = gl.convert_layout(p.to(dtype), p_layout)
+                for j in range(1, n_blocks):
+                    stage = (it + j) % STAGES
+                    prev = (it + j - 1) % STAGES
+                    mbarrier.wait(ready.index(stage), ((it + j) // STAGES) & 1)
+                    _take_turn(turn, which, turns + j, PINGPONG)
+                    s = _gluon.mma(
+                        q_s, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                        is_async=True,
+                    )  # fmt: skip
+                    acc = _gluon.mma(p_a, v_smem.index(prev), acc, is_async=True)
+                    _pass_turn(turn, which, PINGPONG)
+                    s = _gluon.mma_wait(num_outstanding=1, deps=[s])  # P_{j-1} V_{j-1} still runs
+                    p, alpha, m_i, l_i = _softmax_block(
+                        s, m_i, l_i, j, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
+                        BLOCK_N,
+                    )  # fmt: skip
+                    # (a register operand stays live until its product is done)
+                    acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
+                    mbarrier.arrive(empty.index(prev))  # block j - 1's K and V are read
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    p_a = gl.convert_layout(p.to(dtype), p_layout)
+                last = (it + n_blocks - 1) % STAGES
+                _take_turn(turn, which, turns + n_blocks, PINGPONG)
+                acc = _gluon.mma(p_a, v_smem.index(last), acc, is_async=True)
+                _pass_turn(turn, which, PINGPONG)
+                acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
+                mbarrier.arrive(empty.index(last))
+                it += n_blocks
+                turns += n_blocks + 1
 
-        seen = l_i > 0.0  # rows that saw no key output zeros
-        inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-        out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
-        # the output leaves through this consumer's query buffer, whose products are done
-        q_s.store(out.to(dtype))
-        hopper.fence_async_shared()
-        _gluon.cta_barrier()  # every warp's rows written before the one store
-        _store_head_rows(o_desc, b, h, row0, q_s)
-        if WRITE_LSE:  # +inf for rows that saw nothing: the backward's exp2(s - lse) is 0
-            lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("inf"))
-            gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
-        tma.store_wait(0)
+                seen = l_i > 0.0  # rows that saw no key output zeros
+                inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+                out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+                # the output leaves through this consumer's query buffer, whose products are
+                # done; once the store has read it, the loader may refill it
+                q_s.store(out.to(dtype))
+                hopper.fence_async_shared()
+                _gluon.cta_barrier()  # every warp's rows written before the one store
+                _store_head_rows(o_desc, b, h, row0, q_s)
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty)
+                if WRITE_LSE:  # +inf for rows that saw nothing: the backward's exp2(s - lse) is 0
+                    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("inf"))
+                    gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+            done += count
 
     @gluon.jit
     def _fwd_consumer_1(args, meta: gl.constexpr):
@@ -248,48 +335,42 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
     def _attention_fwd_sm90_kernel(
-        q_desc, k_desc, v_desc, o_desc, LSE, BH, H, N_Q, N_K, qk_scale,
-        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-        WRITE_LSE: gl.constexpr, LPT_BYTES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, LSE, BH, H, N_Q, N_K, qk_scale, HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+        CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+        WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_M = 64·CONSUMERS query rows of one batch·head (grid (query
-        blocks, b·h); causal: longest first, `longest_first`). q, k, v and the output come as
-        host-made (b, h, n, HEAD_DIM) TMA descriptors (`_descriptors`); LSE: the (b·h, n_q)
-        fp32 log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per key/value head.
-        CONSUMER_REGS, LOADER_REGS: the partitions' registers per thread (`_launch`)."""
+        """A program computes tiles of BLOCK_M = 64·CONSUMERS query rows of one batch·head:
+        tiles program_id, program_id + programs, ... of the ⌈n_q / BLOCK_M⌉·b·h (`_tile`), so
+        that a grid of one program per tile runs each once, and a persistent grid (a few
+        programs per SM) overlaps one tile's last products and output with the next one's
+        loads. q, k and v come as host-made (b, h, n, HEAD_DIM) TMA descriptors
+        (`_descriptors`); Out: the (b, h, n_q, HEAD_DIM) output, unit stride along HEAD_DIM;
+        LSE: the (b·h, n_q) fp32 log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per
+        key/value head. CONSUMER_REGS, LOADER_REGS: the partitions' registers per thread
+        (`_launch`)."""
         qk_scale = qk_scale.to(gl.float32)
         dtype: gl.constexpr = q_desc.dtype
-        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        if CAUSAL:  # each program streams its head's K and V; the longest rows first
-            pid_m, bh = longest_first(pid_m, bh, BH, N_K.to(gl.int64) * HEAD_DIM * 4, LPT_BYTES)
-            pid_m = gl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
-        b = bh // H
-        h = bh % H
-        h_kv = h // GROUP
-        m0 = pid_m * BLOCK_M
-        n_blocks, n_whole = _key_blocks(m0, N_Q, N_K, CAUSAL, BLOCK_N, CONSUMERS)
-
         row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], row_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], key_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], key_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=CONSUMERS)  # one arrival per consumer
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer
+            mbarrier.init(empty.index(i), count=CONSUMERS)
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(i), count=1)
-        args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
-                turn, LSE, b, h, h_kv, bh, m0, n_blocks, n_whole, N_Q, N_K, qk_scale)  # fmt: skip
+        args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
+                empty, turn, LSE, BH, H, GROUP, N_Q, N_K, qk_scale)  # fmt: skip
         # the partitions' compile-time parameters, in this order
         meta: gl.constexpr = (
             HEAD_DIM,
@@ -355,12 +436,21 @@ def fwd_tiles(head_dim: int, causal: bool) -> dict:
     So d128 takes two consumers over three stages; d64 causal heads one consumer, three
     programs per SM (what an eager call takes by default: `usable`), d64 others three
     consumers in turns. d32 was measured only with two consumers (0.76 / 0.90x the Triton
-    forward at (8, 2048, 16)) and takes one consumer as d64 causal does."""
+    forward at (8, 2048, 16)) and takes one consumer as d64 causal does.
+
+    The persistent grid (`attention_fwd_gluon_session27*.md`, same units; a program per unit
+    of work in brackets): d128 causal (32, 512, 16) 129.2 (136.6), (4, 4096, 16) 448.9
+    (457.2), cuDNN 100.0 and 467.2; not causal 162.0 (174.9) and 816.6 (822.3). d64 one
+    consumer, causal: GPT-2's 83.3 (84.4; Triton 88.5), (8, 2048, 16) 183.9 (186.5; 184.1),
+    (4, 4096, 16) 337.1 (337.4; 323.3). Three consumers, not causal, (4, 4096, 16): 545.8
+    (556.8; Triton 588.9)."""
     if head_dim > 64:
-        return {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
-    if head_dim == 64 and not causal:
-        return {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
-    return {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}
+        tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
+    elif head_dim == 64 and not causal:
+        tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
+    else:
+        tiles = {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}
+    return {**tiles, "PERSISTENT": True}
 
 
 def _launch(consumers: int, per_sm: int) -> dict:
@@ -373,21 +463,26 @@ def _launch(consumers: int, per_sm: int) -> dict:
 
 
 # Where eager forwards take this kernel: `ENABLED` (benchmarks turn it off to compare), d128
-# heads of at least `MIN_QUERIES` queries and d64 heads without a causal mask of at least
-# `MIN_QUERIES_D64`: where it measured faster than the Triton forward (`fwd_tiles`; d128 at
-# 512 queries 145.0 / 165.7 µs against 156.8 / 213.7 at (32, 512, 16), causal / not; at 128
-# queries 19.8 against 17.6 causal, H200, 2026-11-28). Elsewhere the two are within a few per
-# cent, or the Triton forward is faster, and it runs.
+# heads of at least `MIN_QUERIES` queries, d64 heads without a causal mask of at least
+# `MIN_QUERIES_D64`, and causal d64 heads of `D64_CAUSAL_QUERIES`: where it measured faster
+# than the Triton forward (H200, 2026-11-28, µs per forward, `attention_fwd_gluon_session27`;
+# causal / not: d128 at (32, 512, 16) 129.2 / 162.0 against 158.7 / 214.2; d64 causal at
+# GPT-2's (16, 1024, 12) 83.3 against 88.5, at (8, 2048, 16) 183.9 against 184.1, at (4, 4096,
+# 16) 337.1 against 323.3; session 25: d128 at 128 queries 19.8 against 17.6 causal).
+# Elsewhere the two are within a few per cent, or the Triton forward is faster, and it runs.
 ENABLED = True
 MIN_QUERIES = 512
 MIN_QUERIES_D64 = 2048
+D64_CAUSAL_QUERIES = range(1024, 2049)
 
 
 def _taken(head_dim: int, n_q: int, causal: bool) -> bool:
     """The head dims and query counts above."""
     if head_dim == 128:
         return n_q >= MIN_QUERIES
-    return head_dim == 64 and not causal and n_q >= MIN_QUERIES_D64
+    if head_dim != 64:
+        return False
+    return n_q in D64_CAUSAL_QUERIES if causal else n_q >= MIN_QUERIES_D64
 
 
 def usable(
@@ -395,10 +490,10 @@ def usable(
 ) -> bool:  # fmt: skip
     """Whether the kernel takes this forward of (b, h, n, d) views q and k: Gluon present,
     `ENABLED`, a Hopper GPU, the head dims and query counts above, a 16-bit dtype, a positive
-    scale, whole groups of query heads per key/value head, at most 65535 batch·heads (grid
-    dim 1), at least one key, and `plain`: no key padding mask, dropout or device-side KV
-    length. The caller has checked the rest: TMA-describable q, k, v (`attention._tma_layouts`)."""
-    b, h, n_q, d = q.shape
+    scale, whole groups of query heads per key/value head, at least one key, and `plain`: no
+    key padding mask, dropout or device-side KV length. The caller has checked the rest:
+    TMA-describable q, k, v (`attention._tma_layouts`)."""
+    _b, h, n_q, d = q.shape
     return (
         HAVE_GLUON
         and ENABLED
@@ -409,7 +504,6 @@ def usable(
         and scale > 0
         and q.dtype in (torch.float16, torch.bfloat16)
         and h % k.shape[1] == 0
-        and b * h <= 65535
     )
 
 
@@ -432,22 +526,23 @@ def _descriptors(
 
 def launch_fwd_sm90(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, qk_scale: float, lpt_bytes: int, need_lse: bool, tiles: dict | None = None,
+    causal: bool, qk_scale: float, need_lse: bool, tiles: dict | None = None,
 ) -> None:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v (unit stride along d, TMA-describable;
     k and v with h or a divisor of h heads): fills `out`, a (b, h, n_q, d) view (the
     (b, n_q, h, d) output transposed), and, need_lse, the (b·h, n_q) fp32 lse with the
     log-sum-exp in log2 units. qk_scale: the softmax scale times log2(e). tiles: `fwd_tiles`
-    unless given (benchmarks)."""
+    unless given (benchmarks). PERSISTENT: PER_SM programs per SM deal the units of work
+    (`_unit_count`) among them; otherwise one program per unit."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    tiles = tiles or fwd_tiles(d, causal)
-    descs = _descriptors(q, k, v, out, tiles["BLOCK_N"])
-    grid = (-(-n_q // (tiles["CONSUMERS"] * int(ROWS))), b * h, 1)
-    tiles = dict(tiles)
-    options = _launch(tiles["CONSUMERS"], tiles.pop("PER_SM"))
-    launcher(_attention_fwd_sm90_kernel)[grid](
-        *descs, lse if need_lse else q, b * h, h, n_q, n_k, qk_scale, HEAD_DIM=d,
-        CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse, LPT_BYTES=lpt_bytes,
-        **tiles, **options,
+    tiles = dict(tiles or fwd_tiles(d, causal))
+    per_sm, persistent = tiles.pop("PER_SM"), tiles.pop("PERSISTENT")
+    blocks = -(-n_q // (tiles["CONSUMERS"] * int(ROWS)))
+    units = (-(-blocks // 2) if causal else blocks) * b * h
+    programs = min(units, per_sm * sm_count(q.device)) if persistent else units
+    launcher(_attention_fwd_sm90_kernel)[(programs,)](
+        *_descriptors(q, k, v, out, tiles["BLOCK_N"]), lse if need_lse else q, b * h, h, n_q,
+        n_k, qk_scale, HEAD_DIM=d, CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse,
+        **tiles, **_launch(tiles["CONSUMERS"], per_sm),
     )  # fmt: skip
