@@ -180,10 +180,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_loader(args, meta: gl.constexpr):
-        """The loader partition (one warp): for each of the program's tiles, its query rows
-        once the consumers are done with the last tile's, then every key block's K and V into
-        the ring, each once every consumer has handed its buffer back. The ring runs on
-        across tiles: the next tile's first blocks load while the consumers finish this one."""
+        """The loader partition (one warp): for each of the program's query blocks, its rows
+        once the consumers have stored the last block's output through their buffers, then
+        every key block's K and V into the ring, each once every consumer has handed its
+        buffer back. The ring runs on across query blocks: the next one's first key blocks
+        load while the consumers finish this one."""
         (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
          _turn, _lse, BH, H, GROUP, N_Q, N_K, _qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
@@ -218,11 +219,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_consume(args, meta: gl.constexpr, which: gl.constexpr):
-        """Consumer `which` (one warpgroup): for each of the program's tiles, its query rows
-        m0 + 64·which ... + 63 against every key block of the tile (module docstring), then
-        their output and log-sum-exp. It hands the query buffer back once its last S_j is
-        computed, so that the next tile's rows load during this one's last P_j V_j and
-        epilogue; the output therefore leaves by pointer stores from the registers."""
+        """Consumer `which` (one warpgroup): for each of the program's query blocks, its rows
+        m0 + 64·which ... + 63 against every key block they see (module docstring), then
+        their output, through its query buffer, which it then hands back to the loader, and
+        their log-sum-exp."""
         (_q_desc, _k_desc, _v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
          turn, LSE, BH, H, GROUP, N_Q, N_K, qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
@@ -341,13 +341,12 @@ if HAVE_GLUON:
         WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
-        """A program computes tiles of BLOCK_M = 64·CONSUMERS query rows of one batch·head:
-        tiles program_id, program_id + programs, ... of the ⌈n_q / BLOCK_M⌉·b·h (`_tile`), so
-        that a grid of one program per tile runs each once, and a persistent grid (a few
-        programs per SM) overlaps one tile's last products and output with the next one's
-        loads. q, k and v come as host-made (b, h, n, HEAD_DIM) TMA descriptors
-        (`_descriptors`); Out: the (b, h, n_q, HEAD_DIM) output, unit stride along HEAD_DIM;
-        LSE: the (b·h, n_q) fp32 log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per
+        """A program computes blocks of BLOCK_M = 64·CONSUMERS query rows of one batch·head:
+        units of work program_id, program_id + programs, ... (`_unit_count`, `_unit`), so that
+        a grid of one program per unit runs each once, and a persistent grid (PER_SM programs
+        per SM) overlaps one block's end with the next one's loads. q, k, v and the output
+        come as host-made (b, h, n, HEAD_DIM) TMA descriptors (`_descriptors`); LSE: the
+        (b·h, n_q) fp32 log-sum-exp in log2 units (WRITE_LSE). GROUP: query heads per
         key/value head. CONSUMER_REGS, LOADER_REGS: the partitions' registers per thread
         (`_launch`)."""
         qk_scale = qk_scale.to(gl.float32)
