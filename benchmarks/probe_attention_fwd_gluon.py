@@ -6,14 +6,15 @@ recording, as in training), and the largest difference of its output from the Tr
 forward's.
 
     python3 benchmarks/probe_attention_fwd_gluon.py --out DIR [--presets NAME ...]
-        [--tiles BLOCK_N,STAGES[,PINGPONG[,CONSUMERS[,PER_SM[,PERSISTENT]]]] ...]
+        [--tiles BLOCK_N,STAGES[,PINGPONG[,CONSUMERS[,PER_SM[,PERSISTENT[,OUT_IN_V]]]]] ...]
         [--causal both|yes|no]
 
 Every shape runs the Gluon kernel (the thresholds of `attention_hopper_fwd.usable` lifted);
 the table says which an eager forward takes by default. --tiles times other key blocks, ring
 depths, (PINGPONG 0) consumers issuing their products at once, one to three consumer
-warpgroups, programs per SM (the register cap follows) and (PERSISTENT 0) one program per
-unit of work instead of a persistent grid, besides the shipped tiles.
+warpgroups, programs per SM (the register cap follows), (PERSISTENT 0) one program per
+unit of work instead of a persistent grid and (OUT_IN_V 0) the output through the query
+buffer instead of the last V buffer, besides the shipped tiles.
 Writes DIR/attention_fwd_gluon.{json,md}.
 """
 
@@ -42,16 +43,19 @@ SHAPES = {**BWD_SHAPES, "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16,
 
 
 def _tiles(text: str) -> tuple[str, dict]:
-    """ "BLOCK_N,STAGES[,PINGPONG[,CONSUMERS[,PER_SM[,PERSISTENT]]]]" -> (label, `fwd_tiles`
-    entries; PINGPONG 1 or 0, default 1; CONSUMERS 1 to 3, default 2; PER_SM programs per SM,
-    default 1; PERSISTENT 1 or 0, default 1)."""
+    """ "BLOCK_N,STAGES[,PINGPONG[,CONSUMERS[,PER_SM[,PERSISTENT[,OUT_IN_V]]]]]" -> (label,
+    `fwd_tiles` entries; PINGPONG 1 or 0, default 1; CONSUMERS 1 to 3, default 2; PER_SM
+    programs per SM, default 1; PERSISTENT 1 or 0, default 1; OUT_IN_V 1 or 0, default 1
+    where the output fits the V buffer)."""
     fields = text.split(",")
-    n, stages, pingpong, consumers, per_sm, persistent = (
-        fields + ["1", "2", "1", "1"][len(fields) - 2 :]
+    n, stages, pingpong, consumers, per_sm, persistent, out_in_v = (
+        fields + ["1", "2", "1", "1", "-"][len(fields) - 2 :]
     )
+    fits = int(n) >= int(consumers) * 64
     return text, {"BLOCK_N": int(n), "STAGES": int(stages), "PINGPONG": pingpong == "1",
                   "CONSUMERS": int(consumers), "PER_SM": int(per_sm),
-                  "PERSISTENT": persistent == "1"}  # fmt: skip
+                  "PERSISTENT": persistent == "1",
+                  "OUT_IN_V": fits if out_in_v == "-" else out_in_v == "1"}  # fmt: skip
 
 
 def main() -> None:

@@ -28,8 +28,10 @@ import triton_transformer.attention_hopper_fwd as af
 # the shipped tiles; grouped-query heads without the log-sum-exp on three consumers in turns;
 # one consumer, two programs per SM
 OTHERS = (
-    dict(BLOCK_N=64, STAGES=2, PINGPONG=True, CONSUMERS=3, PER_SM=1, PERSISTENT=True),
-    dict(BLOCK_N=128, STAGES=2, PINGPONG=False, CONSUMERS=1, PER_SM=2, PERSISTENT=False),
+    dict(BLOCK_N=64, STAGES=2, PINGPONG=True, CONSUMERS=3, PER_SM=1, PERSISTENT=True,
+         OUT_IN_V=False),
+    dict(BLOCK_N=128, STAGES=2, PINGPONG=False, CONSUMERS=1, PER_SM=2, PERSISTENT=False,
+         OUT_IN_V=True),
 )
 for d in af.HEAD_DIMS:
     for causal in (False, True):
@@ -44,8 +46,9 @@ for d in af.HEAD_DIMS:
             tiles = dict(tiles)
             del tiles["PERSISTENT"]  # the grid's size only
             launch = af._launch(tiles["CONSUMERS"], tiles.pop("PER_SM"))
+            cols = af._out_cols(d, tiles["OUT_IN_V"])
             kernel = af._attention_fwd_sm90_kernel.warmup(
-                *af._descriptors(q, k, v, out, tiles["BLOCK_N"]), lse, b * h, h, n, n, 0.18,
+                *af._descriptors(q, k, v, out, tiles["BLOCK_N"], cols), lse, b * h, h, n, n, 0.18,
                 HEAD_DIM=d, CAUSAL=causal, GROUP=group, WRITE_LSE=need_lse, grid=(1,), **tiles,
                 **launch,
             )
@@ -118,10 +121,13 @@ def test_descriptors_describe_each_head():
     qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     out = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
-    descs = af._descriptors(q, k, v, out, 128)
+    descs = af._descriptors(q, k, v, out, 128, 32)
     for desc, t, block in zip(descs, (q, k, v, out), (64, 128, 128, 64), strict=True):
         assert desc.shape == [b, h, n, d] and desc.strides == list(t.stride())
-        assert desc.block_shape == [1, 1, block, d]
+        assert desc.block_shape == [1, 1, block, 32 if t is out else d]
+    # the output's stores from a V buffer: rows of at most 128 bytes
+    assert af._out_cols(128, True) == 64 and af._out_cols(64, True) == 64
+    assert af._out_cols(128, False) == 128
 
 
 # --- GPU ---------------------------------------------------------------------------------
@@ -154,22 +160,25 @@ def test_gpu_against_float64(shape, d, causal, dtype, launches):
 
 
 # every shape `fwd_tiles` gives and others benchmarks time (key blocks, ring depth, turns,
-# consumers, programs per SM, a persistent grid or one program per unit of work), at the head
-# dims each fits (registers, shared memory)
-KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "CONSUMERS", "PER_SM", "PERSISTENT")
+# consumers, programs per SM, a persistent grid or one program per unit of work, the output
+# through the last V buffer or the query buffer), at the head dims each fits (registers,
+# shared memory)
+KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "CONSUMERS", "PER_SM", "PERSISTENT", "OUT_IN_V")
 TILES = [
     (dict(zip(KEYS, values, strict=True)), dims)
     for values, dims in [
-        ((128, 3, False, 2, 1, True), (32, 64, 128)),
-        ((128, 3, False, 2, 1, False), (64, 128)),
-        ((64, 2, False, 2, 1, True), (32, 64, 128)),
-        ((128, 2, True, 2, 1, True), (32, 64, 128)),
-        ((128, 3, True, 3, 1, True), (32, 64)),
-        ((128, 3, True, 3, 1, False), (64,)),
-        ((64, 4, False, 3, 1, True), (32, 64, 128)),
-        ((64, 3, False, 1, 3, True), (32, 64)),
-        ((64, 3, False, 1, 3, False), (64,)),
-        ((128, 3, True, 1, 2, True), (32, 64, 128)),
+        ((128, 3, False, 2, 1, True, True), (32, 64, 128)),
+        ((128, 3, False, 2, 1, True, False), (64, 128)),
+        ((128, 3, False, 2, 1, False, True), (64, 128)),
+        ((64, 2, False, 2, 1, True, False), (32, 64, 128)),
+        ((128, 2, True, 2, 1, True, True), (32, 64, 128)),
+        ((128, 3, True, 3, 1, True, False), (32, 64)),
+        ((128, 3, True, 3, 1, False, False), (64,)),
+        ((64, 4, False, 3, 1, True, False), (32, 64, 128)),
+        ((64, 3, False, 1, 3, True, True), (32, 64)),
+        ((64, 3, False, 1, 3, True, False), (64,)),
+        ((64, 3, False, 1, 3, False, True), (64,)),
+        ((128, 3, True, 1, 2, True, True), (32, 64, 128)),
     ]
 ]
 

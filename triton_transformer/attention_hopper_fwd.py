@@ -44,8 +44,13 @@ is 1.23-1.38x the Triton forward and at least cuDNN's speed from 4096 queries; a
 heads without a causal mask gain (three consumers in turns), and causal heads of 1024 to 2048
 queries (one consumer, three programs per SM); the rest keep the Triton forward (`usable`).
 
-The output leaves through the consumer's query buffer by one TMA store (rows past n_q are
-clipped); once the store has read it, the loader may bring the next block's rows into it. The
+The output leaves by TMA stores (rows past n_q are clipped) through shared memory that holds
+nothing else by then: where the consumers' rows fit it (OUT_IN_V: BLOCK_N >= 64·CONSUMERS),
+the V buffer of the block's last key block, once every consumer's last product has read it.
+The query buffers are then handed back right after the block's last S_j, so the next block's
+rows load while this one's last products and output run (at d128, 512 queries: 115.4 against
+126.2 µs causal, 134.7 against 158.9 not). Otherwise (three consumers over 128 keys) the
+output goes through the consumer's query buffer, handed back once the store has read it. The
 log-sum-exp leaves through pointers.
 
 Scope: Hopper (sm_90), fp16 / bf16, head dims of `HEAD_DIMS`, causal (bottom-right aligned,
@@ -72,7 +77,7 @@ from triton_transformer._gluon import (
     mbarrier,
     tma,
 )
-from triton_transformer.attention_hopper import _layouts, _load_head_rows, _store_head_rows
+from triton_transformer.attention_hopper import _layouts, _load_head_rows
 from triton_transformer.utils import launcher, sm_count
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
@@ -186,7 +191,7 @@ if HAVE_GLUON:
         buffer back. The ring runs on across query blocks: the next one's first key blocks
         load while the consumers finish this one."""
         (q_desc, k_desc, v_desc, _o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
-         _turn, _lse, BH, H, GROUP, N_Q, N_K, _qk_scale) = args  # fmt: skip
+         _turn, _v_done, _lse, BH, H, GROUP, N_Q, N_K, _qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
         BLOCK_N: gl.constexpr = meta[1]
         STAGES: gl.constexpr = meta[2]
@@ -224,13 +229,14 @@ if HAVE_GLUON:
         their output, through its query buffer, which it then hands back to the loader, and
         their log-sum-exp."""
         (_q_desc, _k_desc, _v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
-         turn, LSE, BH, H, GROUP, N_Q, N_K, qk_scale) = args  # fmt: skip
+         turn, v_done, LSE, BH, H, GROUP, N_Q, N_K, qk_scale) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = meta[0]
         BLOCK_N: gl.constexpr = meta[1]
         STAGES: gl.constexpr = meta[2]
         CAUSAL: gl.constexpr = meta[3]
         WRITE_LSE: gl.constexpr = meta[4]
         PINGPONG: gl.constexpr = meta[5]
+        OUT_IN_V: gl.constexpr = meta[6]
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -271,6 +277,8 @@ if HAVE_GLUON:
                 )  # fmt: skip
                 _pass_turn(turn, which, PINGPONG)
                 s = _gluon.mma_wait(num_outstanding=0, deps=[s])
+                if OUT_IN_V and n_blocks == 1:
+                    mbarrier.arrive(q_empty)  # the query rows are read: the loader may refill
                 p, _alpha, m_i, l_i = _softmax_block(
                     s, m_i, l_i, 0, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
                     BLOCK_N,
@@ -288,6 +296,8 @@ if HAVE_GLUON:
                     acc = _gluon.mma(p_a, v_smem.index(prev), acc, is_async=True)
                     _pass_turn(turn, which, PINGPONG)
                     s = _gluon.mma_wait(num_outstanding=1, deps=[s])  # P_{j-1} V_{j-1} still runs
+                    if OUT_IN_V and j == n_blocks - 1:
+                        mbarrier.arrive(q_empty)
                     p, alpha, m_i, l_i = _softmax_block(
                         s, m_i, l_i, j, n_whole, offs_m, cols_n, N_K, causal_off, qk_scale, CAUSAL,
                         BLOCK_N,
@@ -302,21 +312,38 @@ if HAVE_GLUON:
                 acc = _gluon.mma(p_a, v_smem.index(last), acc, is_async=True)
                 _pass_turn(turn, which, PINGPONG)
                 acc, p_a = _gluon.mma_wait(num_outstanding=0, deps=[acc, p_a])
-                mbarrier.arrive(empty.index(last))
+                if not OUT_IN_V:
+                    mbarrier.arrive(empty.index(last))
                 it += n_blocks
                 turns += n_blocks + 1
 
                 seen = l_i > 0.0  # rows that saw no key output zeros
                 inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
                 out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
-                # the output leaves through this consumer's query buffer, whose products are
-                # done; once the store has read it, the loader may refill it
-                q_s.store(out.to(dtype))
+                if OUT_IN_V:
+                    # the output leaves through this consumer's rows of the last key block's
+                    # V buffer, once every consumer's last product has read it; the loader
+                    # refills that buffer after the store has read it
+                    mbarrier.arrive(v_done)
+                    mbarrier.wait(v_done, (done + member) & 1)
+                    o_s = v_smem.index(last).slice(which * ROWS, ROWS, dim=0)
+                else:  # through this consumer's query buffer, whose products are done
+                    o_s = q_s
+                o_s.store(out.to(dtype))
                 hopper.fence_async_shared()
-                _gluon.cta_barrier()  # every warp's rows written before the one store
-                _store_head_rows(o_desc, b, h, row0, q_s)
+                _gluon.cta_barrier()  # every warp's rows written before the stores
+                # by blocks of o_desc's columns: the V buffer's rows of a d128 head are two
+                # swizzled 64-column pieces apart, a query buffer's one block
+                COLS: gl.constexpr = o_desc.block_shape[3]
+                for c in gl.static_range(HEAD_DIM // COLS):
+                    part = o_s.slice(c * COLS, COLS, dim=1)
+                    part = _gluon.reinterpret(part, dtype, o_desc.block_shape, o_desc.layout)
+                    _gluon.tma_store(o_desc, [b, h, row0, c * COLS], part)
                 tma.store_wait(0)
-                mbarrier.arrive(q_empty)
+                if OUT_IN_V:
+                    mbarrier.arrive(empty.index(last))
+                else:
+                    mbarrier.arrive(q_empty)
                 if WRITE_LSE:  # +inf for rows that saw nothing: the backward's exp2(s - lse) is 0
                     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("inf"))
                     gl.store(LSE + bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
@@ -338,8 +365,8 @@ if HAVE_GLUON:
         q_desc, k_desc, v_desc, o_desc, LSE, BH, H, N_Q, N_K, qk_scale, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
         CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-        WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        WRITE_LSE: gl.constexpr, OUT_IN_V: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """A program computes blocks of BLOCK_M = 64·CONSUMERS query rows of one batch·head:
         units of work program_id, program_id + programs, ... (`_unit_count`, `_unit`), so that
@@ -351,6 +378,7 @@ if HAVE_GLUON:
         (`_launch`)."""
         qk_scale = qk_scale.to(gl.float32)
         dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(not OUT_IN_V or BLOCK_N >= CONSUMERS * ROWS, "the output fits V")
         row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], row_layout)
@@ -361,7 +389,9 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        v_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(v_done, count=CONSUMERS)
         mbarrier.init(q_empty, count=CONSUMERS)  # one arrival per consumer
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -369,7 +399,7 @@ if HAVE_GLUON:
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(i), count=1)
         args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
-                empty, turn, LSE, BH, H, GROUP, N_Q, N_K, qk_scale)  # fmt: skip
+                empty, turn, v_done, LSE, BH, H, GROUP, N_Q, N_K, qk_scale)  # fmt: skip
         # the partitions' compile-time parameters, in this order
         meta: gl.constexpr = (
             HEAD_DIM,
@@ -378,6 +408,7 @@ if HAVE_GLUON:
             CAUSAL,
             WRITE_LSE,
             PINGPONG and CONSUMERS > 1,
+            OUT_IN_V,
         )
         # consumer 0 is the default partition (num_warps = 4), and keeps the registers the
         # workers leave of the launch's cap (`_launch`)
@@ -414,8 +445,10 @@ if HAVE_GLUON:
 def fwd_tiles(head_dim: int, causal: bool) -> dict:
     """The program's shape: CONSUMERS consumer warpgroups of 64 query rows each, PER_SM
     programs per SM (the register cap follows, `_launch`), key blocks of BLOCK_N keys in a
-    ring of STAGES buffers, and whether the consumers take turns issuing their products
-    (PINGPONG). Shared memory per program: CONSUMERS · 64 query rows plus STAGES · 2 · BLOCK_N
+    ring of STAGES buffers, whether the consumers take turns issuing their products
+    (PINGPONG), whether a persistent grid deals the units of work (PERSISTENT) and whether the
+    output leaves through the last V buffer (OUT_IN_V; module docstring). Shared memory per
+    program: CONSUMERS · 64 query rows plus STAGES · 2 · BLOCK_N
     key rows of head_dim 16-bit elements (d128: 2 · 64 + 3 · 2 · 128 rows, 224 KiB of the
     H200's 227).
 
@@ -442,14 +475,21 @@ def fwd_tiles(head_dim: int, causal: bool) -> dict:
     (457.2), cuDNN 100.0 and 467.2; not causal 162.0 (174.9) and 816.6 (822.3). d64 one
     consumer, causal: GPT-2's 83.3 (84.4; Triton 88.5), (8, 2048, 16) 183.9 (186.5; 184.1),
     (4, 4096, 16) 337.1 (337.4; 323.3). Three consumers, not causal, (4, 4096, 16): 545.8
-    (556.8; Triton 588.9)."""
+    (556.8; Triton 588.9).
+
+    The output through the last V buffer (OUT_IN_V; `attention_fwd_gluon_session27_out_in_v.md`,
+    another call; through the query buffer in brackets): d128 causal (32, 512, 16) 115.4
+    (126.2), (16, 1024, 16) 154.4 (168.7), (4, 4096, 16) 432.8 (448.8), cuDNN 99.9, 153.9,
+    467.3; not causal 134.7 (158.9), 228.0 (251.5), 802.0 (818.1); d64 causal at GPT-2's shape
+    81.3 (83.7; Triton 89.4, cuDNN 83.0). Taken wherever the consumers' rows fit."""
     if head_dim > 64:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
     elif head_dim == 64 and not causal:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
     else:
         tiles = {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 3}
-    return {**tiles, "PERSISTENT": True}
+    fits = tiles["BLOCK_N"] >= tiles["CONSUMERS"] * 64  # the output in the last V buffer
+    return {**tiles, "PERSISTENT": True, "OUT_IN_V": fits}
 
 
 def _launch(consumers: int, per_sm: int) -> dict:
@@ -507,20 +547,28 @@ def usable(
 
 
 def _descriptors(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int,
+    out_cols: int,
 ) -> tuple:  # fmt: skip
     """The kernel's TMA descriptors, made on the host: (b, h, n, d) views q, k, v and the
-    output, by blocks of one head's 64 query rows or block_n key rows."""
+    output, by blocks of one head's 64 query rows or block_n key rows (the output's of
+    out_cols columns)."""
     d = q.shape[3]
     rows, keys = _layouts(d, int(ROWS), block_n)[:2]
 
-    def heads(t: torch.Tensor, block: int, layout) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block, d], layout)
+    def heads(t: torch.Tensor, block: int, cols: int, layout) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block, cols], layout)
 
     return (
-        heads(q, int(ROWS), rows), heads(k, block_n, keys), heads(v, block_n, keys),
-        heads(out, int(ROWS), rows),
+        heads(q, int(ROWS), d, rows), heads(k, block_n, d, keys), heads(v, block_n, d, keys),
+        heads(out, int(ROWS), out_cols, _layouts(out_cols, int(ROWS), block_n)[0]),
     )  # fmt: skip
+
+
+def _out_cols(head_dim: int, out_in_v: bool) -> int:
+    """Columns per TMA store of the output: from a V buffer, rows of at most 128 bytes (one
+    swizzled piece of the key block's rows); from a query buffer, whole rows."""
+    return min(head_dim, 64) if out_in_v else head_dim
 
 
 def launch_fwd_sm90(
@@ -540,8 +588,9 @@ def launch_fwd_sm90(
     blocks = -(-n_q // (tiles["CONSUMERS"] * int(ROWS)))
     units = (-(-blocks // 2) if causal else blocks) * b * h
     programs = min(units, per_sm * sm_count(q.device)) if persistent else units
+    descs = _descriptors(q, k, v, out, tiles["BLOCK_N"], _out_cols(d, tiles["OUT_IN_V"]))
     launcher(_attention_fwd_sm90_kernel)[(programs,)](
-        *_descriptors(q, k, v, out, tiles["BLOCK_N"]), lse if need_lse else q, b * h, h, n_q,
+        *descs, lse if need_lse else q, b * h, h, n_q,
         n_k, qk_scale, HEAD_DIM=d, CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse,
         **tiles, **_launch(tiles["CONSUMERS"], per_sm),
     )  # fmt: skip
