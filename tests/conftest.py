@@ -65,6 +65,16 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    # Ops bind their eager launches once per shape (`utils.LaunchPlans`): a test that patches
+    # a table or a launcher must see its own launches looked up, not an earlier test's.
+    from triton_transformer.utils import clear_launch_plans  # after TRITON_INTERPRET is set
+
+    clear_launch_plans()
+    yield
+
+
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory) -> Path:
     """A small, repetitive text file (a tiny model learns it within a few dozen steps), for

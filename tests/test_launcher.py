@@ -92,3 +92,37 @@ def test_launcher_replays_in_a_cuda_graph():
     x.copy_(torch.randn(4096, device="cuda"))
     graph.replay()
     torch.testing.assert_close(y, x * 2.0 + 3)
+
+
+def test_bound_launch_takes_new_tensors(device):
+    # `bind` launches once, then launches with each call's tensors and the bound scalars and
+    # constexprs (on the GPU without a key: the caller's cache keys the tensors' facts)
+    x = torch.randn(1000, device=device) + 0.5
+    y = torch.empty_like(x)
+    bound = launcher(_axpb_kernel).bind((8,), x, y, 1000, 2.0, 3, SCALE=2)
+    torch.testing.assert_close(y, x * 4.0 + 3)
+    for _ in range(2):
+        x2, y2 = torch.randn_like(x), torch.empty_like(x)
+        bound(x2, y2)
+        torch.testing.assert_close(y2, x2 * 4.0 + 3)
+
+
+def test_bind_refuses_a_tensor_after_the_scalars(device):
+    # a tensor after the first non-tensor argument would be held by the bound launch, and
+    # launched again on later calls instead of the caller's
+    x = torch.randn(64, device=device)
+    with pytest.raises(ValueError, match="leading arguments"):
+        launcher(_axpb_kernel).bind((1,), x, 64, x, 2.0, 3, SCALE=1)
+
+
+@pytest.mark.gpu
+def test_bound_launch_replays_in_a_cuda_graph():
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    bound = launcher(_axpb_kernel).bind((32,), x, y, 4096, 2.0, 3, SCALE=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound(x, y)
+    x.copy_(torch.randn(4096, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(y, x * 2.0 + 3)

@@ -536,6 +536,49 @@ class KernelLauncher:
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
 
+    def bind(self, grid: tuple, *args: Any, **kwargs: Any) -> Callable[..., None]:
+        """Launch once as `self[grid](*args, **kwargs)`, then return a launch of the same
+        kernel whose leading tensor arguments are given per call: `bound(*tensors)` launches
+        with those tensors, the rest of `args` and `kwargs` as bound here, and no key
+        computed. For a caller that keys its own cache of bound launches on every fact the
+        kernel's specialisation reads from the tensors (dtype, 16-byte alignment), so a hit
+        is the same specialisation (`layernorm._launch_plan`): per call it saves the key's
+        pass over every argument. Where the direct path cannot run (Triton's interpreter,
+        an argument it cannot key, launch hooks set at the call), it launches as
+        `self[grid]` does."""
+        n_tensors = next(
+            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args)
+        )
+        fixed = args[n_tensors:]
+        if any(isinstance(a, torch.Tensor) for a in fixed):  # it would be held, not passed
+            raise ValueError("bind: the per-call tensors must be the leading arguments")
+        self.launch(grid, *args, **kwargs)
+        entry = None
+        if (
+            self.direct and type(grid) is tuple and args and len(args) <= self.n_keyable
+            and not is_traced(args[0])  # traced: `launch` recorded it, nothing to bind
+        ):  # fmt: skip
+            device = self.driver.active.get_current_device()
+            key = _specialization(device, args, kwargs)
+            entry = None if key is None else self.compiled.get(key)
+        if entry is None:
+            return lambda *tensors: self.launch(grid, *tensors, *fixed, **kwargs)
+        run, function, metadata, tail = entry
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        runtime, active = self.knobs.runtime, self.driver.active
+
+        def bound(*tensors: Any) -> None:
+            current = active.get_current_device()
+            # a profiler's hooks (Triton's path calls them), or another device (the function
+            # handle is the bound device's): the keyed launch
+            if current != device or not _no_launch_hooks(runtime):
+                self.launch(grid, *tensors, *fixed, **kwargs)
+                return
+            stream = active.get_current_stream(current)
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *tensors, *fixed, *tail)
+
+        return bound
+
     def _remember(self, key: tuple, compiled: Any, n_args: int, kwargs: dict) -> None:
         """Cache what a hit needs: the launcher, the function handle, the metadata, and the
         parameters after the positional ones in signature order (keywords or defaults: all
@@ -574,6 +617,49 @@ def _has_knobs() -> bool:
 
 # by id: a JITFunction hashes its source's digest under a lock
 _LAUNCHERS: dict[int, KernelLauncher] = {}
+
+
+# every op's `LaunchPlans`, for `clear_launch_plans`
+_ALL_PLANS: list = []
+
+
+def clear_launch_plans() -> None:
+    """Forget every op's bound launches: after a test or benchmark changes what a launch takes
+    (a configuration table, a monkeypatched launcher), so the next call of a shape looks it
+    up again."""
+    for plans in _ALL_PLANS:
+        plans.plans.clear()
+
+
+def tensor_facts(*tensors: torch.Tensor) -> tuple:
+    """What a kernel's specialisation reads from these tensors (dtype, 16-byte alignment): the
+    tensors' part of the key of an op's cache of bound launches (`LaunchPlans`)."""
+    return tuple([(t.dtype, not t.data_ptr() & 15) for t in tensors])
+
+
+class LaunchPlans:
+    """An op's eager launches bound once per shape: `plans.get(key)` or None, then
+    `plans.put(key, plan)` with what `KernelLauncher.bind` returned. The key is the op's to
+    make: every launch argument that is not a per-call tensor (sizes, strides, scalars, flags)
+    and `tensor_facts` of the tensors. Only for calls on real tensors with int sizes (not
+    traced). Cleared when it holds `limit` plans (a loop through ever new shapes, e.g.
+    generation without a cache, must not grow it without bound)."""
+
+    __slots__ = ("limit", "plans")
+
+    def __init__(self, limit: int = 512) -> None:
+        self.plans: dict[tuple, Any] = {}
+        self.limit = limit
+        _ALL_PLANS.append(self)
+
+    def get(self, key: tuple) -> Any:
+        return self.plans.get(key)
+
+    def put(self, key: tuple, plan: Any) -> Any:
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
 
 
 def launcher(kernel: Any) -> KernelLauncher:
