@@ -352,3 +352,21 @@ def test_explicit_seed(device):
         dropout(x, 0.3, use_triton=True, seed=seeds)  # not 0-dim
     with pytest.raises(TypeError, match="seed"):
         dropout(x, 0.3, use_triton=True, seed=seeds[0].int())
+
+
+def test_eager_launch_bound_per_shape(device):
+    # the first eager call of a shape binds its launch (`_PLANS`); a repeat takes it and draws
+    # the same mask from the same seed; a view of more irreducible dims than the kernel
+    # walks is copied first, on the bound path too
+    import triton_transformer.dropout as dropout_mod
+
+    x = torch.randn(6, 130, device=device) + 0.5
+    seed = torch.tensor(1234, device=device)
+    first = dropout(x, 0.3, use_triton=True, seed=seed)
+    assert len(dropout_mod._PLANS.plans) == 1
+    assert torch.equal(dropout(x, 0.3, use_triton=True, seed=seed), first)
+    assert len(dropout_mod._PLANS.plans) == 1
+    odd = torch.randn(2, 3, 4, 5, 6, 7, device=device)[:, :, ::2, :, ::2, ::2]  # 5 dims
+    want = dropout(odd.contiguous(), 0.3, use_triton=True, seed=seed)
+    for _ in range(2):
+        assert torch.equal(dropout(odd, 0.3, use_triton=True, seed=seed), want)

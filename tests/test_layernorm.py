@@ -630,13 +630,20 @@ def test_three_block_rows(device, monkeypatch):
         def __init__(self, kernel):
             self.kernel, self.launch = kernel, real(kernel)
 
+        def _seen(self, kwargs):
+            if self.kernel is ln_mod._layernorm_fwd_kernel:
+                seen.append((kwargs["THIRDS"], kwargs["BLOCK_N"], kwargs["RESIDUAL"]))
+
         def __getitem__(self, grid):
             def call(*args, **kwargs):
-                if self.kernel is ln_mod._layernorm_fwd_kernel:
-                    seen.append((kwargs["THIRDS"], kwargs["BLOCK_N"], kwargs["RESIDUAL"]))
+                self._seen(kwargs)
                 return self.launch[grid](*args, **kwargs)
 
             return call
+
+        def bind(self, grid, *args, **kwargs):  # an eager call's first launch of a shape
+            self._seen(kwargs)
+            return self.launch.bind(grid, *args, **kwargs)
 
     monkeypatch.setattr(ln_mod, "launcher", Spy)
     for n, stable in ((48, False), (48, True), (96, False), (96, True)):
@@ -667,6 +674,35 @@ def test_config_lookup_residual(monkeypatch, device):
         dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
         ln_mod.launch_layernorm_bwd(x, x, w, stats, dx, dw, db, 1e-5, stable, dhn2=x)
     assert [a[3] for a in seen] == [True, False]
+
+
+def test_eager_launches_bound_per_shape(device):
+    # an eager call's first launch of a shape binds the forward's and the backward's launches
+    # (`_PLANS`); later calls of that shape take them: the same outputs and gradients bit for
+    # bit. Another shape, dtype or alignment binds its own.
+    x, w, b = _inputs((37, 48), device=device)
+    dy = torch.randn_like(x)
+
+    def run(x):
+        leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+        y = layernorm(*leaves, use_triton=True)
+        y.backward(dy.to(y.dtype))
+        return (y, *(t.grad for t in leaves))
+
+    first = run(x)
+    assert len(ln_mod._PLANS.plans) == 2  # the forward, the backward
+    for got, want in zip(run(x), first, strict=True):
+        assert torch.equal(got, want)
+    assert len(ln_mod._PLANS.plans) == 2
+    run(x.half())
+    assert len(ln_mod._PLANS.plans) == 4
+    shifted = torch.empty(x.numel() + 1, device=device)[1:].view_as(x)  # 4 bytes off
+    shifted.copy_(x)
+    for got, want in zip(run(shifted), first, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(ln_mod._PLANS.plans) == 6
+    ln_mod._clear_config_caches()
+    assert not ln_mod._PLANS.plans
 
 
 def test_config_lookup_many_rows():

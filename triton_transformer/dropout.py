@@ -37,13 +37,16 @@ from torch.library import triton_op
 
 from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     cdiv,
     check_triton_tensor,
     dropout_threshold,
     first_order_only,
+    is_traced,
     launcher,
     seed_or_draw,
+    tensor_facts,
 )
 
 # Tile of one program (BLOCK_M x BLOCK_N elements of the flat order; BLOCK_N a multiple of
@@ -117,10 +120,30 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 
     x: any shape and strides, fp32/fp16/bf16. seed: 0-dim int64 tensor on x's device.
     Returns a new contiguous tensor shaped like x. Backward applies the same mask to the
-    gradient (this op again, with the saved seed).
+    gradient (this op again, with the saved seed). An eager call of a shape seen before
+    takes its bound launch (`_PLANS`).
     """
+    if is_traced(x):
+        return _dropout_plan(x, p, seed, bind=False)[0]
+    key = (x.shape, x.stride(), p, *tensor_facts(x, seed))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(x, seed)
+    out, plan = _dropout_plan(x, p, seed, bind=True)
+    _PLANS.put(key, plan)
+    return out
+
+
+# Eager launches bound per (shape, strides, p, tensor facts) (`utils.LaunchPlans`)
+_PLANS = LaunchPlans()
+
+
+def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor, bind: bool):
+    """`dropout_op`'s output, and (bind) a function of (x, seed) that does the same for
+    another call with x's shape, strides and tensor facts."""
     layout = None if x.is_contiguous() else _strided_layout(x)
-    if layout is None and not x.is_contiguous():
+    copy = layout is None and not x.is_contiguous()
+    if copy:
         x = x.contiguous()  # more than MAX_STRIDED_DIMS irreducible dims
     sizes, strides = layout if layout is not None else ([1] * 4, [0] * 4)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -129,13 +152,26 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     block = BLOCK_M * BLOCK_N
     span = sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
     int64 = max(n + block, span + 1) >= 2**31
-    if n:
-        launcher(_dropout_kernel)[(cdiv(n, block),)](
-            x, seed, out, n, dropout_threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides,
-            STRIDED=layout is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INT64=int64,
-            num_warps=NUM_WARPS,
-        )  # fmt: skip
-    return out
+    args = (n, dropout_threshold(p), 1.0 / (1.0 - p), *sizes[1:], *strides)
+    flags = dict(STRIDED=layout is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, INT64=int64,
+                 num_warps=NUM_WARPS)  # fmt: skip
+    grid = (cdiv(n, block),)
+    if not bind:
+        if n:
+            launcher(_dropout_kernel)[grid](x, seed, out, *args, **flags)
+        return out, None
+    bound = launcher(_dropout_kernel).bind(grid, x, seed, out, *args, **flags) if n else None
+    shape, dtype = out.shape, out.dtype
+
+    def plan(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        if copy:
+            x = x.contiguous()
+        out = torch.empty(shape, dtype=dtype, device=x.device)
+        if bound is not None:
+            bound(x, seed, out)
+        return out
+
+    return out, plan
 
 
 def _dropout_setup_context(ctx, inputs, output) -> None:

@@ -79,6 +79,7 @@ from torch.library import triton_op
 from triton_transformer._jit_helpers import dropout_keep_tile
 from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.utils import (
+    LaunchPlans,
     accumulates_grads,
     as_rows,
     call_op,
@@ -89,9 +90,11 @@ from triton_transformer.utils import (
     dropout_threshold,
     exists,
     first_order_only,
+    is_traced,
     launcher,
     next_power_of_2,
     sm_count,
+    tensor_facts,
 )
 
 # Lower bound on the stable variant's per-row scale, so an all-zero row does not divide by
@@ -238,6 +241,11 @@ _LAYERNORM_BWD_RESIDUAL: dict[int, BwdConfig] = {
 _COLSUM_BLOCK_C = 32
 _COLSUM_BLOCK_G = 256
 _COLSUM_WARPS = 8
+# Eager launches bound once per shape (`utils.LaunchPlans`): the forward's kernel, and the
+# backward's kernels with the shapes of their work buffers. A hit skips the tables, the grid
+# and the launcher's key; what the tables give is part of the key only through the shape
+# (and MAX_BLOCK_N), so `_clear_config_caches` forgets the plans with the configurations.
+_PLANS = LaunchPlans()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -798,6 +806,7 @@ def _clear_config_caches() -> None:
     """Forget the cached configurations (after the tables change: the benchmark, tests)."""
     _layernorm_fwd_config.cache_clear()
     _layernorm_bwd_config.cache_clear()
+    _PLANS.plans.clear()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -843,11 +852,26 @@ def launch_layernorm_fwd(
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
     `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides the tables (the benchmark's sweep); a
     BLOCK_N of N / 3 holds the row as three blocks (THIRDS), as `_LAYERNORM_FWD_THIRDS` does
-    for the plain and stable forwards at its widths."""
+    for the plain and stable forwards at its widths. An eager call takes the launch bound for
+    its shape (`_PLANS`) when there is one."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
     residual = h2 is not None
+    dropout = residual and p > 0.0
+    tensors = (
+        x2, weight, bias if exists(bias) else weight, y2, stats,
+        h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
+    )  # fmt: skip
+    key = None
+    if cfg is None and type(M) is int and not is_traced(x2):
+        key = ("fwd", M, N, MAX_BLOCK_N, x2.stride(0), y2.stride(0),
+               h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
+               eps, stable, p, exists(bias), *tensor_facts(*tensors))  # fmt: skip
+        bound = _PLANS.get(key)
+        if bound is not None:
+            bound(*tensors)
+            return
     if cfg is None:
         cfg = None if residual else _layernorm_fwd_thirds_config(N, MAX_BLOCK_N)
     if cfg is None:
@@ -857,17 +881,22 @@ def launch_layernorm_fwd(
         block_m, block_n, num_warps = cfg
         thirds = 3 * block_n == N  # a block of a third of the row: three blocks held
         single = block_n >= N or thirds
-    dropout = residual and p > 0.0
-    launcher(_layernorm_fwd_kernel)[(cdiv(M, block_m),)](
-        x2, weight, bias if exists(bias) else weight, y2, stats,
-        h2 if residual else x2, br2 if residual else x2, seed if dropout else stats,
+    grid = (cdiv(M, block_m),)
+    scalars = (
         M, N, 1.0 / N, x2.stride(0), y2.stride(0),
         h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
         eps, STABLE_CLAMP, dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0,
+    )  # fmt: skip
+    flags = dict(
         HAS_BIAS=exists(bias), STABLE=stable, SINGLE=single, RESIDUAL=residual,
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, THIRDS=thirds, num_warps=num_warps,
     )  # fmt: skip
+    kernel = launcher(_layernorm_fwd_kernel)
+    if key is None:
+        kernel[grid](*tensors, *scalars, **flags)
+    else:
+        _PLANS.put(key, kernel.bind(grid, *tensors, *scalars, **flags))
 
 
 def launch_layernorm_bwd_rowsums(
@@ -891,7 +920,8 @@ def launch_layernorm_bwd(
     when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2. acc_w /
     acc_b: add dweight / dbias to what those tensors hold (`bmm.grad_targets`).
 
-    `cfg` overrides `_LAYERNORM_BWD_CONFIGS` (the benchmark's sweep, tests) and is used as given."""
+    `cfg` overrides `_LAYERNORM_BWD_CONFIGS` (the benchmark's sweep, tests) and is used as
+    given. An eager call takes the launches bound for its shape (`_PLANS`) when there are."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
         return
@@ -901,42 +931,83 @@ def launch_layernorm_bwd(
         if exists(dbias) and not acc_b:
             dbias.zero_()
         return
-    residual = exists(dhn2) and not stable
+    has_bias = exists(dbias)
+    dropout = exists(dbr2) and p > 0.0
+    # stand-ins for absent tensors (never read)
+    tensors = (x2, weight, dy2, dx2, stats, default(dhn2, dy2), default(dbr2, dx2),
+               seed if dropout else stats, dweight, dbias if has_bias else dweight)  # fmt: skip
+    key = None
+    if cfg is None and type(M) is int and not is_traced(x2):
+        key = ("bwd", M, N, MAX_BLOCK_N, *(t.stride(0) for t in tensors[:4]),
+               tensors[5].stride(0), tensors[6].stride(0), eps, stable, p, has_bias,
+               exists(dhn2), exists(dbr2), acc_w, acc_b, *tensor_facts(*tensors))  # fmt: skip
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return
+    plan = _bwd_launches(tensors, M, N, eps, stable, p, cfg, exists(dhn2), exists(dbr2), acc_w,
+                         acc_b)  # fmt: skip
+    if key is not None:
+        _PLANS.put(key, plan)
+
+
+def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w, acc_b):
+    """Launch the backward's kernels for `launch_layernorm_bwd`'s tensors (x2, weight, dy2,
+    dx2, stats, dhn2, dbr2, seed, dweight, dbias, stand-ins where absent) and return them
+    bound for the next call of this shape (work buffers allocated per call)."""
+    x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias = tensors
+    has_bias = dbias is not dweight
+    residual = has_dhn and not stable
     cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N, _many_rows(M, N, stable), residual)
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
-    has_bias = exists(dbias)
-    partial = torch.empty((2 if has_bias else 1, groups, N), dtype=torch.float32,
-                          device=x2.device)  # fmt: skip
-    dropout = exists(dbr2) and p > 0.0
-    dhn2_ = dhn2 if exists(dhn2) else dy2  # stand-ins for absent tensors (never read)
-    dbr2_ = dbr2 if exists(dbr2) else dx2
-    seed_ = seed if dropout else stats
-    strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2_.stride(0), dbr2_.stride(0))
+    partial_shape = (2 if has_bias else 1, groups, N)
+    partial = torch.empty(partial_shape, dtype=torch.float32, device=x2.device)
+    dropout = write_dbr and p > 0.0
+    strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2.stride(0), dbr2.stride(0))
     threshold, drop_scale = (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
-    flags = dict(HAS_BIAS=has_bias, STABLE=stable, HAS_DHN=exists(dhn2), WRITE_DBR=exists(dbr2),
+    flags = dict(HAS_BIAS=has_bias, STABLE=stable, HAS_DHN=has_dhn, WRITE_DBR=write_dbr,
                  DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
+    rowsums_shape = None
     if cfg.kind == "split":
-        rowsums = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x2.device)
-        launch_layernorm_bwd_rowsums(x2, weight, dy2, stats, rowsums, eps, stable, cfg)
-        launcher(_layernorm_bwd_cols_kernel)[(col_tiles, groups)](
-            x2, weight, dy2, dx2, partial, stats, rowsums, dhn2_, dbr2_, seed_,
-            M, N, rows_per_prog, *strides, threshold, drop_scale, **flags,
+        rowsums_shape = (3 if stable else 2, M)
+        rowsums = torch.empty(rowsums_shape, dtype=torch.float32, device=x2.device)
+        sums = launcher(_layernorm_bwd_rowsum_kernel).bind(
+            (cdiv(M, cfg.sum_block_m),), x2, weight, dy2, stats, rowsums,
+            M, N, 1.0 / N, x2.stride(0), dy2.stride(0), eps,
+            STABLE=stable, BLOCK_M=cfg.sum_block_m, BLOCK_N=cfg.sum_block_n,
+            num_warps=cfg.sum_warps,
+        )  # fmt: skip
+        main = launcher(_layernorm_bwd_cols_kernel).bind(
+            (col_tiles, groups), x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2,
+            seed, M, N, rows_per_prog, *strides, threshold, drop_scale, **flags,
         )  # fmt: skip
     else:
-        launcher(_layernorm_bwd_kernel)[(groups,)](
-            x2, weight, dy2, dx2, partial, stats, dhn2_, dbr2_, seed_,
+        main = launcher(_layernorm_bwd_kernel).bind(
+            (groups,), x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed,
             M, N, 1.0 / N, rows_per_prog, *strides, eps, threshold, drop_scale,
             SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
-    launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
-        partial[0], partial[-1], dweight, dbias if has_bias else dweight, groups, N,
+    colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
+        (cdiv(N, _COLSUM_BLOCK_C),), partial[0], partial[-1], dweight, dbias, groups, N,
         HAS_BIAS=has_bias, ACC_W=acc_w, ACC_B=acc_b and has_bias,
         BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
     )  # fmt: skip
+
+    def launch(x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias) -> None:
+        partial = torch.empty(partial_shape, dtype=torch.float32, device=x2.device)
+        if rowsums_shape is not None:
+            rowsums = torch.empty(rowsums_shape, dtype=torch.float32, device=x2.device)
+            sums(x2, weight, dy2, stats, rowsums)
+            main(x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2, seed)
+        else:
+            main(x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed)
+        colsum(partial[0], partial[-1], dweight, dbias)
+
+    return launch
 
 
 # ----------------------------------------------------------------------------- torch.library ops
