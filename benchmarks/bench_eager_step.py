@@ -13,6 +13,7 @@ every kernel launched from Python). Also GPU ms per step (profiler) and GPU busy
 forward (no_grad). Writes eager_step_<label>.json.
 
 Usage: python3 benchmarks/bench_eager_step.py --out DIR [--label after] [--presets small gpt2]
+    [--providers torch triton-nographs]
 To compare two checkouts, run it with PYTHONPATH pointing at each (the package is imported
 from PYTHONPATH first).
 """
@@ -88,10 +89,14 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--label", default="after")
     ap.add_argument("--presets", nargs="+", default=["small", "gpt2", "large"])
+    ap.add_argument(
+        "--providers", nargs="+", default=["torch", "triton", "triton-nographs"],
+        choices=["torch", "triton", "triton-nographs"],
+    )  # fmt: skip
     args = ap.parse_args()
     results = {}
     for preset in args.presets:
-        for provider in ("torch", "triton", "triton-nographs"):
+        for provider in args.providers:
             results[f"{preset}/{provider}"] = row = measure(preset, provider)
             scalars = {k: round(v, 2) for k, v in row.items() if k != "kernels"}
             print(args.label, preset, provider, scalars)

@@ -94,6 +94,7 @@ def main() -> None:
         action="store_true",
         help="eager attention backwards take the Triton kernel (the Gluon ones turned off)",
     )
+    ap.add_argument("--ops", nargs="*", default=None, help="only these ops (names as printed)")
     ap.add_argument(
         "--profile",
         default=None,
@@ -123,6 +124,8 @@ def main() -> None:
     rows = []
     timed = liger_cases() if args.liger else cases(ops, use_triton=not args.torch)
     for name, fwd in timed.items():
+        if args.ops is not None and name not in args.ops:
+            continue
 
         def fwd_bwd(fwd=fwd):
             out = fwd()
