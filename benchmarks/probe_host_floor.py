@@ -15,7 +15,9 @@ shape so the GPU never limits:
 - `torch.empty_like`;
 - an `autograd.Function` with an empty body (forward returns a new tensor, backward returns
   its input), and with one launch of the trivial kernel in each of forward and backward:
-  the floor of any Python op with one kernel each way, to set against `x.neg()`.
+  the floor of any Python op with one kernel each way, to set against `x.neg()`; with three
+  allocations, and with three launches, each way; our layernorm and `F.layer_norm`: where
+  the backward on autograd's device thread costs more than on the calling thread.
 
 Both with the backward on autograd's device thread (the default) and on the calling thread.
 
@@ -38,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
 
+from triton_transformer.dropout import dropout
+from triton_transformer.layernorm import layernorm
 from triton_transformer.utils import launcher
 
 
@@ -75,6 +79,34 @@ class _OneKernel(torch.autograd.Function):
         return dx
 
 
+class _ThreeEmpties(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        torch.empty_like(x), torch.empty_like(x)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        torch.empty_like(dy), torch.empty_like(dy)
+        return torch.empty_like(dy)
+
+
+class _ThreeLaunches(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.empty_like(x)
+        for _ in range(3):
+            _launch_ours(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = torch.empty_like(dy)
+        for _ in range(3):
+            _launch_ours(dy, dx)
+        return dx
+
+
 def _bound_run(x: torch.Tensor, y: torch.Tensor):
     """The compiled kernel's launcher with everything but the grid's arguments bound."""
     compiled = _copy_kernel[(1,)](x, y, x.numel(), BLOCK=1024)
@@ -94,6 +126,7 @@ def main() -> None:
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = torch.empty_like(x)
     xd = x.detach()
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def fwd_bwd(fwd):
         def body():
@@ -120,6 +153,12 @@ def main() -> None:
         "F.relu(x)": lambda: F.relu(x),
         "Function, empty bodies": lambda: _Empty.apply(x),
         "Function, one launch each way": lambda: _OneKernel.apply(x),
+        "Function, three allocations each way": lambda: _ThreeEmpties.apply(x),
+        "Function, three launches each way": lambda: _ThreeLaunches.apply(x),
+        "our layernorm": lambda: layernorm(x, w, use_triton=True),
+        "F.layer_norm": lambda: F.layer_norm(x, (512,), w),
+        "our dropout": lambda: dropout(x, 0.1, use_triton=True),
+        "F.dropout": lambda: F.dropout(x, 0.1),
     }
     for thread in ("worker", "calling"):
         with torch.autograd.set_multithreading_enabled(thread == "worker"):
