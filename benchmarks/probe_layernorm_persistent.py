@@ -49,6 +49,30 @@ def _load(X, rows, col0, M, stride_x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(X, rows, M, stride_x, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile `rows` of X as PARTS blocks of BLOCK_N columns (the unused ones repeat the
+    first)."""
+    x0 = _load(X, rows, 0, M, stride_x, BLOCK_N)
+    x1, x2 = x0, x0
+    if PARTS == 3:
+        x1 = _load(X, rows, BLOCK_N, M, stride_x, BLOCK_N)
+        x2 = _load(X, rows, 2 * BLOCK_N, M, stride_x, BLOCK_N)
+    return x0, x1, x2
+
+
+@triton.jit
+def _load_parts(P, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A weight or bias as PARTS blocks of BLOCK_N (fp32), as `_load_rows` splits a row."""
+    cols = tl.arange(0, BLOCK_N)
+    p0 = tl.load(P + cols).to(tl.float32)
+    p1, p2 = p0, p0
+    if PARTS == 3:
+        p1 = tl.load(P + BLOCK_N + cols).to(tl.float32)
+        p2 = tl.load(P + 2 * BLOCK_N + cols).to(tl.float32)
+    return p0, p1, p2
+
+
+@triton.jit
 def _normalize_store(
     Y, Stats, x0, x1, x2, w0, w1, w2, b0, b1, b2, rows, M, stride_y, inv_n, eps, clamp,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,30 +138,13 @@ def _ln_fwd_persistent_kernel(
     pid, programs = tl.program_id(0), tl.num_programs(0)
     n_tiles = tl.cdiv(M, BLOCK_M)
     lanes = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    w0 = tl.load(W + cols).to(tl.float32)
-    b0 = tl.load(B + cols).to(tl.float32)
-    w1, w2, b1, b2 = w0, w0, b0, b0
-    if PARTS == 3:
-        w1 = tl.load(W + BLOCK_N + cols).to(tl.float32)
-        w2 = tl.load(W + 2 * BLOCK_N + cols).to(tl.float32)
-        b1 = tl.load(B + BLOCK_N + cols).to(tl.float32)
-        b2 = tl.load(B + 2 * BLOCK_N + cols).to(tl.float32)
+    w0, w1, w2 = _load_parts(W, PARTS, BLOCK_N)
+    b0, b1, b2 = _load_parts(B, PARTS, BLOCK_N)
     if PREFETCH:
-        rows = pid * BLOCK_M + lanes
-        x0 = _load(X, rows, 0, M, stride_x, BLOCK_N)
-        x1, x2 = x0, x0
-        if PARTS == 3:
-            x1 = _load(X, rows, BLOCK_N, M, stride_x, BLOCK_N)
-            x2 = _load(X, rows, 2 * BLOCK_N, M, stride_x, BLOCK_N)
+        x0, x1, x2 = _load_rows(X, pid * BLOCK_M + lanes, M, stride_x, PARTS, BLOCK_N)
         for tile in range(pid, n_tiles, programs):
             rows = tile * BLOCK_M + lanes
-            nxt = rows + programs * BLOCK_M
-            n0 = _load(X, nxt, 0, M, stride_x, BLOCK_N)
-            n1, n2 = n0, n0
-            if PARTS == 3:
-                n1 = _load(X, nxt, BLOCK_N, M, stride_x, BLOCK_N)
-                n2 = _load(X, nxt, 2 * BLOCK_N, M, stride_x, BLOCK_N)
+            n0, n1, n2 = _load_rows(X, rows + programs * BLOCK_M, M, stride_x, PARTS, BLOCK_N)
             _normalize_store(
                 Y, Stats, x0, x1, x2, w0, w1, w2, b0, b1, b2, rows, M, stride_y, inv_n, eps,
                 clamp, HAS_BIAS, STABLE, PARTS, BLOCK_N,
@@ -146,11 +153,7 @@ def _ln_fwd_persistent_kernel(
     else:
         for tile in tl.range(pid, n_tiles, programs, num_stages=STAGES):
             rows = tile * BLOCK_M + lanes
-            x0 = _load(X, rows, 0, M, stride_x, BLOCK_N)
-            x1, x2 = x0, x0
-            if PARTS == 3:
-                x1 = _load(X, rows, BLOCK_N, M, stride_x, BLOCK_N)
-                x2 = _load(X, rows, 2 * BLOCK_N, M, stride_x, BLOCK_N)
+            x0, x1, x2 = _load_rows(X, rows, M, stride_x, PARTS, BLOCK_N)
             _normalize_store(
                 Y, Stats, x0, x1, x2, w0, w1, w2, b0, b1, b2, rows, M, stride_y, inv_n, eps,
                 clamp, HAS_BIAS, STABLE, PARTS, BLOCK_N,
