@@ -542,8 +542,8 @@ class KernelLauncher:
         with those tensors, the rest of `args` and `kwargs` as bound here, and no key
         computed. For a caller that keys its own cache of bound launches on every fact the
         kernel's specialisation reads from the tensors (dtype, 16-byte alignment), so a hit
-        is the same specialisation (`layernorm._launch_plan`): per call it saves the key's
-        pass over every argument. Where the direct path cannot run (Triton's interpreter,
+        is the same specialisation (`layernorm._PLANS`, `dropout._PLANS`): per call it saves
+        the key's pass over every argument. Where the direct path cannot run (Triton's interpreter,
         an argument it cannot key, launch hooks set at the call), it launches as
         `self[grid]` does."""
         n_tensors = next(
