@@ -91,13 +91,23 @@ def on_hopper(test):
 def record_calls(monkeypatch, module, name: str, record=lambda *args, **kwargs: args[0].shape):
     """Replace `module.name` for the test with a wrapper that appends `record(*args,
     **kwargs)` (by default the first argument's shape) to the returned list, then calls the
-    real function: which launches a test's code made, and with what."""
+    real function: which launches a test's code made, and with what. A launch function that
+    returns its launch bound for the next call of a shape (`utils.KernelLauncher.bind`, taken
+    from an op's `LaunchPlans`) has each call of that recorded too."""
     calls = []
     real = getattr(module, name)
 
     def recorded(*args, **kwargs):
         calls.append(record(*args, **kwargs))
-        return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if not callable(result):
+            return result
+
+        def again(*args, **kwargs):
+            calls.append(record(*args, **kwargs))
+            return result(*args, **kwargs)
+
+        return again
 
     monkeypatch.setattr(module, name, recorded)
     return calls

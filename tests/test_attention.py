@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import compile_trace_check, deterministic_algorithms, kernel_analysis_failures
 
+import triton_transformer.attention as attn_mod
 from triton_transformer.attention import (
     attention,
     attention_cached,
@@ -24,7 +25,7 @@ from triton_transformer.attention import (
     flash_attention_op,
     flash_attention_packed_op,
 )
-from triton_transformer.utils import draw_seed, draw_seeds
+from triton_transformer.utils import clear_launch_plans, draw_seed, draw_seeds
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 # dq and dk go through dS = P ∘ (dP - Δ) with Δ = rowsum(dO ∘ O) computed from the *stored*
@@ -828,6 +829,74 @@ def test_dropout_explicit_seed(device):
     assert torch.equal(out, attention(q, k, v, seed=seeds[0], **kw).transpose(1, 2).flatten(2))
     with pytest.raises(TypeError, match="seed"):
         attention(q, k, v, seed=seeds, **kw)
+
+
+# (b, h, h_kv, n, d, causal, dropout_p, key padding, packed qkv): on a GPU (bf16) the last
+# ones reach the Gluon forward (d128 from 512 queries), the warp-specialized backward, the
+# Gluon single pass (dropout) and the Triton kernels' TMA tile loads (d64 causal, 1024)
+ON_GPU = pytest.mark.gpu
+PLAN_CASES = [
+    pytest.param((2, 2, 2, 40, 32, True, 0.1, True, False), id="mask-dropout"),
+    pytest.param((2, 2, 2, 40, 32, True, 0.0, False, True), id="packed"),
+    pytest.param((2, 4, 2, 33, 16, False, 0.0, False, False), id="gqa"),
+    pytest.param((2, 4, 4, 512, 128, True, 0.0, False, True), id="gpu-d128", marks=ON_GPU),
+    pytest.param((2, 4, 4, 1024, 64, True, 0.0, False, True), id="gpu-d64", marks=ON_GPU),
+    pytest.param((2, 4, 4, 1024, 64, True, 0.1, False, False), id="gpu-dropout", marks=ON_GPU),
+    pytest.param((2, 4, 2, 1024, 64, True, 0.0, True, False), id="gpu-gqa-mask", marks=ON_GPU),
+    pytest.param((1, 2, 2, 8, 64, False, 0.0, False, False), id="gpu-decode", marks=ON_GPU),
+]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_eager_launches_bound_per_shape(case, device):
+    # an eager call's first launch of a shape binds the forward's and the backward's launches
+    # (`_FWD_PLANS`, `_BWD_PLANS`); later calls of that shape take them, with their own
+    # tensors: the same output and gradients as launches looked up afresh. Another dtype or
+    # alignment binds its own.
+    b, h, h_kv, n, d, causal, p, padded, packed = case
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kpm = None
+    if padded:
+        kpm = torch.rand(b, n, device=device) > 0.25
+        kpm[:, 0] = True
+    kw = dict(causal=causal, key_padding_mask=kpm, dropout_p=p, use_triton=True)
+    if packed:
+        inputs = [torch.randn(b, n, 3 * h * d, device=device).to(dtype)]
+    else:
+        q, k, v = make_qkv(b, h, n, n, d, dtype, device)
+        inputs = [q, k[:, :h_kv].contiguous(), v[:, :h_kv].contiguous()]
+    dout = torch.randn(b, n, h * d, device=device).to(dtype)
+
+    def run(*tensors):
+        torch.manual_seed(0)  # the same dropout mask every call
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        if packed:
+            out = attention_packed(leaves[0], h, **kw)
+        else:
+            out = attention(*leaves, **kw).transpose(1, 2).flatten(2)
+        out.backward(dout.to(out.dtype))
+        return (out, *(t.grad for t in leaves))
+
+    def check(got, want):
+        # dQ is summed in a varying order on a GPU (the single pass's reductions)
+        tol = 0 if device == "cpu" else 2e-2
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+    plans = attn_mod._FWD_PLANS.plans, attn_mod._BWD_PLANS.plans
+    run(*inputs)
+    assert [len(t) for t in plans] == [1, 1]
+    other = [t + 0.25 for t in inputs]  # new tensors, new values
+    bound = run(*other)
+    assert [len(t) for t in plans] == [1, 1]
+    clear_launch_plans()
+    check(bound, run(*other))
+    run(*[t.half() for t in inputs])
+    assert [len(t) for t in plans] == [2, 2]
+    shifted = [torch.empty(t.numel() + 1, device=device, dtype=t.dtype)[1:] for t in other]
+    shifted = [s.view_as(t).copy_(t) for s, t in zip(shifted, other, strict=True)]
+    check(run(*shifted), bound)  # 2 bytes off: no TMA descriptors, other specialisations
+    assert [len(t) for t in plans] == [3, 3]
 
 
 @pytest.mark.gpu

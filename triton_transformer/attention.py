@@ -102,6 +102,7 @@ from triton_transformer.bmm import bmm
 from triton_transformer.dropout import dropout
 from triton_transformer.softmax import softmax
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     check_dropout_p,
     check_triton_tensor,
@@ -114,8 +115,10 @@ from triton_transformer.utils import (
     next_power_of_2,
     offsets_in,
     opaque_op,
+    rebased,
     seed_or_draw,
     sm_count,
+    tensor_facts,
     tma_scratch,
     tracing,
     widened_for_interpreter,
@@ -980,11 +983,13 @@ def _launch_meta(q, k, v) -> dict:
 _FITTED: dict[tuple, dict] = {}
 
 
-def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict) -> None:
+def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict):
     """Launch `kernel` with the table's tiles (and its register cap, `maxnreg`, if any);
     where they need more shared memory than this GPU has (Triton raises OutOfResources
     before anything runs), retry with fewer pipeline stages (the grid does not depend on
-    them), down to one, and remember what fitted. Traced launches (torch.compile) take the
+    them), down to one, and remember what fitted. Returns the launch bound for the next
+    call's tensors (`KernelLauncher.bind`: the leading tensor arguments per call), or None
+    when traced. Traced launches (torch.compile) take the
     table's tiles as they are, without the register cap: inductor keeps only num_warps and
     num_stages of a user kernel's launch options (torch 2.11-2.13), so a cap would be
     dropped anyway (passed in an autotuner's config, the compiled enwik8 step's attention
@@ -992,12 +997,12 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
     if is_traced(args[0]):
         tiles = {k: v for k, v in config.items() if k != "maxnreg"}
         launcher(kernel)[grid](*args, **consts, **tiles)
-        return
+        return None
     key = (kernel, *consts.values(), *config.values())
     tiles = _FITTED.get(key, config)
     while True:
         try:
-            launcher(kernel)[grid](*args, **consts, **tiles)
+            bound = launcher(kernel).bind(grid, *args, **consts, **tiles)
             break
         except triton.runtime.errors.OutOfResources:
             if tiles["num_stages"] <= 1:
@@ -1005,6 +1010,7 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
             tiles = {**tiles, "num_stages": tiles["num_stages"] - 1}
     if tiles is not config:
         _FITTED[key] = tiles
+    return bound
 
 
 @functools.cache
@@ -1090,19 +1096,65 @@ def _max_row_offset(*tensors: torch.Tensor) -> int:
     return max(t.shape[2] * abs(t.stride(2)) + t.shape[3] * abs(t.stride(3)) for t in tensors)
 
 
+# An eager call's launches, bound once per shape (`utils.LaunchPlans`): the forward's and the
+# backward's, keyed on everything their decisions read but the tensors' addresses.
+_FWD_PLANS = LaunchPlans()
+_BWD_PLANS = LaunchPlans()
+
+
+def _switches() -> tuple:
+    """The module switches and tables the launches read, which benchmarks change between
+    calls: part of every plan's key."""
+    return (
+        TMA_LOADS, TMA_LOADS_MIN_QUERIES, LONGEST_FIRST_BYTES, _attention_fwd_config,
+        _attention_bwd_config, attention_hopper, attention_hopper.ENABLED,
+        attention_hopper_bwd_ws.ENABLED, attention_hopper_fwd.ENABLED,
+    )  # fmt: skip
+
+
+def _layout_key(*tensors: torch.Tensor | None) -> tuple:
+    """The part of a plan's key that the tensors give: each one's shape and strides (None
+    where absent) and `tensor_facts` of those present."""
+    present = [t for t in tensors if t is not None]
+    layouts = tuple([None if t is None else (t.shape, t.stride()) for t in tensors])
+    return (*layouts, *tensor_facts(*present))
+
+
 def launch_attention_fwd(
     q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv_len=None
 ):
     """Launch the forward for (b, h, n, d) views; returns out (b, n_q, h, d) contiguous and
     lse (b·h, n_q) fp32 (empty when not needed). `config`: tiles (benchmark sweeps only).
-    kv_len: a 0-dim integer device tensor; only keys [0, kv_len) of k, v are real."""
+    kv_len: a 0-dim integer device tensor; only keys [0, kv_len) of k, v are real. An eager
+    call takes the launches bound for its shape (`_FWD_PLANS`) when there are."""
+    key = None
+    if config is None and not is_traced(q):
+        key = (
+            *_layout_key(q, k, v, kpm, seed, kv_len), causal, scale, dropout_p, need_lse,
+            q.device, *_switches(),
+        )  # fmt: skip
+        plan = _FWD_PLANS.get(key)
+        if plan is not None:
+            return plan(q, k, v, kpm, seed, kv_len)
+    out, lse, plan = _fwd_launches(
+        q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config, kv_len
+    )
+    if key is not None:
+        _FWD_PLANS.put(key, plan)
+    return out, lse
+
+
+def _fwd_launches(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config, kv_len):
+    """Launch `launch_attention_fwd`'s forward; returns (out, lse, plan), where plan(q, k, v,
+    kpm, seed, kv_len) launches it again, bound, for tensors of the same layouts and facts
+    (outputs and work buffers allocated per call)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
+    out, lse = _forward_outputs(q, need_lse)
     if out.numel() == 0:
-        return out, lse
-    if _dtype_meta(int(d), q.dtype)["interpret"]:  # cached: no environment read per call
+        return out, lse, lambda q, *_: _forward_outputs(q, need_lse)
+    interpret = _dtype_meta(int(d), q.dtype)["interpret"]  # cached: no environment read
+    if interpret:
         q, k, v = widened_for_interpreter(q, k, v)
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
@@ -1110,31 +1162,43 @@ def launch_attention_fwd(
     if gluon and not is_traced(q):
         # Hopper's warp-specialized forward in Gluon (`attention_hopper_fwd`; traced code
         # reaches this eagerly, through the opaque op: `_traced_forward_op`)
-        attention_hopper_fwd.launch_fwd_sm90(
+        again = attention_hopper_fwd.launch_fwd_sm90(
             q, k, v, out.transpose(1, 2), lse, causal, scale * LOG2E, need_lse
         )
-        return out, lse
+
+        def gluon_plan(q, k, v, kpm, seed, kv_len):
+            out, lse = _forward_outputs(q, need_lse)
+            again(q, k, v, out.transpose(1, 2), lse)
+            return out, lse
+
+        return out, lse, gluon_plan
     meta = _launch_meta(q, k, v)
     decode = bool(n_q <= 16)
     if config is None:
         config = (
             _INTERP_FWD
-            if meta["interpret"]
+            if interpret
             else _attention_fwd_config(decode, int(d), q.dtype, causal, dropping)
         )
     m_blocks = -(-n_q // config["BLOCK_M"])
     n_splits, split_len = 1, n_k
     if decode and not (need_lse or dropping):
         n_splits, split_len = _key_splits(b * h * m_blocks, n_k, config["BLOCK_N"], q.device)
-    part_acc = part_ml = q  # the splits' partial results (unused without splits)
-    if n_splits > 1:
-        rows = b * h * n_splits * n_q
-        part_acc = torch.empty((rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32)
-        part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
-    kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
-    args = (
-        q, k, v, out, lse, kpm_arg, seed if dropping else q, q if kv_len is None else kv_len,
-        part_acc, part_ml,
+
+    def tensors(q, k, v, out, lse, kpm, seed, kv_len) -> tuple:
+        part_acc = part_ml = q  # the splits' partial results (unused without splits)
+        if n_splits > 1:
+            rows = b * h * n_splits * n_q
+            part_acc = torch.empty((rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32)
+            part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
+        kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
+        return (
+            q, k, v, out, lse, kpm_arg, seed if dropping else q,
+            q if kv_len is None else kv_len, part_acc, part_ml,
+        )  # fmt: skip
+
+    first = tensors(q, k, v, out, lse, kpm, seed, kv_len)
+    scalars = (
         *q.stride(), *k.stride(), *v.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
         b * h, h, n_q, n_k, scale * LOG2E, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
@@ -1148,15 +1212,29 @@ def launch_attention_fwd(
         GROUP=_group(q, k), LPT_BYTES=LONGEST_FIRST_BYTES,
     )  # fmt: skip
     gy, gz = meta["grid_bh"]
-    _launch_fitting(_attention_fwd_kernel, (m_blocks * n_splits, gy, gz), args, consts, config)
+    grid = (m_blocks * n_splits, gy, gz)
+    main = _launch_fitting(_attention_fwd_kernel, grid, first + scalars, consts, config)
+    combine = None
     if n_splits > 1:
         # interpreter: 2 splits per step, so that the tests' 3 splits take a ragged 2nd step
-        block_s = 2 if meta["interpret"] else min(64, next_power_of_2(n_splits))
-        launcher(_attention_fwd_combine_kernel)[(n_q, gy, gz)](
-            part_acc, part_ml, out, out.stride(0), out.stride(2), out.stride(1),
-            b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_S=block_s,
+        block_s = 2 if interpret else min(64, next_power_of_2(n_splits))
+        combine = launcher(_attention_fwd_combine_kernel).bind(
+            (n_q, gy, gz), first[8], first[9], out, out.stride(0), out.stride(2),
+            out.stride(1), b * h, h, n_q, n_splits, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+            BLOCK_S=block_s,
         )  # fmt: skip
-    return out, lse
+
+    def plan(q, k, v, kpm, seed, kv_len):
+        out, lse = _forward_outputs(q, need_lse)
+        if interpret:
+            q, k, v = widened_for_interpreter(q, k, v)
+        args = tensors(q, k, v, out, lse, kpm, seed, kv_len)
+        main(*args)
+        if combine is not None:
+            combine(args[8], args[9], out)
+        return out, lse
+
+    return out, lse, plan
 
 
 def _key_splits(programs: int, n_k: int, block_n: int, device: torch.device) -> tuple[int, int]:
@@ -1251,8 +1329,10 @@ def launch_attention_bwd(
     does: off, causal attention takes the single-pass kernel, which adds dQ in fp32 with TMA
     reductions (faster; the summation order varies in the last bits); on, dK/dV and dQ
     programs each recompute P (bit-reproducible). See `_single_pass`.
+
+    An eager call takes the launches bound for its shape (`_BWD_PLANS`) when there are.
     """
-    b, h, n_q, d = q.shape
+    b, h, n_q, _ = q.shape
     n_k = k.shape[2]
     if n_q == 0 or n_k == 0 or b * h == 0:
         for t in (dq, dk, dv):
@@ -1260,7 +1340,31 @@ def launch_attention_bwd(
         return
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if _dtype_meta(int(d), q.dtype)["interpret"]:  # cached: no environment read per call
+    tensors = (dout, q, k, v, out, lse, kpm, seed, dq, dk, dv, grads_base)
+    key = None
+    if config is None and not is_traced(q):
+        offsets = None if grads_base is None else offsets_in(grads_base, dq, dk, dv)
+        key = (
+            *_layout_key(*tensors), offsets, causal, scale, dropout_p, deterministic,
+            q.device, *_switches(),
+        )  # fmt: skip
+        plan = _BWD_PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return
+    plan = _bwd_launches(tensors, causal, scale, dropout_p, config, deterministic)
+    if key is not None:
+        _BWD_PLANS.put(key, plan)
+
+
+def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministic):
+    """Launch `launch_attention_bwd`'s kernels for its tensors (dout, q, k, v, out, lse, kpm,
+    seed, dq, dk, dv, grads_base; None where absent) and return them bound for the next call
+    of the same layouts and facts: plan(*tensors) (work buffers allocated per call)."""
+    dout, q, k, v, out, lse, kpm, seed, dq, dk, dv, grads_base = tensors
+    b, h, n_q, d = q.shape
+    interpret = _dtype_meta(int(d), q.dtype)["interpret"]  # cached: no environment read
+    if interpret:
         dout, q, k, v = widened_for_interpreter(dout, q, k, v)
     meta = _launch_meta(q, k, v)
     # The single pass adds dQ by TMA bulk reductions on Hopper (per-element atomics measured
@@ -1276,75 +1380,145 @@ def launch_attention_bwd(
     gluon = None
     if not traced:
         gluon = _takes_gluon(dout, q, k, v, has_kpm, causal, dropping, deterministic)
-    atomic = gluon is not None or _single_pass(causal, deterministic, dq_tma, meta["interpret"])
+    atomic = gluon is not None or _single_pass(causal, deterministic, dq_tma, interpret)
     gy, gz = meta["grid_bh"]
-    delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
-    # the single pass's fp32 dQ sum; the delta kernel zeroes it
-    dq_acc = torch.empty((b * h, n_q, d) if atomic else (0,), device=q.device, dtype=torch.float32)
-    bm = 64 if not meta["interpret"] else 32
-    launcher(_attention_bwd_delta_kernel)[(-(-n_q // bm), gy, gz)](
-        out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
+    block_d = meta["BLOCK_D"]
+
+    def buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
+        # the single pass's fp32 dQ sum; the delta kernel zeroes it
+        shape = (b * h, n_q, d) if atomic else (0,)
+        return delta, torch.empty(shape, device=q.device, dtype=torch.float32)
+
+    delta, dq_acc = buffers(q)
+    bm = 64 if not interpret else 32
+    grid_rows = (-(-n_q // bm), gy, gz)
+    delta_launch = launcher(_attention_bwd_delta_kernel).bind(
+        grid_rows, out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
-        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm, ZERO_DQ=atomic,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, ZERO_DQ=atomic,
     )  # fmt: skip
-    grads, offsets = (dq, dk, dv), (0, 0, 0)
-    if grads_base is not None:
-        grads = (grads_base, q, q)  # q: placeholders the kernel does not use
-        offsets = offsets_in(grads_base, dq, dk, dv)
+    offsets = (0, 0, 0) if grads_base is None else offsets_in(grads_base, dq, dk, dv)
+
+    def written(q, dq, dk, dv, grads_base) -> tuple:
+        # the tensors the kernels write: dq, dk, dv, or the base they are views of (q stands
+        # in for the unused two)
+        return (dq, dk, dv) if grads_base is None else (grads_base, q, q)
+
+    grads = written(q, dq, dk, dv, grads_base)
     if gluon == "ws":  # Hopper's warp-specialized backward (`attention_hopper_bwd_ws`)
-        attention_hopper_bwd_ws.launch_bwd_ws_sm90(
+        main = attention_hopper_bwd_ws.launch_bwd_ws_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta, dq_acc,
             causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES,
         )  # fmt: skip
     elif gluon:  # Hopper's single pass in Gluon (`attention_hopper`; its descriptors host-made)
-        attention_hopper.launch_bwd_sm90(
+        main = attention_hopper.launch_bwd_sm90(
             q, k, v, dout.transpose(1, 2), dk, dv, grads_base, offsets[1:], lse, delta,
             dq_acc, causal, scale * LOG2E, scale, LONGEST_FIRST_BYTES, dropout_p,
             seed if dropping else None,
         )  # fmt: skip
     else:
-        args = [
-            q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-            seed if dropping else q, dq_acc if atomic else delta, *[q] * 5, *offsets,
-            *q.stride(), *k.stride(), *v.stride(),
-            dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
-            *dq.stride(), *dk.stride(), *dv.stride(),
-            kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
-            b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
-            1.0 / (1.0 - dropout_p),
-        ]  # fmt: skip
-        consts = dict(
-            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
-            DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
-            INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
-            DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not traced,
-            TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
-            and _tma_loads(q, k, v, dout),
-            GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
-            LPT_BYTES=LONGEST_FIRST_BYTES,
+        main = _triton_bwd(
+            tensors, (dout, q, k, v), grads, delta, dq_acc, offsets, config, meta, causal,
+            scale, dropout_p, atomic, dq_tma, traced,
         )  # fmt: skip
-        if config is None and meta["interpret"]:
-            config = _INTERP_BWD
-        elif config is None:
-            config = _attention_bwd_config(int(d), q.dtype, causal, dropping, atomic)
-        # a key/value head's key blocks are shared among its query heads' grid rows
-        key_blocks = -(-n_k // config["BLOCK_N1"])
-        n_prog = -(-key_blocks // consts["GROUP"])
-        if not atomic:
-            n_prog += -(-n_q // config["BLOCK_M2"])
-        if consts["TMA"] or consts["DQ_HOST_DESC"]:  # (eager launches only: `_tma_loads`)
-            args[12:17] = _bwd_descriptors(
-                q, k, v, dout.transpose(1, 2), dq_acc, config, meta["BLOCK_D"], consts["TMA"],
-                consts["DQ_HOST_DESC"],
-            )  # fmt: skip
-        elif consts["DQ_TMA"]:  # traced: the kernel makes dQ's descriptor itself
-            triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
-        _launch_fitting(_attention_bwd_kernel, (n_prog, gy, gz), tuple(args), consts, config)
+    dq_launch = None
     if atomic:
-        launcher(_attention_bwd_dq_kernel)[(-(-n_q // bm), gy, gz)](
-            dq_acc, grads[0], offsets[0], *dq.stride(), b * h, h, n_q, scale,
-            HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm,
+        dq_launch = launcher(_attention_bwd_dq_kernel).bind(
+            grid_rows, dq_acc, grads[0], offsets[0], *dq.stride(), b * h, h, n_q, scale,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm,
         )  # fmt: skip
+
+    def plan(dout, q, k, v, out, lse, kpm, seed, dq, dk, dv, grads_base) -> None:
+        if interpret:
+            dout, q, k, v = widened_for_interpreter(dout, q, k, v)
+        delta, dq_acc = buffers(q)
+        delta_launch(out, dout, delta, dq_acc)
+        grads = written(q, dq, dk, dv, grads_base)
+        if gluon:
+            main(q, k, v, dout.transpose(1, 2), dk, dv, grads_base, lse, delta, dq_acc, seed)
+        else:
+            main(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
+        if dq_launch is not None:
+            dq_launch(dq_acc, grads[0])
+
+    return plan
+
+
+def _triton_bwd(
+    tensors, widened, grads, delta, dq_acc, offsets, config, meta, causal, scale, dropout_p,
+    atomic, dq_tma, traced,
+):  # fmt: skip
+    """Launch `_attention_bwd_kernel` for `_bwd_launches` (widened: its dout, q, k, v as the
+    kernel reads them); returns it bound: again(dout, q, k, v, grads, lse, delta, dq_acc, kpm,
+    seed), or None when traced."""
+    _, _, _, _, _, lse, kpm, seed, dq, dk, dv, grads_base = tensors
+    dout, q, k, v = widened
+    d = q.shape[3]
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    has_kpm = kpm is not None
+    dropping = dropout_p > 0.0
+
+    def leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> list:
+        return [
+            q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
+            seed if dropping else q, dq_acc if atomic else delta, *[q] * 5,
+        ]  # fmt: skip
+
+    args = [
+        *leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed), *offsets,
+        *q.stride(), *k.stride(), *v.stride(),
+        dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
+        *dq.stride(), *dk.stride(), *dv.stride(),
+        kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
+        b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
+        1.0 / (1.0 - dropout_p),
+    ]  # fmt: skip
+    consts = dict(
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], CAUSAL=causal, HAS_KPM=has_kpm,
+        DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
+        INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
+        DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not traced,
+        TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
+        and _tma_loads(q, k, v, dout),
+        GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
+        LPT_BYTES=LONGEST_FIRST_BYTES,
+    )  # fmt: skip
+    if config is None and meta["interpret"]:
+        config = _INTERP_BWD
+    elif config is None:
+        config = _attention_bwd_config(int(d), q.dtype, causal, dropping, atomic)
+    # a key/value head's key blocks are shared among its query heads' grid rows
+    key_blocks = -(-n_k // config["BLOCK_N1"])
+    n_prog = -(-key_blocks // consts["GROUP"])
+    if not atomic:
+        n_prog += -(-n_q // config["BLOCK_M2"])
+    descs = None
+    if consts["TMA"] or consts["DQ_HOST_DESC"]:  # (eager launches only: `_tma_loads`)
+        descs = _bwd_descriptors(
+            q, k, v, dout.transpose(1, 2), dq_acc, config, meta["BLOCK_D"], consts["TMA"],
+            consts["DQ_HOST_DESC"],
+        )  # fmt: skip
+        args[12:17] = descs
+    elif consts["DQ_TMA"]:  # traced: the kernel makes dQ's descriptor itself
+        triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
+    grid = (n_prog, *meta["grid_bh"])
+    bound = _launch_fitting(_attention_bwd_kernel, grid, tuple(args), consts, config)
+    if bound is None:
+        return None
+
+    def again(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> None:
+        per_call = leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
+        if descs is not None:
+            bases = (q, k, v, dout.transpose(1, 2), dq_acc)
+            per_call[12:17] = [
+                q if isinstance(t, torch.Tensor) else rebased(t, base)  # q: a placeholder
+                for t, base in zip(descs, bases, strict=True)
+            ]
+        bound(*per_call)
+
+    return again
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ it through `attention`'s opaque backward op.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -77,7 +78,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.utils import dropout_threshold, launcher
+from triton_transformer.utils import dropout_threshold, launcher, rebased
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
 
@@ -511,14 +512,18 @@ def launch_bwd_sm90(
     grad_offsets: tuple[int, int], lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
     causal: bool, qk_scale: float, sm_scale: float, lpt_bytes: int,
     dropout_p: float = 0.0, seed: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+) -> Callable[..., None]:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v, dout (unit stride along d, TMA-
     describable): fills the (b, h, n_k, d) views dk, dv (any strides; views of `grads_base`
     when given, at element offsets `grad_offsets` (`utils.offsets_in`), which the kernel then
     gets, as `attention.launch_attention_bwd` passes it; (0, 0) otherwise) and adds the
     unscaled dQ into dq_acc (fp32, (b·h, n_q, d), contiguous, zeroed). lse, delta: (b·h, n_q)
     fp32, the forward's log-sum-exp in log2 units and Σ dO·O. dropout_p > 0: the forward's
-    dropout of P, whose mask `seed` (0-dim int64 device tensor) regenerates."""
+    dropout of P, whose mask `seed` (0-dim int64 device tensor) regenerates.
+
+    Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, dout,
+    dk, dv, grads_base, lse, delta, dq_acc, seed), as `utils.KernelLauncher.bind`, the
+    descriptors `rebased` per call."""
     dropping = dropout_p > 0.0
     if dropping and seed is None:
         raise ValueError("a backward through dropout needs the forward's seed")
@@ -532,10 +537,17 @@ def launch_bwd_sm90(
         tiles["BLOCK_N"],
     )  # fmt: skip
     grid = (-(-n_k // tiles["BLOCK_N"]), b * h, 1)
-    launcher(_attention_bwd_sm90_kernel)[grid](
-        *descs, dk_base, dv_base, seed if dropping else delta, lse, delta, off_dk, off_dv,
+    bound = launcher(_attention_bwd_sm90_kernel).bind(
+        grid, *descs, dk_base, dv_base, seed if dropping else delta, lse, delta, off_dk, off_dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         b * h, h, n_q, n_k, qk_scale, sm_scale, dropout_threshold(dropout_p),
         1.0 / (1.0 - dropout_p), HEAD_DIM=d, CAUSAL=causal, DROPOUT=dropping,
         LPT_BYTES=lpt_bytes, **tiles,
     )  # fmt: skip
+
+    def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
+        bases = (q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc)
+        written = (dk, dv) if grads_base is None else (grads_base, grads_base)
+        bound(*map(rebased, descs, bases), *written, seed if dropping else delta, lse, delta)
+
+    return again

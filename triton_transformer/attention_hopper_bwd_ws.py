@@ -54,6 +54,7 @@ opaque backward op.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ from triton_transformer.attention_hopper import (
     _load_step,
     _store_head_rows,
 )
-from triton_transformer.utils import launcher
+from triton_transformer.utils import launcher, rebased
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_ws_sm90", "usable"]
 
@@ -444,14 +445,18 @@ def launch_bwd_ws_sm90(
     dk: torch.Tensor, dv: torch.Tensor, grads_base: torch.Tensor | None,
     grad_offsets: tuple[int, int], lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor,
     causal: bool, qk_scale: float, sm_scale: float, lpt_bytes: int, tiles: dict | None = None,
-) -> None:  # fmt: skip
+) -> Callable[..., None]:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v, dout (d of `HEAD_DIMS`, unit stride
     along d, TMA-describable): fills the (b, h, n_k, d) views dk, dv (any strides; views of
     `grads_base` when given, at element offsets `grad_offsets`, as
     `attention_hopper.launch_bwd_sm90` takes them) and adds the unscaled dQ into dq_acc (fp32,
     (b·h, n_q, d), contiguous, zeroed). lse, delta: (b·h, n_q) fp32, the forward's
     log-sum-exp in log2 units and Σ dO·O.
-    tiles: `bwd_tiles` unless given (benchmarks)."""
+    tiles: `bwd_tiles` unless given (benchmarks).
+
+    Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, dout,
+    dk, dv, grads_base, lse, delta, dq_acc, seed) (seed unused: `attention_hopper`'s
+    signature), as `utils.KernelLauncher.bind`, the descriptors `rebased` per call."""
     dk_base, dv_base = (dk, dv) if grads_base is None else (grads_base, grads_base)
     off_dk, off_dv = grad_offsets
     b, h, n_q, d = q.shape
@@ -465,9 +470,17 @@ def launch_bwd_ws_sm90(
         dk if store_tma else None, dv if store_tma else None, consumers,
     )  # fmt: skip
     grid = (-(-n_k // (consumers * int(ROWS))), b * h, 1)
-    launcher(_attention_bwd_ws_sm90_kernel)[grid](
-        *descs, dk_base, dv_base, off_dk, off_dv,
+    bound = launcher(_attention_bwd_ws_sm90_kernel).bind(
+        grid, *descs, dk_base, dv_base, off_dk, off_dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         b * h, h, n_q, n_k, qk_scale, sm_scale, HEAD_DIM=d, CAUSAL=causal,
         STORE_TMA=store_tma, LPT_BYTES=lpt_bytes, **tiles, **_launch(consumers),
     )  # fmt: skip
+
+    def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
+        stored = (dk, dv) if store_tma else (q, q)
+        bases = (q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc, *stored)
+        written = (dk, dv) if grads_base is None else (grads_base, grads_base)
+        bound(*map(rebased, descs, bases), *written)
+
+    return again

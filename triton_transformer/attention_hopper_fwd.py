@@ -63,6 +63,7 @@ takes it for eager launches where `usable` says so; traced code reaches it throu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -78,7 +79,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer.attention_hopper import _layouts, _load_head_rows
-from triton_transformer.utils import launcher, sm_count
+from triton_transformer.utils import launcher, rebased, sm_count
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
 
@@ -574,13 +575,16 @@ def _out_cols(head_dim: int, out_in_v: bool) -> int:
 def launch_fwd_sm90(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, qk_scale: float, need_lse: bool, tiles: dict | None = None,
-) -> None:  # fmt: skip
+) -> Callable[..., None]:  # fmt: skip
     """Launch the kernel for (b, h, n, d) views q, k, v (unit stride along d, TMA-describable;
     k and v with h or a divisor of h heads): fills `out`, a (b, h, n_q, d) view (the
     (b, n_q, h, d) output transposed), and, need_lse, the (b·h, n_q) fp32 lse with the
     log-sum-exp in log2 units. qk_scale: the softmax scale times log2(e). tiles: `fwd_tiles`
     unless given (benchmarks). PERSISTENT: PER_SM programs per SM deal the units of work
-    (`_unit_count`) among them; otherwise one program per unit."""
+    (`_unit_count`) among them; otherwise one program per unit.
+
+    Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, out,
+    lse) (`utils.KernelLauncher.bind`, the descriptors `rebased` per call)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     tiles = dict(tiles or fwd_tiles(d, causal))
@@ -589,8 +593,13 @@ def launch_fwd_sm90(
     units = (-(-blocks // 2) if causal else blocks) * b * h
     programs = min(units, per_sm * sm_count(q.device)) if persistent else units
     descs = _descriptors(q, k, v, out, tiles["BLOCK_N"], _out_cols(d, tiles["OUT_IN_V"]))
-    launcher(_attention_fwd_sm90_kernel)[(programs,)](
-        *descs, lse if need_lse else q, b * h, h, n_q,
+    bound = launcher(_attention_fwd_sm90_kernel).bind(
+        (programs,), *descs, lse if need_lse else q, b * h, h, n_q,
         n_k, qk_scale, HEAD_DIM=d, CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse,
         **tiles, **_launch(tiles["CONSUMERS"], per_sm),
     )  # fmt: skip
+
+    def again(q, k, v, out, lse) -> None:
+        bound(*map(rebased, descs, (q, k, v, out)), lse if need_lse else q)
+
+    return again

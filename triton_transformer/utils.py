@@ -540,17 +540,16 @@ class KernelLauncher:
         """Launch once as `self[grid](*args, **kwargs)`, then return a launch of the same
         kernel whose leading tensor arguments are given per call: `bound(*tensors)` launches
         with those tensors, the rest of `args` and `kwargs` as bound here, and no key
-        computed. For a caller that keys its own cache of bound launches on every fact the
-        kernel's specialisation reads from the tensors (dtype, 16-byte alignment), so a hit
-        is the same specialisation (`layernorm._PLANS`, `dropout._PLANS`): per call it saves
-        the key's pass over every argument. Where the direct path cannot run (Triton's interpreter,
-        an argument it cannot key, launch hooks set at the call), it launches as
-        `self[grid]` does."""
-        n_tensors = next(
-            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args)
-        )
+        computed. Host-made TMA descriptors count as tensors (pass `rebased` copies). For a
+        caller that keys its own cache of bound launches on every fact the kernel's
+        specialisation reads from the tensors (dtype, 16-byte alignment), so a hit is the
+        same specialisation (`layernorm._PLANS`, `dropout._PLANS`, attention's
+        `_FWD_PLANS` / `_BWD_PLANS`): per call it saves the key's pass over every argument.
+        Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
+        launch hooks set at the call), it launches as `self[grid]` does."""
+        n_tensors = next((i for i, a in enumerate(args) if not _per_call(a)), len(args))
         fixed = args[n_tensors:]
-        if any(isinstance(a, torch.Tensor) for a in fixed):  # it would be held, not passed
+        if any(_per_call(a) for a in fixed):  # it would be held, not passed
             raise ValueError("bind: the per-call tensors must be the leading arguments")
         self.launch(grid, *args, **kwargs)
         entry = None
@@ -595,6 +594,22 @@ class KernelLauncher:
             else:
                 tail.append(default)
         self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+
+
+def _per_call(a: Any) -> bool:
+    """Whether `bind` takes `a` per call: a tensor, or a host-made TMA descriptor (it holds one)."""
+    return isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"
+
+
+def rebased(desc: Any, base: torch.Tensor) -> Any:
+    """A copy of the host-made TMA descriptor `desc` over `base`, a tensor of the shape,
+    strides, dtype and 16-byte alignment of the one `desc` was made for: what a launch bound
+    with `desc` (`KernelLauncher.bind`) takes for a new tensor, without the descriptor's
+    checks (a copy of one that passed them; `copy.copy` costs five times as much)."""
+    new = object.__new__(type(desc))
+    new.__dict__.update(desc.__dict__)
+    new.base = base
+    return new
 
 
 @functools.cache
