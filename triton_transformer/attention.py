@@ -112,13 +112,13 @@ from triton_transformer.utils import (
     interpreter_enabled,
     is_traced,
     launcher,
+    layout_key,
     next_power_of_2,
     offsets_in,
     opaque_op,
     rebased,
     seed_or_draw,
     sm_count,
-    tensor_facts,
     tma_scratch,
     tracing,
     widened_for_interpreter,
@@ -1112,14 +1112,6 @@ def _switches() -> tuple:
     )  # fmt: skip
 
 
-def _layout_key(*tensors: torch.Tensor | None) -> tuple:
-    """The part of a plan's key that the tensors give: each one's shape and strides (None
-    where absent) and `tensor_facts` of those present."""
-    present = [t for t in tensors if t is not None]
-    layouts = tuple([None if t is None else (t.shape, t.stride()) for t in tensors])
-    return (*layouts, *tensor_facts(*present))
-
-
 def launch_attention_fwd(
     q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config=None, kv_len=None
 ):
@@ -1130,7 +1122,7 @@ def launch_attention_fwd(
     key = None
     if config is None and not is_traced(q):
         key = (
-            *_layout_key(q, k, v, kpm, seed, kv_len), causal, scale, dropout_p, need_lse,
+            *layout_key(q, k, v, kpm, seed, kv_len), causal, scale, dropout_p, need_lse,
             q.device, *_switches(),
         )  # fmt: skip
         plan = _FWD_PLANS.get(key)
@@ -1345,7 +1337,7 @@ def launch_attention_bwd(
     if config is None and not is_traced(q):
         offsets = None if grads_base is None else offsets_in(grads_base, dq, dk, dv)
         key = (
-            *_layout_key(*tensors), offsets, causal, scale, dropout_p, deterministic,
+            *layout_key(*tensors), offsets, causal, scale, dropout_p, deterministic,
             q.device, *_switches(),
         )  # fmt: skip
         plan = _BWD_PLANS.get(key)

@@ -54,6 +54,7 @@ from triton_transformer._jit_helpers import (
     tile_exp,
 )
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     cdiv,
     check_not_capturing,
@@ -62,6 +63,7 @@ from triton_transformer.utils import (
     first_order_only,
     is_traced,
     launcher,
+    layout_key,
     opaque_op,
     refuse_second_backward,
     row_launch_params,
@@ -310,6 +312,20 @@ def _cross_entropy_bwd_config(n_cols: int) -> tuple[int, int, bool, int]:
     return row_launch_params(int(n_cols), BWD_MAX_BLOCK, ROW_TILE, BWD_NUM_WARPS, LOOP_NUM_WARPS)
 
 
+# An eager call's launches (`cross_entropy_op`'s two, its backward's one), bound once per
+# shape (`utils.LaunchPlans`)
+_PLANS = LaunchPlans()
+
+
+def _switches() -> tuple:
+    """The module settings the launches read (tests and benchmarks change them): part of
+    every plan's key."""
+    return (
+        FWD_MAX_BLOCK, BWD_MAX_BLOCK, ROW_TILE, LOOP_NUM_WARPS, FWD_NUM_WARPS, BWD_NUM_WARPS,
+        MAX_REDUCE_BLOCK,
+    )  # fmt: skip
+
+
 def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
     """(stride of dim 0, stride of dim 1) of a tensor viewed as (outer, inner, ...)."""
     return t.stride(0), t.stride(1)
@@ -321,19 +337,24 @@ def launch_cross_entropy_fwd(
     """The forward kernel over logits (outer, inner, V), labels (outer, inner): loss_rows and
     (unless write_grad) lse; write_grad: the logits overwritten with their gradient. An eager
     in-place forward over long rows on Hopper runs `cross_entropy_hopper`'s kernel (one read
-    of each row instead of two)."""
+    of each row instead of two). Returns the launch for tensors of the same layouts and facts:
+    again(logits, labels, n_valid, loss_rows, lse), bound (`utils.KernelLauncher.bind`)."""
     if write_grad and not is_traced(logits) and cross_entropy_hopper.usable(logits):
         cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
             logits, labels, ignore_index, n_valid, loss_rows, normalize
         )
-        return
+        return lambda logits, labels, n_valid, loss_rows, lse: (
+            cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
+                logits, labels, ignore_index, n_valid, loss_rows, normalize
+            )
+        )
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     block_m, block_n, single_pass, num_warps = _cross_entropy_fwd_config(
         n_cols, write_grad, logits.device
     )
-    launcher(_cross_entropy_fwd_kernel)[(cdiv(n_rows, block_m),)](
-        logits, labels, n_valid, loss_rows, lse,
+    return launcher(_cross_entropy_fwd_kernel).bind(
+        (cdiv(n_rows, block_m),), logits, labels, n_valid, loss_rows, lse,
         *_strides_2level(logits), *_strides_2level(labels),
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, WRITE_GRAD=write_grad, NORMALIZE_GRAD=normalize,
@@ -344,9 +365,12 @@ def launch_cross_entropy_fwd(
 def launch_cross_entropy_fwd_reduce(
     loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count
 ):
+    """One program: n_valid = the labels not ignored (count), loss = the mean of loss_rows
+    over them (sum_loss). Returns the launch bound for tensors of the same layouts and facts:
+    again(loss_rows, labels, n_valid, loss)."""
     n_outer, n_inner = labels.shape
-    launcher(_cross_entropy_fwd_reduce_kernel)[(1,)](
-        loss_rows, labels, n_valid, loss, *_strides_2level(labels),
+    return launcher(_cross_entropy_fwd_reduce_kernel).bind(
+        (1,), loss_rows, labels, n_valid, loss, *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
         BLOCK=MAX_REDUCE_BLOCK, num_warps=8,
@@ -361,15 +385,37 @@ def cross_entropy_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean cross entropy: logits (outer, inner, V) with a unit-stride last dim, labels
     (outer, inner) int64, any strides. Returns (loss 0-d fp32, lse (outer * inner,) fp32,
-    n_valid 0-d fp32); the last two are for `cross_entropy_backward_op`."""
+    n_valid 0-d fp32); the last two are for `cross_entropy_backward_op`. An eager call takes
+    the launches bound for its shape (`_PLANS`) when there are."""
+    key = None
+    if not is_traced(logits):
+        key = ("fwd", *layout_key(logits, labels), ignore_index, logits.device, *_switches())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(logits, labels)
     n_outer, n_inner, _ = logits.shape
-    device = logits.device
-    loss_rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-    lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-    n_valid = empty_scalar(device)
-    loss = empty_scalar(device)
-    launch_cross_entropy_fwd(logits, labels, ignore_index, n_valid, loss_rows, lse, False, False)
-    launch_cross_entropy_fwd_reduce(loss_rows, labels, ignore_index, n_valid, loss, True, True)
+
+    def outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
+        rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
+        lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
+        return rows, lse, empty_scalar(device), empty_scalar(device)
+
+    loss_rows, lse, n_valid, loss = outputs(logits.device)
+    rows = launch_cross_entropy_fwd(
+        logits, labels, ignore_index, n_valid, loss_rows, lse, False, False
+    )
+    mean = launch_cross_entropy_fwd_reduce(
+        loss_rows, labels, ignore_index, n_valid, loss, True, True
+    )
+
+    def plan(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss_rows, lse, n_valid, loss = outputs(logits.device)
+        rows(logits, labels, n_valid, loss_rows, lse)
+        mean(loss_rows, labels, n_valid, loss)
+        return loss, lse, n_valid
+
+    if key is not None:
+        _PLANS.put(key, plan)
     return loss, lse, n_valid
 
 
@@ -382,18 +428,29 @@ def cross_entropy_backward_op(
     n_valid: torch.Tensor,
     ignore_index: Optional[int],  # noqa: UP045
 ) -> torch.Tensor:
-    """d(dloss * loss)/d(logits) as a new contiguous tensor shaped and typed like logits."""
+    """d(dloss * loss)/d(logits) as a new contiguous tensor shaped and typed like logits. An
+    eager call takes the launch bound for its shape (`_PLANS`) when there is one."""
+    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    tensors = (logits, labels, lse, n_valid, dloss, dx)
+    key = None
+    if not is_traced(logits):
+        key = ("bwd", *layout_key(*tensors), ignore_index, logits.device, *_switches())
+        bound = _PLANS.get(key)
+        if bound is not None:
+            bound(*tensors)
+            return dx
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
-    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
-    launcher(_cross_entropy_bwd_kernel)[(cdiv(n_rows, block_m),)](
-        logits, labels, lse, n_valid, dloss, dx,
+    bound = launcher(_cross_entropy_bwd_kernel).bind(
+        (cdiv(n_rows, block_m),), *tensors,
         *_strides_2level(logits), *_strides_2level(labels), n_cols,
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
     )  # fmt: skip
+    if key is not None:
+        _PLANS.put(key, bound)
     return dx
 
 

@@ -652,6 +652,14 @@ def tensor_facts(*tensors: torch.Tensor) -> tuple:
     return tuple([(t.dtype, not t.data_ptr() & 15) for t in tensors])
 
 
+def layout_key(*tensors: torch.Tensor | None) -> tuple:
+    """The tensors' part of the key of an op's cache of bound launches (`LaunchPlans`): each
+    one's shape and strides (None where absent) and `tensor_facts` of those present."""
+    present = [t for t in tensors if t is not None]
+    layouts = tuple([None if t is None else (t.shape, t.stride()) for t in tensors])
+    return (*layouts, *tensor_facts(*present))
+
+
 class LaunchPlans:
     """An op's eager launches bound once per shape: `plans.get(key)` or None, then
     `plans.put(key, plan)` with what `KernelLauncher.bind` returned. The key is the op's to
