@@ -13,7 +13,7 @@ every kernel launched from Python). Also GPU ms per step (profiler) and GPU busy
 forward (no_grad). Writes eager_step_<label>.json.
 
 Usage: python3 benchmarks/bench_eager_step.py --out DIR [--label after] [--presets small gpt2]
-    [--providers torch triton-nographs]
+    [--providers torch triton-nographs] [--profile]
 To compare two checkouts, run it with PYTHONPATH pointing at each (the package is imported
 from PYTHONPATH first).
 """
@@ -42,7 +42,7 @@ def ms_per_step(step, steps: int = 10) -> float:
     return common.wall_us(step, steps) / 1e3
 
 
-def measure(preset: str, provider: str) -> dict:
+def measure(preset: str, provider: str, profile: bool = False) -> dict:
     p = bench_step.PRESETS[preset]
     torch.manual_seed(0)
     torch.cuda.empty_cache()
@@ -60,6 +60,9 @@ def measure(preset: str, provider: str) -> dict:
             ms_per_step(step, 3)
             ms = statistics.median(ms_per_step(step) for _ in range(5))
         row["ms_worker_thread" if threaded else "ms_calling_thread"] = ms
+    if profile:  # on the calling thread, where cProfile sees the backward too
+        with torch.autograd.set_multithreading_enabled(False):
+            common.host_profile(step, 5, 30, f"{preset} {provider} step")
     row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
     # The block graphs' intermediates are freed when captured and rewritten at each replay: the
     # allocator counts them as free while the graphs' pools hold them, so the allocated peak
@@ -93,11 +96,14 @@ def main() -> None:
         "--providers", nargs="+", default=["torch", "triton", "triton-nographs"],
         choices=["torch", "triton", "triton-nographs"],
     )  # fmt: skip
+    ap.add_argument(
+        "--profile", action="store_true", help="print a cProfile of each step (calling thread)"
+    )
     args = ap.parse_args()
     results = {}
     for preset in args.presets:
         for provider in args.providers:
-            results[f"{preset}/{provider}"] = row = measure(preset, provider)
+            results[f"{preset}/{provider}"] = row = measure(preset, provider, args.profile)
             scalars = {k: round(v, 2) for k, v in row.items() if k != "kernels"}
             print(args.label, preset, provider, scalars)
             torch.cuda.empty_cache()
