@@ -271,3 +271,43 @@ def test_gpu_compiles_without_graph_breaks(device):
     out = torch.compile(f)(*leaves)
     torch.testing.assert_close(out, f(*leaves), rtol=1e-2, atol=1e-2)
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.sum(), leaves))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_eager_launches_bound_per_shape(residual, device):
+    # an eager call's first launch of a shape binds the forward's and the backward's launches
+    # (`_PLANS`); later calls of that shape take them, with their own tensors: the same
+    # outputs and gradients as launches looked up afresh. Another dtype or alignment binds
+    # its own.
+    x, w = _inputs((37, 48), device=device)
+    branch = torch.randn_like(x)
+    dy = torch.randn_like(x)
+
+    def run(x):
+        leaves = [t.detach().requires_grad_() for t in (x, w, branch)]
+        if residual:
+            h, y = residual_rmsnorm(leaves[0], leaves[2], leaves[1], use_triton=True)
+            (h.float().sum() + (y * dy.to(y.dtype)).sum()).backward()
+            outs = (h, y)
+        else:
+            y = rmsnorm(leaves[0], leaves[1], use_triton=True)
+            y.backward(dy.to(y.dtype))
+            outs = (y,)
+        return (*outs, *(t.grad for t in leaves if t.grad is not None))
+
+    run(x)
+    assert len(rms_mod._PLANS.plans) == 2  # the forward, the backward
+    other = x * 0.5 + 1.0  # new tensors, new values
+    bound = run(other)
+    assert len(rms_mod._PLANS.plans) == 2
+    rms_mod._clear_config_caches()
+    for got, want in zip(bound, run(other), strict=True):
+        assert torch.equal(got, want)
+    run(other.half())
+    assert len(rms_mod._PLANS.plans) == 4
+    shifted = torch.empty(x.numel() + 1, device=device)[1:].view_as(x)  # 4 bytes off
+    shifted.copy_(other)
+    for got, want in zip(run(shifted), bound, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the residual backward reads the new (aligned) sum, not the shifted h: its plan holds
+    assert len(rms_mod._PLANS.plans) == (5 if residual else 6)

@@ -361,3 +361,33 @@ def test_gpu_compiles_without_graph_breaks(device, causal):
     ref.backward()
     assert abs(out.item() - ref.item()) <= 1e-5 * ref.abs().item()
     assert_matches(x.grad, x64.grad, 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_launches_bound_per_shape(causal, device):
+    # an eager call's first launch of a shape binds the forward's and the backward's launch
+    # (`_PLANS`); later calls of that shape take them, with their own tensors: the same output
+    # and gradient as launches looked up afresh. Another dtype or layout binds its own.
+    x = scores((2, 3, 9, 40), device)
+    dy = torch.randn_like(x)
+
+    def run(x):
+        leaf = x.detach().requires_grad_()
+        y = softmax(leaf, causal=causal, use_triton=True)
+        y.backward(dy.to(y.dtype))
+        return y, leaf.grad
+
+    run(x)
+    assert len(softmax_mod._PLANS.plans) == 2
+    other = x * 2.0 - 0.5  # new tensors, new values
+    bound = run(other)
+    assert len(softmax_mod._PLANS.plans) == 2
+    utils_mod.clear_launch_plans()
+    for got, want in zip(bound, run(other), strict=True):
+        assert torch.equal(got, want)
+    run(other.half())
+    assert len(softmax_mod._PLANS.plans) == 4
+    padded = torch.empty(2, 3, 9, 48, device=device)[..., :40].copy_(other)  # row stride 48
+    for got, want in zip(run(padded), bound, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(softmax_mod._PLANS.plans) == 5  # its backward reads the new, dense y

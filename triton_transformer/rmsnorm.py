@@ -74,6 +74,7 @@ from triton_transformer.layernorm import (
     width_class,
 )
 from triton_transformer.utils import (
+    LaunchPlans,
     accumulates_grads,
     as_rows,
     call_op,
@@ -84,7 +85,9 @@ from triton_transformer.utils import (
     dropout_threshold,
     exists,
     first_order_only,
+    is_traced,
     launcher,
+    tensor_facts,
 )
 
 # Widest column block a program holds; wider rows loop over column blocks. Tests monkeypatch it
@@ -276,33 +279,55 @@ def _rmsnorm_bwd_config(n_cols: int, max_block: int) -> BwdConfig:
 
 
 def _clear_config_caches() -> None:
-    """Forget the cached configurations (after the tables or MAX_BLOCK_N change)."""
+    """Forget the cached configurations and bound launches (after the tables or MAX_BLOCK_N
+    change)."""
     _rmsnorm_fwd_config.cache_clear()
     _rmsnorm_bwd_config.cache_clear()
+    _PLANS.plans.clear()
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
+# An eager call's launches, bound once per shape (`utils.LaunchPlans`; keyed as layernorm's):
+# the forward's, and the backward's two with the shape of its work buffer
+_PLANS = LaunchPlans()
+
+
 def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None) -> None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), rstd (M,) fp32.
 
-    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2)."""
+    Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2). An
+    eager call takes the launch bound for its shape (`_PLANS`) when there is one."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
-    block_m, block_n, num_warps, single = _rmsnorm_fwd_config(N, MAX_BLOCK_N)
     residual = h2 is not None
     dropout = residual and p > 0.0
-    launcher(_rmsnorm_fwd_kernel)[(cdiv(M, block_m),)](
+    tensors = (
         x2, weight, y2, rstd, h2 if residual else x2, br2 if residual else x2,
         seed if dropout else rstd,
-        M, N, 1.0 / N, x2.stride(0), y2.stride(0),
-        h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
+    )  # fmt: skip
+    strides = (
+        x2.stride(0), y2.stride(0), h2.stride(0) if residual else 0,
+        br2.stride(0) if residual else 0,
+    )  # fmt: skip
+    key = None
+    if type(M) is int and not is_traced(x2):
+        key = ("fwd", M, N, MAX_BLOCK_N, *strides, eps, p, residual, *tensor_facts(*tensors))
+        bound = _PLANS.get(key)
+        if bound is not None:
+            bound(*tensors)
+            return
+    block_m, block_n, num_warps, single = _rmsnorm_fwd_config(N, MAX_BLOCK_N)
+    bound = launcher(_rmsnorm_fwd_kernel).bind(
+        (cdiv(M, block_m),), *tensors, M, N, 1.0 / N, *strides,
         eps, dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0,
         SINGLE=single, RESIDUAL=residual, DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
+    if key is not None:
+        _PLANS.put(key, bound)
 
 
 def launch_rmsnorm_bwd(
@@ -311,7 +336,8 @@ def launch_rmsnorm_bwd(
 ) -> None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight and, when dbr2 is
     given, the branch gradient dropout-masked (p, seed) into dbr2. `cfg` overrides the table.
-    acc_w: add dweight to what that tensor holds (`bmm.grad_targets`)."""
+    acc_w: add dweight to what that tensor holds (`bmm.grad_targets`). An eager call takes
+    the launches bound for its shape (`_PLANS`) when there are."""
     M, N = x2.shape[0], int(x2.shape[1])
     if N == 0:
         return
@@ -319,6 +345,19 @@ def launch_rmsnorm_bwd(
         if not acc_w:
             dweight.zero_()
         return
+    dropout = dbr2 is not None and p > 0.0
+    # stand-ins for absent tensors (never read)
+    tensors = (x2, weight, dy2, dx2, rstd, default(dhn2, dy2), default(dbr2, dx2),
+               seed if dropout else rstd, dweight)  # fmt: skip
+    strides = tuple(t.stride(0) for t in (x2, dy2, dx2, tensors[5], tensors[6]))
+    key = None
+    if cfg is None and type(M) is int and not is_traced(x2):
+        key = ("bwd", M, N, MAX_BLOCK_N, *strides, p, exists(dhn2), exists(dbr2), acc_w,
+               *tensor_facts(*tensors))  # fmt: skip
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return
     cfg = cfg or _rmsnorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind not in ("row", "loop"):
         raise ValueError(f"rmsnorm has 'row' and 'loop' backwards, got {cfg.kind!r}")
@@ -326,23 +365,28 @@ def launch_rmsnorm_bwd(
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     _, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
     partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
-    dropout = dbr2 is not None and p > 0.0
-    dhn2_ = dhn2 if dhn2 is not None else dy2  # stand-ins for absent tensors (never read)
-    dbr2_ = dbr2 if dbr2 is not None else dx2
-    launcher(_rmsnorm_bwd_kernel)[(groups,)](
-        x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed if dropout else rstd,
-        M, N, 1.0 / N, rows_per_prog, x2.stride(0), dy2.stride(0), dx2.stride(0),
-        dhn2_.stride(0), dbr2_.stride(0), dropout_threshold(p),
+    x2, weight, dy2, dx2, rstd, dhn2_, dbr2_, seed_, dweight = tensors
+    main = launcher(_rmsnorm_bwd_kernel).bind(
+        (groups,), x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed_,
+        M, N, 1.0 / N, rows_per_prog, *strides, dropout_threshold(p),
         1.0 / (1.0 - p) if dropout else 1.0,
         SINGLE=cfg.kind == "row", HAS_DHN=dhn2 is not None, WRITE_DBR=dbr2 is not None,
         DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
-    launcher(_layernorm_bwd_colsum_kernel)[(cdiv(N, _COLSUM_BLOCK_C),)](
-        partial, partial, dweight, dweight, groups, N,
+    colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
+        (cdiv(N, _COLSUM_BLOCK_C),), partial, partial, dweight, dweight, groups, N,
         HAS_BIAS=False, ACC_W=acc_w, ACC_B=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
     )  # fmt: skip
+
+    def launch(x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight) -> None:
+        partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
+        main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed)
+        colsum(partial, partial, dweight, dweight)
+
+    if key is not None:
+        _PLANS.put(key, launch)
 
 
 # ----------------------------------------------------------------------------- torch.library ops

@@ -28,13 +28,16 @@ from torch.library import triton_op
 
 from triton_transformer._jit_helpers import online_lse_update, safe_shift, tile_exp
 from triton_transformer.utils import (
+    LaunchPlans,
     as_rows,
     call_op,
     cdiv,
     check_triton_tensor,
     first_order_only,
+    is_traced,
     launcher,
     row_launch_params,
+    tensor_facts,
 )
 
 # Longest row held in registers in one pass; longer rows loop over blocks of this size.
@@ -150,19 +153,47 @@ def _shape_params(shape: torch.Size, causal: bool) -> tuple:
     return n_q, diag, *row_launch_params(int(n_cols), MAX_BLOCK_N, ROW_TILE, NUM_WARPS)
 
 
+# An eager call's launch, bound once per shape (`utils.LaunchPlans`): the forward's and the
+# backward's
+_PLANS = LaunchPlans()
+
+
+def _launch(
+    kernel, tensors: tuple, shape: torch.Size, causal: bool, n_rows: int, *sizes: int
+) -> None:  # fmt: skip
+    """Launch `kernel` (the forward or the backward) over the rows of `tensors`, for scores of
+    `shape`, with `sizes` (its row strides and sizes, before n_q and diag); an eager call takes
+    the launch bound for its key (`_PLANS`), or binds it."""
+    key = None
+    if not is_traced(tensors[0]):
+        key = (kernel, shape, causal, *sizes, MAX_BLOCK_N, ROW_TILE, NUM_WARPS,
+               *tensor_facts(*tensors))  # fmt: skip
+        bound = _PLANS.get(key)
+        if bound is not None:
+            bound(*tensors)
+            return
+    n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(shape, causal)
+    bound = launcher(kernel).bind(
+        (cdiv(n_rows, block_m),), *tensors, *sizes, n_q, diag,
+        CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if key is not None:
+        _PLANS.put(key, bound)
+
+
 @triton_op("triton_transformer::softmax", mutates_args=())
 def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
     """Softmax over the last dim of x (..., N) (causal: scores (..., n_q, n_k)); a new
-    contiguous tensor of x's shape and dtype. Backward: `softmax_backward_op`."""
+    contiguous tensor of x's shape and dtype. Backward: `softmax_backward_op`. An eager call
+    takes the launch bound for its shape (`_PLANS`) when there is one."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() > 0:
         x_rows = as_rows(x)  # a view unless the last dim is not unit-stride
         n_rows, n_cols = x_rows.shape
-        n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(x.shape, causal)
-        launcher(_softmax_fwd_kernel)[(cdiv(n_rows, block_m),)](
-            x_rows, y, x_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
-            CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps,
+        _launch(
+            _softmax_fwd_kernel, (x_rows, y), x.shape, causal, n_rows,
+            x_rows.stride(0), n_cols, n_rows, n_cols,
         )  # fmt: skip
     return y
 
@@ -170,16 +201,15 @@ def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
 @triton_op("triton_transformer::softmax_backward", mutates_args=())
 def softmax_backward_op(dy: torch.Tensor, y: torch.Tensor, causal: bool) -> torch.Tensor:
     """dx = y * (dy - sum(dy * y)) for y = softmax_op(x, causal) (contiguous); dy may have any
-    strides with a unit-stride last dim (a broadcast dy is read in place)."""
+    strides with a unit-stride last dim (a broadcast dy is read in place). An eager call takes
+    the launch bound for its shape (`_PLANS`) when there is one."""
     dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     if y.numel() > 0:
         dy_rows = as_rows(dy)
         n_rows, n_cols = dy_rows.shape
-        n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(y.shape, causal)
-        launcher(_softmax_bwd_kernel)[(cdiv(n_rows, block_m),)](
-            y, dy_rows, dx, n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols, n_q, diag,
-            CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps,
+        _launch(
+            _softmax_bwd_kernel, (y, dy_rows, dx), y.shape, causal, n_rows,
+            n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols,
         )  # fmt: skip
     return dx
 
