@@ -39,6 +39,7 @@ def cases(ops, use_triton: bool = True) -> dict:
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
         "layernorm": lambda: ops.layernorm(x, w, use_triton=use_triton),
+        "rmsnorm": lambda: ops.rmsnorm(x, w, use_triton=use_triton),
         "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
         "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
         "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
@@ -108,10 +109,12 @@ def main() -> None:
     import triton_transformer.cross_entropy as ce_mod
     import triton_transformer.dropout as dropout_mod
     import triton_transformer.layernorm as ln_mod
+    import triton_transformer.rmsnorm as rmsnorm_mod
     import triton_transformer.softmax as softmax_mod
 
     class ops:
         layernorm, softmax = ln_mod.layernorm, softmax_mod.softmax
+        rmsnorm = rmsnorm_mod.rmsnorm
         linear, bmm = bmm_mod.linear, bmm_mod.bmm
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
         attention = attention_mod.attention

@@ -53,11 +53,12 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
     import bench_overhead
 
     mods = {m: importlib.import_module(f"{package}.{m}") for m in (
-        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "softmax",
+        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "rmsnorm", "softmax",
     )}  # fmt: skip
 
     class ops:
         layernorm, softmax = mods["layernorm"].layernorm, mods["softmax"].softmax
+        rmsnorm = mods["rmsnorm"].rmsnorm
         linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
         cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
         attention = mods["attention"].attention
