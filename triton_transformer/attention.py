@@ -107,6 +107,7 @@ from triton_transformer.utils import (
     check_dropout_p,
     check_triton_tensor,
     compile_tma,
+    descriptor_template,
     dropout_threshold,
     first_order_only,
     interpreter_enabled,
@@ -989,11 +990,11 @@ def _launch_fitting(kernel, grid: tuple, args: tuple, consts: dict, config: dict
     before anything runs), retry with fewer pipeline stages (the grid does not depend on
     them), down to one, and remember what fitted. Returns the launch bound for the next
     call's tensors (`KernelLauncher.bind`: the leading tensor arguments per call), or None
-    when traced. Traced launches (torch.compile) take the
-    table's tiles as they are, without the register cap: inductor keeps only num_warps and
-    num_stages of a user kernel's launch options (torch 2.11-2.13), so a cap would be
-    dropped anyway (passed in an autotuner's config, the compiled enwik8 step's attention
-    forward took the same time as uncapped, H200, 2026-11-27)."""
+    when traced. Traced launches (torch.compile) take the table's tiles as they are, without
+    the register cap: inductor keeps only num_warps and num_stages of a user kernel's launch
+    options (torch 2.11-2.13), so a cap would be dropped anyway (passed in an autotuner's
+    config, the compiled enwik8 step's attention forward took the same time as uncapped,
+    H200, 2026-11-27)."""
     if is_traced(args[0]):
         tiles = {k: v for k, v in config.items() if k != "maxnreg"}
         launcher(kernel)[grid](*args, **consts, **tiles)
@@ -1499,14 +1500,15 @@ def _triton_bwd(
     bound = _launch_fitting(_attention_bwd_kernel, grid, tuple(args), consts, config)
     if bound is None:
         return None
+    if descs is not None:  # None: a placeholder (q) where no descriptor is asked for
+        descs = [None if isinstance(t, torch.Tensor) else descriptor_template(t) for t in descs]
 
     def again(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> None:
         per_call = leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
         if descs is not None:
             bases = (q, k, v, dout.transpose(1, 2), dq_acc)
             per_call[12:17] = [
-                q if isinstance(t, torch.Tensor) else rebased(t, base)  # q: a placeholder
-                for t, base in zip(descs, bases, strict=True)
+                q if t is None else rebased(t, base) for t, base in zip(descs, bases, strict=True)
             ]
         bound(*per_call)
 

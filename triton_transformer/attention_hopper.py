@@ -78,7 +78,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.utils import dropout_threshold, launcher, rebased
+from triton_transformer.utils import descriptor_template, dropout_threshold, launcher, rebased
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
 
@@ -544,6 +544,7 @@ def launch_bwd_sm90(
         1.0 / (1.0 - dropout_p), HEAD_DIM=d, CAUSAL=causal, DROPOUT=dropping,
         LPT_BYTES=lpt_bytes, **tiles,
     )  # fmt: skip
+    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
         bases = (q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc)

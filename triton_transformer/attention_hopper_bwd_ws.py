@@ -77,7 +77,7 @@ from triton_transformer.attention_hopper import (
     _load_step,
     _store_head_rows,
 )
-from triton_transformer.utils import launcher, rebased
+from triton_transformer.utils import descriptor_template, launcher, rebased
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_ws_sm90", "usable"]
 
@@ -476,6 +476,7 @@ def launch_bwd_ws_sm90(
         b * h, h, n_q, n_k, qk_scale, sm_scale, HEAD_DIM=d, CAUSAL=causal,
         STORE_TMA=store_tma, LPT_BYTES=lpt_bytes, **tiles, **_launch(consumers),
     )  # fmt: skip
+    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
         stored = (dk, dv) if store_tma else (q, q)

@@ -79,7 +79,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer.attention_hopper import _layouts, _load_head_rows
-from triton_transformer.utils import launcher, rebased, sm_count
+from triton_transformer.utils import descriptor_template, launcher, rebased, sm_count
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
 
@@ -598,6 +598,7 @@ def launch_fwd_sm90(
         n_k, qk_scale, HEAD_DIM=d, CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse,
         **tiles, **_launch(tiles["CONSUMERS"], per_sm),
     )  # fmt: skip
+    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, out, lse) -> None:
         bound(*map(rebased, descs, (q, k, v, out)), lse if need_lse else q)

@@ -601,7 +601,14 @@ def _per_call(a: Any) -> bool:
     return isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"
 
 
-def rebased(desc: Any, base: torch.Tensor) -> Any:
+def descriptor_template(desc: Any) -> Any:
+    """The host-made TMA descriptor `desc` without its tensor: what a bound launch keeps, to
+    pass `rebased` copies per call (the descriptor itself would keep its tensor's memory alive
+    as long as the op's plan)."""
+    return rebased(desc, None)
+
+
+def rebased(desc: Any, base: torch.Tensor | None) -> Any:
     """A copy of the host-made TMA descriptor `desc` over `base`, a tensor of the shape,
     strides, dtype and 16-byte alignment of the one `desc` was made for: what a launch bound
     with `desc` (`KernelLauncher.bind`) takes for a new tensor, without the descriptor's
