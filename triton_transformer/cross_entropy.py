@@ -337,8 +337,9 @@ def launch_cross_entropy_fwd(
     """The forward kernel over logits (outer, inner, V), labels (outer, inner): loss_rows and
     (unless write_grad) lse; write_grad: the logits overwritten with their gradient. An eager
     in-place forward over long rows on Hopper runs `cross_entropy_hopper`'s kernel (one read
-    of each row instead of two). Returns the launch for tensors of the same layouts and facts:
-    again(logits, labels, n_valid, loss_rows, lse), bound (`utils.KernelLauncher.bind`)."""
+    of each row instead of two). Returns the launch again for tensors of the same layouts and
+    facts: again(logits, labels, n_valid, loss_rows, lse), the Triton kernel's bound
+    (`utils.KernelLauncher.bind`)."""
     if write_grad and not is_traced(logits) and cross_entropy_hopper.usable(logits):
         cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
             logits, labels, ignore_index, n_valid, loss_rows, normalize

@@ -543,8 +543,9 @@ class KernelLauncher:
         computed. Host-made TMA descriptors count as tensors (pass `rebased` copies). For a
         caller that keys its own cache of bound launches on every fact the kernel's
         specialisation reads from the tensors (dtype, 16-byte alignment), so a hit is the
-        same specialisation (`layernorm._PLANS`, `dropout._PLANS`, attention's
-        `_FWD_PLANS` / `_BWD_PLANS`): per call it saves the key's pass over every argument.
+        same specialisation (the ops' `LaunchPlans`: `layernorm._PLANS`, attention's
+        `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves the key's pass over every
+        argument.
         Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
         launch hooks set at the call), it launches as `self[grid]` does."""
         n_tensors = next((i for i, a in enumerate(args) if not _per_call(a)), len(args))
