@@ -88,6 +88,34 @@ def on_hopper(test):
     return pytest.mark.gpu(test)
 
 
+def check_launches_bound_per_shape(
+    plans: dict, run, x: torch.Tensor, relaid: torch.Tensor, relaid_plans: int
+) -> None:
+    """The bound-launch protocol of an op whose eager call binds one forward and one backward
+    plan (`utils.LaunchPlans`; `plans` is its `.plans`): `run(x)` calls the op forward and
+    backward on x and returns the outputs and gradients. The first call of a shape binds both;
+    a later call with new tensors of the same layout takes them and gives, bit for bit, what
+    launches looked up afresh give; another dtype binds its own two; `relaid`, x's values in
+    another layout or alignment, gives the same results within rounding, leaving
+    `relaid_plans` in all (some backwards read only dense tensors the op made, and keep
+    theirs)."""
+    from triton_transformer.utils import clear_launch_plans  # after TRITON_INTERPRET is set
+
+    run(x)
+    assert len(plans) == 2
+    other = x * 1.5 - 0.25  # new tensors, new values
+    bound = run(other)
+    assert len(plans) == 2
+    clear_launch_plans()
+    for got, want in zip(bound, run(other), strict=True):
+        assert torch.equal(got, want)
+    run(other.half())
+    assert len(plans) == 4
+    for got, want in zip(run(relaid.copy_(other)), bound, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(plans) == relaid_plans
+
+
 def record_calls(monkeypatch, module, name: str, record=lambda *args, **kwargs: args[0].shape):
     """Replace `module.name` for the test with a wrapper that appends `record(*args,
     **kwargs)` (by default the first argument's shape) to the returned list, then calls the

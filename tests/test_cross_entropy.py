@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compile_trace_check
+from helpers import check_launches_bound_per_shape, compile_trace_check
 
 from triton_transformer.cross_entropy import (
     BWD_MAX_BLOCK,
@@ -20,7 +20,6 @@ from triton_transformer.cross_entropy import (
     cross_entropy_inplace_op,
     cross_entropy_op,
 )
-from triton_transformer.utils import clear_launch_plans
 
 ce_mod = importlib.import_module("triton_transformer.cross_entropy")
 
@@ -578,9 +577,9 @@ def test_compile_traces_without_graph_breaks_cpu():
 @pytest.mark.parametrize("ignore_index", [None, -100])
 def test_eager_launches_bound_per_shape(ignore_index, device):
     # an eager call's first launch of a shape binds the forward's two launches and the
-    # backward's one (`_PLANS`); later calls of that shape take them, with their own tensors:
-    # the same loss and gradient as launches looked up afresh. Another dtype or layout (a
-    # transposed view of the logits) binds its own.
+    # backward's one (`_PLANS`); later calls of that shape take them
+    # (`helpers.check_launches_bound_per_shape`). Another dtype or layout (a transposed view
+    # of the logits) binds its own.
     V = 300
     logits = make_logits((3, 7, V), device=device)
     labels = make_labels((3, 7), V, ignore_index, device=device)
@@ -591,17 +590,5 @@ def test_eager_launches_bound_per_shape(ignore_index, device):
         loss.backward()
         return loss, leaf.grad
 
-    run(logits)
-    assert len(ce_mod._PLANS.plans) == 2
-    other = logits * 1.5 - 0.25  # new tensors, new values
-    bound = run(other)
-    assert len(ce_mod._PLANS.plans) == 2
-    clear_launch_plans()
-    for got, want in zip(bound, run(other), strict=True):
-        assert torch.equal(got, want)
-    run(other.half())
-    assert len(ce_mod._PLANS.plans) == 4
-    transposed = other.transpose(0, 1).contiguous().transpose(0, 1)  # strides (V, 3V, 1)
-    for got, want in zip(run(transposed), bound, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert len(ce_mod._PLANS.plans) == 6
+    transposed = torch.empty(7, 3, V, device=device).transpose(0, 1)  # strides (V, 3V, 1)
+    check_launches_bound_per_shape(ce_mod._PLANS.plans, run, logits, transposed, 6)

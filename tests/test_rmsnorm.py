@@ -12,6 +12,7 @@ import importlib
 import pytest
 import torch
 from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads
+from helpers import check_launches_bound_per_shape
 
 from triton_transformer.rmsnorm import (
     RMSNorm,
@@ -276,9 +277,8 @@ def test_gpu_compiles_without_graph_breaks(device):
 @pytest.mark.parametrize("residual", [False, True])
 def test_eager_launches_bound_per_shape(residual, device):
     # an eager call's first launch of a shape binds the forward's and the backward's launches
-    # (`_PLANS`); later calls of that shape take them, with their own tensors: the same
-    # outputs and gradients as launches looked up afresh. Another dtype or alignment binds
-    # its own.
+    # (`_PLANS`); later calls of that shape take them (`helpers.check_launches_bound_per_shape`).
+    # Another dtype or alignment binds its own.
     x, w = _inputs((37, 48), device=device)
     branch = torch.randn_like(x)
     dy = torch.randn_like(x)
@@ -295,19 +295,6 @@ def test_eager_launches_bound_per_shape(residual, device):
             outs = (y,)
         return (*outs, *(t.grad for t in leaves if t.grad is not None))
 
-    run(x)
-    assert len(rms_mod._PLANS.plans) == 2  # the forward, the backward
-    other = x * 0.5 + 1.0  # new tensors, new values
-    bound = run(other)
-    assert len(rms_mod._PLANS.plans) == 2
-    rms_mod._clear_config_caches()
-    for got, want in zip(bound, run(other), strict=True):
-        assert torch.equal(got, want)
-    run(other.half())
-    assert len(rms_mod._PLANS.plans) == 4
     shifted = torch.empty(x.numel() + 1, device=device)[1:].view_as(x)  # 4 bytes off
-    shifted.copy_(other)
-    for got, want in zip(run(shifted), bound, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # the residual backward reads the new (aligned) sum, not the shifted h: its plan holds
-    assert len(rms_mod._PLANS.plans) == (5 if residual else 6)
+    check_launches_bound_per_shape(rms_mod._PLANS.plans, run, x, shifted, 5 if residual else 6)
