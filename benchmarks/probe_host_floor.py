@@ -73,14 +73,22 @@ def _copied(x: torch.Tensor, launches: int) -> torch.Tensor:
     return y
 
 
-class _OneKernel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _copied(x, 1)
+def _launching(launches: int) -> type[torch.autograd.Function]:
+    """A Function that launches the copy kernel `launches` times each way."""
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _copied(dy, 1)
+    class Launching(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return _copied(x, launches)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _copied(dy, launches)
+
+    return Launching
+
+
+_OneKernel, _ThreeLaunches = _launching(1), _launching(3)
 
 
 class _ThreeEmpties(torch.autograd.Function):
@@ -93,16 +101,6 @@ class _ThreeEmpties(torch.autograd.Function):
     def backward(ctx, dy):
         torch.empty_like(dy), torch.empty_like(dy)
         return torch.empty_like(dy)
-
-
-class _ThreeLaunches(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _copied(x, 3)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _copied(dy, 3)
 
 
 def _bound_run(x: torch.Tensor, y: torch.Tensor):
