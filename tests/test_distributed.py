@@ -11,6 +11,7 @@ rank after every step, the files they opened for writing, their first batch.
 from __future__ import annotations
 
 import builtins
+import gc
 import hashlib
 import json
 import math
@@ -39,6 +40,8 @@ from triton_transformer.training.config import Config, apply_overrides  # noqa: 
 from triton_transformer.training.data import eval_window_starts, load_corpus  # noqa: E402
 from triton_transformer.training.distributed import all_gather_object  # noqa: E402
 from triton_transformer.training.trainer import Trainer, train  # noqa: E402
+
+DDP = torch.nn.parallel.DistributedDataParallel
 
 LAUNCH_TIMEOUT_S = 120  # a launch that takes longer hangs: fail instead of waiting forever
 
@@ -164,6 +167,9 @@ def worker(spec_path: str) -> None:
             time.sleep(LAUNCH_TIMEOUT_S)  # hang
 
     result = train(make_config(spec["config"]), resume=spec.get("resume"), callbacks=[callback])
+    # train() left no DDP wrapper for the garbage collector: freeing one (and with it the
+    # process group) during interpreter shutdown can abort the process
+    record["ddp_alive"] = sum(isinstance(o, DDP) for o in gc.get_objects())
     record.update(
         losses=result.losses,
         val_losses=result.val_losses,
@@ -251,6 +257,7 @@ class Launch:
         out = []
         for r in range(len(self.procs)):
             rec = json.loads((self.dir / f"rank{r}.json").read_text())
+            assert rec["ddp_alive"] == 0, f"rank {r}: a DDP wrapper outlived train()"
             for key in ("losses", "val_losses", "digests"):
                 rec[key] = {int(k): v for k, v in rec[key].items()}
             out.append(rec)
@@ -538,4 +545,7 @@ def test_single_process_is_untouched(tmp_path, corpus_file, monkeypatch):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a crash (SIGABRT, SIGSEGV) prints where, to err<r>.txt
     worker(sys.argv[2])

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -547,7 +548,22 @@ class Trainer:
         finally:  # leave the group even when the device is in an error state
             if getattr(self, "_owns_process_group", False):
                 self._owns_process_group = False
+                self._drop_ddp()
                 destroy_distributed()
+
+    def _drop_ddp(self) -> None:
+        """Free the DDP wrapper now. Its reducer holds the process group, so the group's C++
+        side (gloo's worker threads) would otherwise be torn down whenever the garbage
+        collector reached the wrapper's reference cycles, possibly during interpreter
+        shutdown, where gloo aborts the process ("terminate called without an active
+        exception")."""
+        if isinstance(
+            getattr(self, "train_model", None), torch.nn.parallel.DistributedDataParallel
+        ):
+            self.train_model = self.wrapper
+            if exists(getattr(self, "step_runner", None)):
+                self.step_runner.train_model = self.wrapper
+            gc.collect()
 
     def _comm_error(self, exc: BaseException) -> DistributedError:
         return DistributedError(
