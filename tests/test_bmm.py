@@ -747,7 +747,10 @@ def test_registered_custom_ops(device):
 @pytest.mark.parametrize(
     "kind", ["bmm", "linear", "relu_squared", "relu_squared_fp16", "residual", "relu_residual"]
 )
-def test_double_backward_raises(kind, device, assert_first_order_only):
+def test_double_backward_raises(kind, device, assert_first_order_only, monkeypatch):
+    # our kernels' ops (on a GPU a plain product's eager call is PyTorch's own op under
+    # "auto", whose second derivative is right: test_plain_products_run_pytorchs_op)
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     dtype = torch.float16 if kind == "relu_squared_fp16" else torch.float32
     x = rand((5, 16), dtype, device, mean=0.3).requires_grad_()
     w = rand((8, 16), dtype, device, mean=0.1).requires_grad_()
@@ -853,6 +856,129 @@ def test_plan_picks_paths(monkeypatch):
     assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "+relu2", True, 2, "auto", "cublas+ew") == (
         "cublas+ew",
     )
+
+
+def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
+    # `plain_products_on_cublas` asks the planner about the product and both backward GEMMs,
+    # each in the orientation our backward computes it: a table entry for any one of them
+    # sends the call to our op. On a pretend H200, without a GPU (the planner's own function).
+    pretend_gpu(monkeypatch, 9, 132, "H200")
+    table: dict[str, str] = {}
+    monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
+    bf16 = torch.bfloat16
+
+    def on_cublas(M, N, K, a_t=0, b_t=1, weight_grad=True, impl="auto"):
+        plan_module._plan.cache_clear()  # the tables and device patched here: plan afresh
+        on = plan_module._plain_on_cublas.__wrapped__
+        return on(0, bf16, M, N, K, a_t, b_t, weight_grad, impl)
+
+    # a linear's x (2048, 512) @ weight.t() (512 -> 2048): every GEMM cuBLAS's
+    assert on_cublas(2048, 2048, 512)
+    # the forward, dX = dY @ W, dW = dY^T @ X (weight_grad), and bmm's dB = A^T @ dC
+    for key, weight_grad, taken in [
+        ("2048x2048x512:nt", True, False),
+        ("2048x512x2048:nn", True, False),
+        ("2048x512x2048:tn", True, False),
+        ("512x2048x2048:tn", True, True),  # not a GEMM of this linear
+        ("512x2048x2048:tn", False, False),  # bmm's dB = A^T @ dC
+        ("2048x512x2048:tn", False, True),
+    ]:
+        table.clear()
+        table[key] = "tma"
+        assert on_cublas(2048, 2048, 512, weight_grad=weight_grad) == taken, key
+    table.clear()
+    assert not on_cublas(2048, 2048, 512, impl="triton")
+    assert on_cublas(2048, 2048, 512, impl="cublas")
+    # decode-sized products with a short K run the narrow pointer tiles: the forward and dX
+    assert not on_cublas(5, 2048, 512)
+    assert not on_cublas(5, 512, 2048)  # dX = dY @ W has K = 512
+    assert on_cublas(5, 2048, 2048)
+    # rows of 2-byte elements not a multiple of 8: a dC that TMA can't describe, still cuBLAS
+    assert on_cublas(100, 100, 100, a_t=-1, b_t=-1)
+    plan_module._plan.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear 3-D", "bmm 2-D", "bmm 4-D", "bmm batch 1"])
+def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
+    # Where cuBLAS would run all three GEMMs (forced here: on the CPU it never holds), an
+    # eager call is PyTorch's own op: none of ours runs, the results are the reference's, and
+    # so is the second derivative (the issue's pattern), which our op refuses.
+    asked = []
+
+    def all_cublas(a, b, weight_grad):
+        asked.append((tuple(a.shape), tuple(b.shape), weight_grad))
+        return True
+
+    monkeypatch.setattr(plan_module, "plain_products_on_cublas", all_cublas)
+    monkeypatch.setattr(bmm_module, "call_op", lambda *args: pytest.fail("our op ran"))
+    shapes = {
+        "linear": ((7, 45), (24, 45)),
+        "linear 3-D": ((2, 3, 45), (24, 45)),
+        "bmm 2-D": ((7, 45), (45, 24)),
+        "bmm 4-D": ((2, 3, 7, 45), (2, 3, 45, 24)),
+        "bmm batch 1": ((1, 7, 45), (1, 45, 24)),
+    }
+    x_shape, w_shape = shapes[kind]
+    x = rand(x_shape, torch.float32, device, mean=0.3).requires_grad_()
+    w = rand(w_shape, torch.float32, device, mean=0.1).requires_grad_()
+    lin = kind.startswith("linear")
+
+    def f(x, w, use_triton):
+        return linear(x, w, use_triton=use_triton) if lin else bmm(x, w, use_triton=use_triton)
+
+    def second_order(x, w, use_triton):
+        s = f(x, w, use_triton).sum() * (x**2).sum()
+        (g,) = torch.autograd.grad(s, x, create_graph=True)
+        return torch.autograd.grad((g * g).sum(), (x, w))
+
+    y = f(x, w, True)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = f(x64, w64, False)
+    assert rel_err(y, ref) < 1e-5
+    grad = rand(y.shape, torch.float32, device, mean=0.7)
+    y.backward(grad)
+    ref.backward(grad.double())
+    assert rel_err(x.grad, x64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
+    for got, want in zip(second_order(x, w, True), second_order(x64, w64, False), strict=True):
+        assert rel_err(got, want) < 1e-5
+    # what the planner was asked: the 2-D product our op would have computed (a batch for
+    # bmm's 4-D operands), with a linear's weight gradient in the weight's layout
+    M = x.numel() // 45
+    expected = {
+        "linear": ((M, 45), (45, 24), True),
+        "linear 3-D": ((M, 45), (45, 24), True),
+        "bmm 2-D": ((7, 45), (45, 24), False),
+        "bmm 4-D": ((6, 7, 45), (6, 45, 24), False),
+        "bmm batch 1": ((1, 7, 45), (1, 45, 24), False),
+    }
+    assert asked[0] == expected[kind]
+
+
+def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
+    # An epilogue, a residual, a wider weight under autocast and a weight gradient folded
+    # into `.grad` (`accumulate_grads_in_place`) are ours to compute, whatever the planner says.
+    monkeypatch.setattr(plan_module, "plain_products_on_cublas", lambda a, b, weight_grad: True)
+    ops = []
+    real = bmm_module.call_op
+    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    x = rand((7, 48), torch.float32, device, mean=0.3).requires_grad_()
+    w = rand((16, 48), torch.float32, device, mean=0.1).requires_grad_()
+    h = rand((7, 16), torch.float32, device)
+    linear(x, w, "relu_squared", use_triton=True)
+    linear(x, w, use_triton=True, residual=h)
+    assert ops == [bmm_module.linear_op, bmm_module.linear_op]
+    ops.clear()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        linear(x, w, use_triton=True)  # x cast to bf16, the fp32 weight read through a copy
+    assert ops == [bmm_module.linear_op]
+    ops.clear()
+    w.grad = torch.zeros_like(w)
+    with bmm_module.accumulate_grads_in_place():
+        linear(x, w, use_triton=True).sum().backward()
+    assert ops[0] is bmm_module.linear_op
+    ops.clear()
+    linear(x, w, use_triton=True)
+    assert ops == []
 
 
 def test_traced_products_go_to_cublas(monkeypatch):
@@ -1039,6 +1165,39 @@ def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
     check_linear_bf16(M, K, N, activation, device)
     hopper = torch.cuda.get_device_capability()[0] in (9, 10)
     assert len(tma_calls) == (3 if path == "tma" and hopper else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 2048, 8192])
+@pytest.mark.parametrize("K, N, activation", MODEL_SHAPES)
+def test_plain_products_run_pytorchs_op_gpu(K, N, activation, M, device, monkeypatch):
+    # Under "auto" a plain projection whose three GEMMs the H200's plan gives to cuBLAS is
+    # F.linear in an eager call (decode-sized ones with a short K keep the pointer kernel,
+    # relu² its epilogue); under "triton" our op. Forward and backward against float64.
+    ops = []
+    real = bmm_module.call_op
+    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    check_linear_bf16(M, K, N, activation, device)
+    native = activation is None and (M > 16 or (K >= 2048 and N >= 2048))
+    assert (ops == []) == native, ops
+    ops.clear()
+    monkeypatch.setattr(plan_module, "matmul_impl", "triton")
+    check_linear_bf16(M, K, N, activation, device)
+    assert ops and ops[0] in (bmm_module.linear_op, bmm_module.linear_relu2_op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 8, 512, 64), (1, 512, 64), (512, 64)])
+def test_plain_bmm_runs_pytorchs_op_gpu(shape, device, monkeypatch):
+    # bmm: batched products are torch.bmm's under "auto", 2-D ones (and a batch of 1) cuBLAS's
+    # per the plan: the eager call is torch.matmul; forward and backward against float64
+    ops = []
+    real = bmm_module.call_op
+    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    q = rand(shape, torch.bfloat16, device, mean=0.1, std=1.0)
+    k = rand(shape, torch.bfloat16, device, mean=-0.2, std=1.0)
+    check_bmm(q, k.transpose(-1, -2), torch.bfloat16)
+    assert ops == []
 
 
 @pytest.mark.gpu

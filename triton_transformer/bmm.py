@@ -31,6 +31,11 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   of a weight's gradient into its `.grad` (`accumulate_grads_in_place(traced=True)`).
 The backward of each is `utils.first_order_only` (create_graph=True raises) and calls these ops.
 
+Eager calls of `bmm` and of a plain `linear` (no epilogue, residual or wider weight) whose
+three GEMMs the planner gives to cuBLAS run PyTorch's own op instead (`_runs_natively`): the
+same cuBLAS products, with a C++ autograd node rather than our Python one (and PyTorch's
+double backward).
+
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
 relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and
 bf16's 8-bit exponent means y = relu(pre)² does not underflow for any relu(pre) > 1e-19. In
@@ -570,6 +575,19 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
 
+def _runs_natively(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_grad: bool) -> bool:
+    """Whether an eager call of `bmm` or a plain `linear` (x: its input as given; a, b: the
+    operands as our op would take them) runs PyTorch's own op instead of ours: where all
+    three of its GEMMs would run cuBLAS anyway (`matmul_plan.plain_products_on_cublas`),
+    PyTorch's op launches the same products, and its C++ autograd node replaces our Python
+    one (on an H200 host our linear's forward + backward cost 638 µs of host time on
+    autograd's worker thread against PyTorch's 407, bmm's 683 against 354 on the calling
+    thread: `overhead_session27.json`). Traced code keeps our ops."""
+    if torch.compiler.is_compiling() or is_traced(x):
+        return False
+    return matmul_plan.plain_products_on_cublas(a, b, weight_grad)
+
+
 def _check_pair(
     a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str, *, cast_b: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -622,8 +640,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor, use_triton: bool = False) -> torch.Ten
     check_triton_tensor(a, "a")
     check_triton_tensor(b, "b")
     if a.dim() == 2:
+        if _runs_natively(a, a, b, weight_grad=False):
+            return torch.mm(a, b)
         return call_op(bmm_op, a, b)
-    c = call_op(bmm_op, _as_batched(a), _as_batched(b))
+    a3, b3 = _as_batched(a), _as_batched(b)
+    if _runs_natively(a, a3, b3, weight_grad=False):
+        return torch.matmul(a, b)
+    c = call_op(bmm_op, a3, b3)
     return c.view(*a.shape[:-1], b.shape[-1])
 
 
@@ -885,6 +908,9 @@ def linear(
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
     weight_lp = _weight_in(weight, x.dtype)
+    plain = activation is None and r2 is None and weight_lp is None
+    if plain and _grad_home(weight) is None and _runs_natively(x, x2, weight.t(), True):
+        return F.linear(x, weight)
     grad_acc = _traced_grad_acc(weight)  # None outside traced training steps
     if swiglu:
         y2 = call_op(linear_swiglu_op, x2, weight, weight_lp, grad_acc)[0]
