@@ -867,10 +867,10 @@ def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
     monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
     bf16 = torch.bfloat16
 
-    def on_cublas(M, N, K, a_t=0, b_t=1, weight_grad=True, impl="auto"):
+    def on_cublas(M, N, K, a_t=0, b_t=1, weight_grad=True, residual=False, impl="auto"):
         plan_module._plan.cache_clear()  # the tables and device patched here: plan afresh
         on = plan_module._plain_on_cublas.__wrapped__
-        return on(0, bf16, M, N, K, a_t, b_t, weight_grad, impl)
+        return on(0, bf16, M, N, K, a_t, b_t, weight_grad, residual, impl)
 
     # a linear's x (2048, 512) @ weight.t() (512 -> 2048): every GEMM cuBLAS's
     assert on_cublas(2048, 2048, 512)
@@ -887,6 +887,9 @@ def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
         table[key] = "tma"
         assert on_cublas(2048, 2048, 512, weight_grad=weight_grad) == taken, key
     table.clear()
+    table["2048x2048x512:nt+res"] = "tma"  # the product with a residual (torch.addmm's)
+    assert on_cublas(2048, 2048, 512) and not on_cublas(2048, 2048, 512, residual=True)
+    table.clear()
     assert not on_cublas(2048, 2048, 512, impl="triton")
     assert on_cublas(2048, 2048, 512, impl="cublas")
     # decode-sized products with a short K run the narrow pointer tiles: the forward and dX
@@ -898,15 +901,18 @@ def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
     plan_module._plan.cache_clear()
 
 
-@pytest.mark.parametrize("kind", ["linear", "linear 3-D", "bmm 2-D", "bmm 4-D", "bmm batch 1"])
+@pytest.mark.parametrize(
+    "kind",
+    ["linear", "linear 3-D", "residual", "residual 3-D", "bmm 2-D", "bmm 4-D", "bmm batch 1"],
+)
 def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
     # Where cuBLAS would run all three GEMMs (forced here: on the CPU it never holds), an
     # eager call is PyTorch's own op: none of ours runs, the results are the reference's, and
     # so is the second derivative (the pattern), which our op refuses.
     asked = []
 
-    def all_cublas(a, b, weight_grad):
-        asked.append((tuple(a.shape), tuple(b.shape), weight_grad))
+    def all_cublas(a, b, weight_grad, residual):
+        asked.append((tuple(a.shape), tuple(b.shape), weight_grad, residual))
         return True
 
     monkeypatch.setattr(plan_module, "plain_products_on_cublas", all_cublas)
@@ -914,6 +920,8 @@ def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
     shapes = {
         "linear": ((7, 45), (24, 45)),
         "linear 3-D": ((2, 3, 45), (24, 45)),
+        "residual": ((7, 45), (24, 45)),
+        "residual 3-D": ((2, 3, 45), (24, 45)),
         "bmm 2-D": ((7, 45), (45, 24)),
         "bmm 4-D": ((2, 3, 7, 45), (2, 3, 45, 24)),
         "bmm batch 1": ((1, 7, 45), (1, 45, 24)),
@@ -921,10 +929,15 @@ def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
     x_shape, w_shape = shapes[kind]
     x = rand(x_shape, torch.float32, device, mean=0.3).requires_grad_()
     w = rand(w_shape, torch.float32, device, mean=0.1).requires_grad_()
-    lin = kind.startswith("linear")
+    lin = not kind.startswith("bmm")
+    h = rand((*x_shape[:-1], 24), torch.float32, device) if "residual" in kind else None
+    h64 = None if h is None else h.double()
 
     def f(x, w, use_triton):
-        return linear(x, w, use_triton=use_triton) if lin else bmm(x, w, use_triton=use_triton)
+        if not lin:
+            return bmm(x, w, use_triton=use_triton)
+        res = h if x.dtype == torch.float32 else h64
+        return linear(x, w, use_triton=use_triton, residual=res)
 
     def second_order(x, w, use_triton):
         s = f(x, w, use_triton).sum() * (x**2).sum()
@@ -945,19 +958,22 @@ def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
     # bmm's 4-D operands), with a linear's weight gradient in the weight's layout
     M = x.numel() // 45
     expected = {
-        "linear": ((M, 45), (45, 24), True),
-        "linear 3-D": ((M, 45), (45, 24), True),
-        "bmm 2-D": ((7, 45), (45, 24), False),
-        "bmm 4-D": ((6, 7, 45), (6, 45, 24), False),
-        "bmm batch 1": ((1, 7, 45), (1, 45, 24), False),
+        "linear": ((M, 45), (45, 24), True, False),
+        "linear 3-D": ((M, 45), (45, 24), True, False),
+        "residual": ((M, 45), (45, 24), True, True),
+        "residual 3-D": ((M, 45), (45, 24), True, True),
+        "bmm 2-D": ((7, 45), (45, 24), False, False),
+        "bmm 4-D": ((6, 7, 45), (6, 45, 24), False, False),
+        "bmm batch 1": ((1, 7, 45), (1, 45, 24), False, False),
     }
     assert asked[0] == expected[kind]
 
 
 def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
-    # An epilogue, a residual, a wider weight under autocast and a weight gradient folded
-    # into `.grad` (`accumulate_grads_in_place`) are ours to compute, whatever the planner says.
-    monkeypatch.setattr(plan_module, "plain_products_on_cublas", lambda a, b, weight_grad: True)
+    # An epilogue, a residual of a wider dtype, a wider weight under autocast and a weight
+    # gradient folded into `.grad` (`accumulate_grads_in_place`) are ours to compute,
+    # whatever the planner says.
+    monkeypatch.setattr(plan_module, "plain_products_on_cublas", lambda *args: True)
     ops = []
     real = bmm_module.call_op
     monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
@@ -965,7 +981,7 @@ def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
     w = rand((16, 48), torch.float32, device, mean=0.1).requires_grad_()
     h = rand((7, 16), torch.float32, device)
     linear(x, w, "relu_squared", use_triton=True)
-    linear(x, w, use_triton=True, residual=h)
+    linear(x.bfloat16(), w.bfloat16(), use_triton=True, residual=h)  # bf16 product, fp32 sum
     assert ops == [bmm_module.linear_op, bmm_module.linear_op]
     ops.clear()
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
@@ -1184,6 +1200,29 @@ def test_plain_products_run_pytorchs_op_gpu(K, N, activation, M, device, monkeyp
     monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     check_linear_bf16(M, K, N, activation, device)
     assert ops and ops[0] in (bmm_module.linear_op, bmm_module.linear_relu2_op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("res_dtype", [torch.bfloat16, torch.float32])
+def test_residual_linear_runs_pytorchs_op_gpu(res_dtype, device, monkeypatch):
+    # a residual of the product's dtype: torch.addmm (cuBLAS's C input), PyTorch's own op; an
+    # fp32 residual stream under a bf16 product: our epilogue. Against float64.
+    ops = []
+    real = bmm_module.call_op
+    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    x = rand((4, 512, 512), torch.bfloat16, device, mean=0.1, std=1.0).requires_grad_()
+    w = rand((768, 512), torch.bfloat16, device, mean=-0.01, std=512**-0.5).requires_grad_()
+    h = rand((4, 512, 768), res_dtype, device, mean=1.0).requires_grad_()
+    y = linear(x, w, use_triton=True, residual=h)
+    grad = rand(y.shape, y.dtype, device, mean=0.3)
+    y.backward(grad)
+    assert (ops == []) == (res_dtype == torch.bfloat16), ops
+    x64, w64, h64 = (t.detach().double().requires_grad_() for t in (x, w, h))
+    ref = linear(x64, w64, residual=h64)
+    ref.backward(grad.double())
+    assert rel_err(y.double() - h.double(), ref - h64) < 1e-2
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad), (h.grad, h64.grad)):
+        assert rel_err(got, want) < 1e-2
 
 
 @pytest.mark.gpu

@@ -31,10 +31,10 @@ Ops (torch.library triton_ops, so torch.compile traces them and CUDA graphs capt
   of a weight's gradient into its `.grad` (`accumulate_grads_in_place(traced=True)`).
 The backward of each is `utils.first_order_only` (create_graph=True raises) and calls these ops.
 
-Eager calls of `bmm` and of a plain `linear` (no epilogue, residual or wider weight) whose
-three GEMMs the planner gives to cuBLAS run PyTorch's own op instead (`_runs_natively`): the
-same cuBLAS products, with a C++ autograd node rather than our Python one (and PyTorch's
-double backward).
+Eager calls of `bmm` and of a plain `linear` (no activation, no wider weight, a residual
+only of the product's dtype) whose three GEMMs the planner gives to cuBLAS run PyTorch's own
+op instead (`_runs_natively`): the same cuBLAS products, with a C++ autograd node rather than
+our Python one (and PyTorch's double backward).
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
 relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and
@@ -575,17 +575,20 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
 
-def _runs_natively(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_grad: bool) -> bool:
+def _runs_natively(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_grad: bool, residual: bool = False
+) -> bool:
     """Whether an eager call of `bmm` or a plain `linear` (x: its input as given; a, b: the
-    operands as our op would take them) runs PyTorch's own op instead of ours: where all
-    three of its GEMMs would run cuBLAS anyway (`matmul_plan.plain_products_on_cublas`),
+    operands as our op would take them; residual: a residual of their dtype is added) runs
+    PyTorch's own op instead of ours: where all three of its GEMMs would run cuBLAS anyway
+    (`matmul_plan.plain_products_on_cublas`),
     PyTorch's op launches the same products, and its C++ autograd node replaces our Python
     one (on an H200 host our linear's forward + backward cost 638 µs of host time on
     autograd's worker thread against PyTorch's 407, bmm's 683 against 354 on the calling
     thread: `overhead_session27.json`). Traced code keeps our ops."""
     if torch.compiler.is_compiling() or is_traced(x):
         return False
-    return matmul_plan.plain_products_on_cublas(a, b, weight_grad)
+    return matmul_plan.plain_products_on_cublas(a, b, weight_grad, residual)
 
 
 def _check_pair(
@@ -908,9 +911,15 @@ def linear(
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
     weight_lp = _weight_in(weight, x.dtype)
-    plain = activation is None and r2 is None and weight_lp is None
-    if plain and _grad_home(weight) is None and _runs_natively(x, x2, weight.t(), True):
-        return F.linear(x, weight)
+    # no epilogue cuBLAS lacks: PyTorch's own op where cuBLAS runs all three GEMMs anyway
+    plain = activation is None and weight_lp is None and (r2 is None or r2.dtype == x.dtype)
+    if plain and _grad_home(weight) is None:  # (not while `.grad` takes dW in place)
+        res = r2 is not None
+        if _runs_natively(x, x2, weight.t(), True, res):
+            if not res:
+                return F.linear(x, weight)
+            y2 = torch.addmm(r2, x2, weight.t())  # cuBLAS's C input, as `_mm2d_into`'s
+            return y2 if two_d else y2.view(out_shape)
     grad_acc = _traced_grad_acc(weight)  # None outside traced training steps
     if swiglu:
         y2 = call_op(linear_swiglu_op, x2, weight, weight_lp, grad_acc)[0]

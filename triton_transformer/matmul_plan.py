@@ -372,16 +372,19 @@ def _transposed(t: int) -> int:
     return t if t < 0 else 1 - t
 
 
-def plain_products_on_cublas(a: torch.Tensor, b: torch.Tensor, weight_grad: bool) -> bool:
-    """Whether cuBLAS runs all three GEMMs of c = a @ b and its backward under the current
-    plan: the product, dA = dC @ b^T, and dB = a^T @ dC, or with `weight_grad` its
-    transpose dC^T @ a (`bmm.linear`'s weight gradient, in the weight's (N, K) layout).
+def plain_products_on_cublas(
+    a: torch.Tensor, b: torch.Tensor, weight_grad: bool, residual: bool = False
+) -> bool:
+    """Whether cuBLAS runs all three GEMMs of c = a @ b [+ residual] and its backward under
+    the current plan: the product (torch.addmm with a residual), dA = dC @ b^T, and
+    dB = a^T @ dC, or with `weight_grad` its transpose dC^T @ a (`bmm.linear`'s weight
+    gradient, in the weight's (N, K) layout).
 
     a (M, K) and b (K, N) are 2-D, or 3-D with a batch of more than 1 (torch.bmm unless our
-    kernel is asked for, `_bmm_into`), on CUDA, of one dtype, with no epilogue. dC is taken
-    to be contiguous, the common case. Then PyTorch's own op computes those same three
-    cuBLAS products, with its C++ autograd and none of our Python around them: `bmm.bmm` and
-    `bmm.linear` run it for such eager calls.
+    kernel is asked for, `_bmm_into`), on CUDA, of one dtype (the residual's too), with no
+    other epilogue. dC is taken to be contiguous, the common case. Then PyTorch's own op
+    computes those same three cuBLAS products, with its C++ autograd and none of our Python
+    around them: `bmm.bmm` and `bmm.linear` run it for such eager calls.
     """
     if a.device.type != "cuda" or matmul_impl == "triton" or _FORCE_PATH is not None:
         return False
@@ -395,27 +398,28 @@ def plain_products_on_cublas(a: torch.Tensor, b: torch.Tensor, weight_grad: bool
     a_lay, b_lay = _layout(a), _layout(b)
     return _plain_on_cublas(
         a.device.index, a.dtype, int(M), int(N), int(K), a_lay[0] if a_lay else -1,
-        b_lay[0] if b_lay else -1, weight_grad, matmul_impl,
+        b_lay[0] if b_lay else -1, weight_grad, residual, matmul_impl,
     )  # fmt: skip
 
 
 @functools.cache
 def _plain_on_cublas(
     index: int, dtype: torch.dtype, M: int, N: int, K: int, a_t: int, b_t: int,
-    weight_grad: bool, impl: str,
+    weight_grad: bool, residual: bool, impl: str,
 ) -> bool:  # fmt: skip
     size = dtype.itemsize
     dc_t = 0 if (N * size) % 16 == 0 else -1  # a contiguous (M, N) dC
 
-    def cublas(m: int, n: int, k: int, lhs_t: int, rhs_t: int) -> bool:
-        plan = _plan("cuda", index, dtype, m, n, k, lhs_t, rhs_t, "", True, size, impl, None)
+    def cublas(m: int, n: int, k: int, lhs_t: int, rhs_t: int, epi: str = "") -> bool:
+        plan = _plan("cuda", index, dtype, m, n, k, lhs_t, rhs_t, epi, True, size, impl, None)
         return plan[0] == "cublas"
 
     if weight_grad:  # dB^T = dC^T @ a: (N, K), summed over M
         db = cublas(N, K, M, _transposed(dc_t), a_t)
     else:  # dB = a^T @ dC: (K, N)
         db = cublas(K, N, M, _transposed(a_t), dc_t)
-    return cublas(M, N, K, a_t, b_t) and cublas(M, K, N, dc_t, _transposed(b_t)) and db
+    product = cublas(M, N, K, a_t, b_t, "+res" if residual else "")
+    return product and cublas(M, K, N, dc_t, _transposed(b_t)) and db
 
 
 # Decode-sized products (M <= 16 rows: a token per sequence) stream the weight once, so they
