@@ -858,6 +858,14 @@ def test_plan_picks_paths(monkeypatch):
     )
 
 
+def ops_called(monkeypatch) -> list:
+    """The ops `bmm.py`'s functions call (through `call_op`), appended as they run."""
+    ops = []
+    real = bmm_module.call_op
+    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    return ops
+
+
 def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
     # `plain_products_on_cublas` asks the planner about the product and both backward GEMMs,
     # each in the orientation our backward computes it: a table entry for any one of them
@@ -974,9 +982,7 @@ def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
     # gradient folded into `.grad` (`accumulate_grads_in_place`) are ours to compute,
     # whatever the planner says.
     monkeypatch.setattr(plan_module, "plain_products_on_cublas", lambda *args: True)
-    ops = []
-    real = bmm_module.call_op
-    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    ops = ops_called(monkeypatch)
     x = rand((7, 48), torch.float32, device, mean=0.3).requires_grad_()
     w = rand((16, 48), torch.float32, device, mean=0.1).requires_grad_()
     h = rand((7, 16), torch.float32, device)
@@ -1190,9 +1196,7 @@ def test_plain_products_run_pytorchs_op_gpu(K, N, activation, M, device, monkeyp
     # Under "auto" a plain projection whose three GEMMs the H200's plan gives to cuBLAS is
     # F.linear in an eager call (decode-sized ones with a short K keep the pointer kernel,
     # relu² its epilogue); under "triton" our op. Forward and backward against float64.
-    ops = []
-    real = bmm_module.call_op
-    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    ops = ops_called(monkeypatch)
     check_linear_bf16(M, K, N, activation, device)
     native = activation is None and (M > 16 or (K >= 2048 and N >= 2048))
     assert (ops == []) == native, ops
@@ -1207,9 +1211,7 @@ def test_plain_products_run_pytorchs_op_gpu(K, N, activation, M, device, monkeyp
 def test_residual_linear_runs_pytorchs_op_gpu(res_dtype, device, monkeypatch):
     # a residual of the product's dtype: torch.addmm (cuBLAS's C input), PyTorch's own op; an
     # fp32 residual stream under a bf16 product: our epilogue. Against float64.
-    ops = []
-    real = bmm_module.call_op
-    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    ops = ops_called(monkeypatch)
     x = rand((4, 512, 512), torch.bfloat16, device, mean=0.1, std=1.0).requires_grad_()
     w = rand((768, 512), torch.bfloat16, device, mean=-0.01, std=512**-0.5).requires_grad_()
     h = rand((4, 512, 768), res_dtype, device, mean=1.0).requires_grad_()
@@ -1230,9 +1232,7 @@ def test_residual_linear_runs_pytorchs_op_gpu(res_dtype, device, monkeypatch):
 def test_plain_bmm_runs_pytorchs_op_gpu(shape, device, monkeypatch):
     # bmm: batched products are torch.bmm's under "auto", 2-D ones (and a batch of 1) cuBLAS's
     # per the plan: the eager call is torch.matmul; forward and backward against float64
-    ops = []
-    real = bmm_module.call_op
-    monkeypatch.setattr(bmm_module, "call_op", lambda op, *a: ops.append(op) or real(op, *a))
+    ops = ops_called(monkeypatch)
     q = rand(shape, torch.bfloat16, device, mean=0.1, std=1.0)
     k = rand(shape, torch.bfloat16, device, mean=-0.2, std=1.0)
     check_bmm(q, k.transpose(-1, -2), torch.bfloat16)
