@@ -909,6 +909,60 @@ def test_plain_products_on_cublas_plans_all_three_gemms(monkeypatch):
     plan_module._plan.cache_clear()
 
 
+def test_plain_linear_asks_what_the_2d_product_would(monkeypatch):
+    # `plain_linear_on_cublas` (a plain linear's eager hot path) reads x's 2-D view and
+    # weight.t() off the tensors it is given: for every layout it answers what
+    # `plain_products_on_cublas` answers for the views themselves. Fake CUDA tensors on a
+    # pretend H200; a table entry per orientation, so each layout's answer is asked for.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pretend_gpu(monkeypatch, 9, 132, "H200")
+    table: dict[str, str] = {}
+    monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
+    bf16 = torch.bfloat16
+    answers = set()
+    with FakeTensorMode():
+
+        def strided(shape, strides, offset=0):  # a view of a buffer (fake tensors index poorly)
+            buffer = torch.empty(4 << 20, dtype=bf16, device="cuda")
+            return buffer.as_strided(shape, strides, offset)
+
+        xs = {
+            "2-D": strided((2048, 1024), (1024, 1)),
+            "3-D contiguous": strided((4, 512, 1024), (512 * 1024, 1024, 1)),
+            "3-D strided rows": strided((4, 512, 1024), (512 * 1032, 1032, 1)),
+            "3-D offset by 2": strided((4, 512, 1024), (512 * 1032, 1032, 1), 2),  # TMA can't
+            "2-D transposed": strided((2048, 1024), (1, 2048)),
+            "rows of 1020": strided((4, 512, 1020), (512 * 1020, 1020, 1)),
+        }
+        weights = {
+            "contiguous": strided((768, 1024), (1024, 1)),
+            "transposed": strided((768, 1024), (1, 768)),
+            "rows of 1020": strided((768, 1020), (1020, 1)),
+        }
+        entries = [None, "2048x768x1024:nt", "2048x768x1024:tt", "2048x768x1024:nn"]
+        for entry in [*entries, "2048x768x1020:ss"]:  # "s": rows TMA cannot describe
+            table.clear()
+            if entry:
+                table[entry] = "tma"
+            for x_name, x in xs.items():
+                for w_name, w in weights.items():
+                    if x.shape[-1] != w.shape[1]:
+                        continue
+                    plan_module._plain_on_cublas.cache_clear()
+                    plan_module._plan.cache_clear()
+                    got = plan_module.plain_linear_on_cublas(x, w)
+                    x2 = x.view(-1, x.shape[-1])
+                    want = plan_module.plain_products_on_cublas(x2, w.t(), True)
+                    assert got == want, (entry, x_name, w_name)
+                    answers.add(got)
+        no_rows = strided((0, 1024), (1024, 1))
+        assert not plan_module.plain_linear_on_cublas(no_rows, weights["contiguous"])
+    assert answers == {True, False}
+    plan_module._plain_on_cublas.cache_clear()
+    plan_module._plan.cache_clear()
+
+
 @pytest.mark.parametrize(
     "kind",
     ["linear", "linear 3-D", "residual", "residual 3-D", "bmm 2-D", "bmm 4-D", "bmm batch 1"],
@@ -923,7 +977,11 @@ def test_plain_products_run_pytorchs_op(kind, device, monkeypatch):
         asked.append((tuple(a.shape), tuple(b.shape), weight_grad, residual))
         return True
 
+    def linear_on_cublas(x, weight):  # a plain linear's question, as the 2-D product's
+        return all_cublas(x.reshape(-1, x.shape[-1]), weight.t(), True, False)
+
     monkeypatch.setattr(plan_module, "plain_products_on_cublas", all_cublas)
+    monkeypatch.setattr(plan_module, "plain_linear_on_cublas", linear_on_cublas)
     monkeypatch.setattr(bmm_module, "call_op", lambda *args: pytest.fail("our op ran"))
     shapes = {
         "linear": ((7, 45), (24, 45)),
@@ -982,6 +1040,7 @@ def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
     # gradient folded into `.grad` (`accumulate_grads_in_place`) are ours to compute,
     # whatever the planner says.
     monkeypatch.setattr(plan_module, "plain_products_on_cublas", lambda *args: True)
+    monkeypatch.setattr(plan_module, "plain_linear_on_cublas", lambda *args: True)
     ops = ops_called(monkeypatch)
     x = rand((7, 48), torch.float32, device, mean=0.3).requires_grad_()
     w = rand((16, 48), torch.float32, device, mean=0.1).requires_grad_()

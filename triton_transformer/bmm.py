@@ -591,6 +591,23 @@ def _runs_natively(
     return matmul_plan.plain_products_on_cublas(a, b, weight_grad, residual)
 
 
+def _plain_linear_natively(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`_runs_natively` for an eager `linear(x, weight)` without epilogue, dropout or
+    residual, on its hot path: the checks it needs, and the planner asked without making
+    x's 2-D view or weight.t() (`matmul_plan.plain_linear_on_cublas`). False for anything
+    `linear`'s full path must look at: a bad shape (it raises there), a wider weight under
+    autocast, a weight whose `.grad` takes dW in place."""
+    check_triton_tensor(x, "x")
+    check_triton_tensor(weight, "weight")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    if weight.dtype != x.dtype or _grad_home(weight) is not None:
+        return False
+    if torch.compiler.is_compiling() or is_traced(x):
+        return False
+    return matmul_plan.plain_linear_on_cublas(x, weight)
+
+
 def _check_pair(
     a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str, *, cast_b: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -849,6 +866,11 @@ def linear(
     writes the fp32 gradient directly, never rounded to bf16 nor cast in a separate pass.
     """
     x, weight = _check_pair(x, weight, "x", "weight", cast_b=False)
+    # the common eager call first: no epilogue, dropout (a plain 0, not a bool: the full path
+    # rejects those) or residual
+    plain = activation is None and residual is None and type(dropout_p) in (float, int)
+    if use_triton and plain and dropout_p == 0 and _plain_linear_natively(x, weight):
+        return F.linear(x, weight)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     dropout_p = check_dropout_p(dropout_p)
@@ -911,15 +933,13 @@ def linear(
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
     weight_lp = _weight_in(weight, x.dtype)
-    # no epilogue cuBLAS lacks: PyTorch's own op where cuBLAS runs all three GEMMs anyway
-    plain = activation is None and weight_lp is None and (r2 is None or r2.dtype == x.dtype)
-    if plain and _grad_home(weight) is None:  # (not while `.grad` takes dW in place)
-        res = r2 is not None
-        if _runs_natively(x, x2, weight.t(), True, res):
-            if not res:
-                return F.linear(x, weight)
-            y2 = torch.addmm(r2, x2, weight.t())  # cuBLAS's C input, as `_mm2d_into`'s
-            return y2 if two_d else y2.view(out_shape)
+    # a residual of the product's dtype and no other epilogue: PyTorch's own op where cuBLAS
+    # runs all three GEMMs anyway (without a residual, `_plain_linear_natively` asked above)
+    plain = activation is None and weight_lp is None and r2 is not None and r2.dtype == x.dtype
+    # (not while `.grad` takes dW in place)
+    if plain and _grad_home(weight) is None and _runs_natively(x, x2, weight.t(), True, True):
+        y2 = torch.addmm(r2, x2, weight.t())  # cuBLAS's C input, as `_mm2d_into`'s
+        return y2 if two_d else y2.view(out_shape)
     grad_acc = _traced_grad_acc(weight)  # None outside traced training steps
     if swiglu:
         y2 = call_op(linear_swiglu_op, x2, weight, weight_lp, grad_acc)[0]

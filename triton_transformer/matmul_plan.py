@@ -402,6 +402,30 @@ def plain_products_on_cublas(
     )  # fmt: skip
 
 
+def plain_linear_on_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`plain_products_on_cublas(x2, weight.t(), weight_grad=True)` for `bmm.linear`'s x
+    (..., K), read as x2 (M, K), and weight (N, K) of x's dtype, without making either view:
+    a view of a tensor that requires grad costs an eager call microseconds of host time."""
+    if x.device.type != "cuda" or matmul_impl == "triton" or _FORCE_PATH is not None:
+        return False
+    N, K = weight.shape
+    M = x.numel() // K if K else 0
+    if M == 0 or N == 0:
+        return False  # our path's empty products (no GEMM at all)
+    if x.dim() == 2:
+        a_lay = _layout(x)
+    elif x.is_contiguous():  # x2 is row-major, K elements apart
+        aligned = (x.storage_offset() * x.element_size()) % 16 == 0
+        a_lay = (0, K) if aligned and (K * x.element_size()) % 16 == 0 else None
+    else:
+        a_lay = _layout(x.flatten(0, -2))  # (a copy where the dims do not merge, as linear's)
+    w_lay = _layout(weight)
+    return _plain_on_cublas(
+        x.device.index, x.dtype, int(M), int(N), int(K), a_lay[0] if a_lay else -1,
+        _transposed(w_lay[0]) if w_lay else -1, True, False, matmul_impl,
+    )  # fmt: skip
+
+
 @functools.cache
 def _plain_on_cublas(
     index: int, dtype: torch.dtype, M: int, N: int, K: int, a_t: int, b_t: int,
