@@ -41,7 +41,7 @@ the time at 4096 queries.
 
 `fwd_tiles` says which shape each head dim takes, and what was measured: at d128 this kernel
 is 1.23-1.38x the Triton forward and at least cuDNN's speed from 4096 queries; at d64 long
-heads without a causal mask gain (three consumers in turns), and causal heads of 1024 to 2048
+heads without a causal mask gain (three consumers in turns), and causal heads of 512 to 2048
 queries (one consumer, three programs per SM); the rest keep the Triton forward (`usable`).
 
 The output leaves by TMA stores (rows past n_q are clipped) through shared memory that holds
@@ -508,12 +508,15 @@ def _launch(consumers: int, per_sm: int) -> dict:
 # than the Triton forward (H200, 2026-11-28, µs per forward, `attention_fwd_gluon_session27`;
 # causal / not: d128 at (32, 512, 16) 129.2 / 162.0 against 158.7 / 214.2; d64 causal at
 # GPT-2's (16, 1024, 12) 83.3 against 88.5, at (8, 2048, 16) 183.9 against 184.1, at (4, 4096,
-# 16) 337.1 against 323.3; session 25: d128 at 128 queries 19.8 against 17.6 causal).
+# 16) 337.1 against 323.3; session 25: d128 at 128 queries 19.8 against 17.6 causal). d64
+# causal at 512 queries (31st session, `attention_fwd_short_session31.json`, (b, n, h)):
+# the sweep's (32, 512, 32) 124.7 against 159.3 (cuDNN 129.8), enwik8's (16, 512, 8) 23.1
+# against 24.0 (cuDNN 23.3).
 # Elsewhere the two are within a few per cent, or the Triton forward is faster, and it runs.
 ENABLED = True
 MIN_QUERIES = 512
 MIN_QUERIES_D64 = 2048
-D64_CAUSAL_QUERIES = range(1024, 2049)
+D64_CAUSAL_QUERIES = range(512, 2049)
 
 
 def _taken(head_dim: int, n_q: int, causal: bool) -> bool:
