@@ -73,7 +73,7 @@ def path(request, monkeypatch):
 
 
 def assert_path(n_cols, path):
-    single = softmax_mod._shape_params((n_cols,), causal=False)[4]
+    single = softmax_mod._softmax_config((n_cols,), causal=False)[4]
     assert single == (path == "single" or n_cols <= 16)
 
 

@@ -142,7 +142,7 @@ def _softmax_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _shape_params(shape: torch.Size, causal: bool) -> tuple:
+def _softmax_config(shape: torch.Size, causal: bool) -> tuple:
     """(n_q, diag, BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for x of this shape. Causal query
     q sees keys j < q + diag, diag = n_k - n_q + 1. n_q and diag stay symbolic under
     torch.compile's dynamic shapes; the row length picks the constexpr block sizes, so it is
@@ -158,7 +158,7 @@ def _shape_params(shape: torch.Size, causal: bool) -> tuple:
 _PLANS = LaunchPlans()
 
 
-def _launch(
+def launch_softmax(
     kernel, tensors: tuple, shape: torch.Size, causal: bool, n_rows: int, *sizes: int
 ) -> None:  # fmt: skip
     """Launch `kernel` (the forward or the backward) over the rows of `tensors`, for scores of
@@ -172,7 +172,7 @@ def _launch(
         if bound is not None:
             bound(*tensors)
             return
-    n_q, diag, block_m, block_n, single_pass, num_warps = _shape_params(shape, causal)
+    n_q, diag, block_m, block_n, single_pass, num_warps = _softmax_config(shape, causal)
     bound = launcher(kernel).bind(
         (cdiv(n_rows, block_m),), *tensors, *sizes, n_q, diag,
         CAUSAL=causal, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -191,7 +191,7 @@ def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
     if x.numel() > 0:
         x_rows = as_rows(x)  # a view unless the last dim is not unit-stride
         n_rows, n_cols = x_rows.shape
-        _launch(
+        launch_softmax(
             _softmax_fwd_kernel, (x_rows, y), x.shape, causal, n_rows,
             x_rows.stride(0), n_cols, n_rows, n_cols,
         )  # fmt: skip
@@ -207,7 +207,7 @@ def softmax_backward_op(dy: torch.Tensor, y: torch.Tensor, causal: bool) -> torc
     if y.numel() > 0:
         dy_rows = as_rows(dy)
         n_rows, n_cols = dy_rows.shape
-        _launch(
+        launch_softmax(
             _softmax_bwd_kernel, (y, dy_rows, dx), y.shape, causal, n_rows,
             n_cols, dy_rows.stride(0), n_cols, n_rows, n_cols,
         )  # fmt: skip
