@@ -934,6 +934,8 @@ def test_plain_linear_asks_what_the_2d_product_would(monkeypatch):
             "3-D offset by 2": strided((4, 512, 1024), (512 * 1032, 1032, 1), 2),  # TMA can't
             "2-D transposed": strided((2048, 1024), (1, 2048)),
             "rows of 1020": strided((4, 512, 1020), (512 * 1020, 1020, 1)),
+            "1-D contiguous": strided((1024,), (1,)),
+            "1-D strided": strided((1024,), (2,)),
         }
         weights = {
             "contiguous": strided((768, 1024), (1024, 1)),

@@ -417,8 +417,8 @@ def plain_linear_on_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     elif x.is_contiguous():  # x2 is row-major, K elements apart
         aligned = (x.storage_offset() * x.element_size()) % 16 == 0
         a_lay = (0, K) if aligned and (K * x.element_size()) % 16 == 0 else None
-    else:
-        a_lay = _layout(x.flatten(0, -2))  # (a copy where the dims do not merge, as linear's)
+    else:  # x2 as linear makes it (a copy where the dims do not merge)
+        a_lay = _layout(x.unsqueeze(0) if x.dim() == 1 else x.flatten(0, -2))
     w_lay = _layout(weight)
     return _plain_on_cublas(
         x.device.index, x.dtype, int(M), int(N), int(K), a_lay[0] if a_lay else -1,
