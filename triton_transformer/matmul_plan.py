@@ -386,19 +386,16 @@ def plain_products_on_cublas(
     computes those same three cuBLAS products, with its C++ autograd and none of our Python
     around them: `bmm.bmm` and `bmm.linear` run it for such eager calls.
     """
-    if a.device.type != "cuda" or matmul_impl == "triton" or _FORCE_PATH is not None:
+    if not _cublas_allowed(a):
         return False
     if a.dim() == 3:
         if a.shape[0] > 1:
             return True
         a, b = a[0], b[0]
     (M, K), N = a.shape, b.shape[1]
-    if M == 0 or N == 0 or K == 0:
-        return False  # our path's empty products (no GEMM at all)
-    a_lay, b_lay = _layout(a), _layout(b)
     return _plain_on_cublas(
-        a.device.index, a.dtype, int(M), int(N), int(K), a_lay[0] if a_lay else -1,
-        b_lay[0] if b_lay else -1, weight_grad, residual, matmul_impl,
+        a.device.index, a.dtype, int(M), int(N), int(K), _orientation(a), _orientation(b),
+        weight_grad, residual, matmul_impl,
     )  # fmt: skip
 
 
@@ -406,24 +403,33 @@ def plain_linear_on_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`plain_products_on_cublas(x2, weight.t(), weight_grad=True)` for `bmm.linear`'s x
     (..., K), read as x2 (M, K), and weight (N, K) of x's dtype, without making either view:
     a view of a tensor that requires grad costs an eager call microseconds of host time."""
-    if x.device.type != "cuda" or matmul_impl == "triton" or _FORCE_PATH is not None:
+    if not _cublas_allowed(x):
         return False
     N, K = weight.shape
     M = x.numel() // K if K else 0
-    if M == 0 or N == 0:
-        return False  # our path's empty products (no GEMM at all)
     if x.dim() == 2:
-        a_lay = _layout(x)
+        x_t = _orientation(x)
     elif x.is_contiguous():  # x2 is row-major, K elements apart
         aligned = (x.storage_offset() * x.element_size()) % 16 == 0
-        a_lay = (0, K) if aligned and (K * x.element_size()) % 16 == 0 else None
+        x_t = 0 if aligned and (K * x.element_size()) % 16 == 0 else -1
     else:  # x2 as linear makes it (a copy where the dims do not merge)
-        a_lay = _layout(x.unsqueeze(0) if x.dim() == 1 else x.flatten(0, -2))
-    w_lay = _layout(weight)
+        x_t = _orientation(x.unsqueeze(0) if x.dim() == 1 else x.flatten(0, -2))
     return _plain_on_cublas(
-        x.device.index, x.dtype, int(M), int(N), int(K), a_lay[0] if a_lay else -1,
-        _transposed(w_lay[0]) if w_lay else -1, True, False, matmul_impl,
+        x.device.index, x.dtype, int(M), int(N), int(K), x_t, _transposed(_orientation(weight)),
+        True, False, matmul_impl,
     )  # fmt: skip
+
+
+def _cublas_allowed(x: torch.Tensor) -> bool:
+    """Whether the plan may give a product of x's device to cuBLAS at all (CUDA, and neither
+    `matmul_impl="triton"` nor a forced path)."""
+    return x.device.type == "cuda" and matmul_impl != "triton" and _FORCE_PATH is None
+
+
+def _orientation(x: torch.Tensor) -> int:
+    """`_plan`'s layout of 2-D x: 0 row-major, 1 transposed, -1 not TMA-describable."""
+    layout = _layout(x)
+    return layout[0] if layout else -1
 
 
 @functools.cache
@@ -431,6 +437,8 @@ def _plain_on_cublas(
     index: int, dtype: torch.dtype, M: int, N: int, K: int, a_t: int, b_t: int,
     weight_grad: bool, residual: bool, impl: str,
 ) -> bool:  # fmt: skip
+    if M == 0 or N == 0 or K == 0:
+        return False  # our path's empty products (no GEMM at all)
     size = dtype.itemsize
     dc_t = 0 if (N * size) % 16 == 0 else -1  # a contiguous (M, N) dC
 
@@ -699,8 +707,9 @@ def _mm2d_into(
         epi = "+relu2grad+drop" if drop is not None else "+relu2grad"
     if device.type == "cuda":
         a_lay, b_lay = _layout(a), _layout(b)
-        if grad is not None and (_layout(grad[0]) or (1,))[0] != 0:
+        if grad is not None and _orientation(grad[0]) != 0:
             a_lay = None  # the epilogue's descriptor of s needs it row-major: no TMA
+        a_t, b_t = a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1  # `_plan`'s layouts
         traced = is_traced(a)
         # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
         # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
@@ -711,10 +720,8 @@ def _mm2d_into(
         if residual is not None:
             cublas_ok = cublas_ok and residual.dtype == a.dtype
         plan = _plan(
-            "cuda", device.index, a.dtype, M, N, K,
-            a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1,
-            epi, cublas_ok, c.element_size(), matmul_impl, _FORCE_PATH,
-            traced and not compile_tma(),
+            "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok, c.element_size(),
+            matmul_impl, _FORCE_PATH, traced and not compile_tma(),
         )  # fmt: skip
         # Hopper's Gluon kernel for eager "tma" problems it has the epilogue of, and for relu²'s
         # gradient after a dropout, read from the forward's output, whatever the plan (it
@@ -725,9 +732,8 @@ def _mm2d_into(
             eager_tma = plan[0] == "tma"
         else:
             eager_tma = _plan(
-                "cuda", device.index, a.dtype, M, N, K, a_lay[0] if a_lay else -1,
-                b_lay[0] if b_lay else -1, epi, cublas_ok, c.element_size(), matmul_impl,
-                _FORCE_PATH,
+                "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok,
+                c.element_size(), matmul_impl, _FORCE_PATH,
             )[0] == "tma"  # fmt: skip
         gluon_first = eager_tma or (epi == "+relu2grad+drop" and grad[1])
         if gluon_first and _FORCE_PATH is None:  # noqa: SIM102
