@@ -596,15 +596,16 @@ def _plain_linear_natively(x: torch.Tensor, weight: torch.Tensor) -> bool:
     residual, on its hot path: the checks it needs, and the planner asked without making
     x's 2-D view or weight.t() (`matmul_plan.plain_linear_on_cublas`). False for anything
     `linear`'s full path must look at: a bad shape (it raises there), a wider weight under
-    autocast, a weight whose `.grad` takes dW in place."""
-    check_triton_tensor(x, "x")
-    check_triton_tensor(weight, "weight")
+    autocast, a weight whose `.grad` takes dW in place. Those are ruled out before the
+    tensors are checked: the full path checks them itself."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return False
     if weight.dtype != x.dtype or _grad_home(weight) is not None:
         return False
     if torch.compiler.is_compiling() or is_traced(x):
         return False
+    check_triton_tensor(x, "x")
+    check_triton_tensor(weight, "weight")
     return matmul_plan.plain_linear_on_cublas(x, weight)
 
 
