@@ -128,20 +128,18 @@ def bench_case(rows, n, d, causal, providers, out_dir, rounds=ROUNDS):
             print(f"{prov} n={n} d={d}: out of memory", flush=True)
         torch.use_deterministic_algorithms(False)
         torch.cuda.empty_cache()
-    samples = {id(row): [row["ms"]] for row, _ in timed}
-    for r in range(rounds - 1):
-        for row, run in timed[::-1] if r % 2 == 0 else timed:
-            samples[id(row)].append(common.kernel_ms(run))
-    for row, _ in timed:
-        ms = sorted(samples[id(row)])
-        row.update(ms=ms[len(ms) // 2], ms_min=ms[0], ms_max=ms[-1])
+    times = common.interleaved_kernel_ms(
+        [run for _, run in timed], rounds, first=[row["ms"] for row, _ in timed]
+    )
+    for (row, _), (median, fastest, slowest) in zip(timed, times, strict=True):
+        row.update(ms=median, ms_min=fastest, ms_max=slowest)
         tf = flops(b, h, n, d, causal, row["mode"]) / row["ms"] / 1e9
         row.update({"TFLOP/s": tf, "frac": tf / common.ceilings()["bf16_tflops"]})
         rows.append(row)
         err = row.get("max_err_vs_fa2")
         print(
             f"{row['provider']:>10} n={n:5d} d={d:3d} causal={causal!s:5} {row['mode']:8} "
-            f"{tf:7.1f} TFLOP/s  {row['ms']:8.3f} ms ({ms[0]:.3f}-{ms[-1]:.3f})  "
+            f"{tf:7.1f} TFLOP/s  {row['ms']:8.3f} ms ({fastest:.3f}-{slowest:.3f})  "
             f"peak {row['peak_mb']:8.0f} MB" + (f"  err {err:.1e}" if err is not None else ""),
             flush=True,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 of its launch configurations.
 
     python3 benchmarks/bench_layernorm.py --out DIR [--quick] [--widths sweep] [--ops ...]
+        [--rounds R]
     python3 benchmarks/bench_layernorm.py --out DIR --tune [--widths N,N,...] [--rows M]
     python3 benchmarks/bench_layernorm.py --out DIR --tuned DIR/layernorm_tune.json ...
 
@@ -21,6 +22,8 @@ GB/s uses the kernel time (sum of the op's kernel durations from torch.profiler,
 before each call: host overhead excluded, which do_bench's events do not guarantee);
 `frac` is GB/s over the device-to-device copy bandwidth measured in the same run; `wall_us` is
 host wall-clock per call in a tight loop.
+With --rounds R the kernel time is the median of R rounds in which the providers and modes
+of a shape alternate (`common.interleaved_kernel_ms`).
 
 --tune sweeps the launch configurations of `layernorm._LAYERNORM_FWD_CONFIGS` /
 `_LAYERNORM_BWD_CONFIGS` at
@@ -292,6 +295,7 @@ def run_bench(args, out_dir: Path, shard: tuple[int, int] | None = None) -> list
     for op, M, N, dname in all_cases:
         dtype = DTYPES[dname]
         inputs, grads = _inputs(op, M, N, dtype)
+        timed = []  # (row, fn) of every provider and mode, for the interleaved rounds
         for prov in providers:
             fn = provider_fn(prov, op)
             if fn is None:
@@ -303,16 +307,26 @@ def run_bench(args, out_dir: Path, shard: tuple[int, int] | None = None) -> list
                         f()
                         continue
                     t = time_op(f)
-                    gbs = BYTES_PER_ELEM_PASS[op][mode] * M * N * dtype.itemsize / (
-                        t["kernel_ms"] * 1e-3) / 1e9  # fmt: skip
-                    rows.append(dict(op=op, provider=prov, M=M, N=N, dtype=dname, mode=mode,
-                                     ms=t["kernel_ms"], wall_us=t["wall_us"],
-                                     **{"GB/s": gbs, "frac": gbs / ceil["copy_gbps"]}))  # fmt: skip
-                    print(f"row {op} {prov} {M}x{N} {dname} {mode} {t['kernel_ms'] * 1e3:.1f}us "
-                          f"{gbs:.0f}GB/s wall {t['wall_us']:.0f}us", flush=True)  # fmt: skip
+                    row = dict(op=op, provider=prov, M=M, N=N, dtype=dname, mode=mode,
+                               ms=t["kernel_ms"], wall_us=t["wall_us"])  # fmt: skip
+                    timed.append((row, f))
             except Exception as e:  # a provider failing must not kill the run
                 print(f"{prov} {op} {M}x{N} {dname}: {type(e).__name__}: {e}"[:300], flush=True)
             _sync()
+        if timed and args.rounds > 1 and torch.cuda.is_available():
+            times = common.interleaved_kernel_ms(
+                [f for _, f in timed], args.rounds, first=[row["ms"] for row, _ in timed]
+            )
+            for (row, _), (median, fastest, slowest) in zip(timed, times, strict=True):
+                row.update(ms=median, ms_min=fastest, ms_max=slowest)
+        for row, _ in timed:
+            gbs = BYTES_PER_ELEM_PASS[op][row["mode"]] * M * N * dtype.itemsize / (
+                row["ms"] * 1e-3) / 1e9  # fmt: skip
+            row.update({"GB/s": gbs, "frac": gbs / ceil["copy_gbps"] if ceil else float("nan")})
+            rows.append(row)
+            print(f"row {op} {row['provider']} {M}x{N} {dname} {row['mode']} "
+                  f"{row['ms'] * 1e3:.1f}us {gbs:.0f}GB/s wall {row['wall_us']:.0f}us",
+                  flush=True)  # fmt: skip
         if shard is None:  # partial results survive a timeout
             (out_dir / "layernorm_bench.json").write_text(json.dumps(dict(rows=rows), indent=1))
         del inputs, grads
@@ -762,6 +776,12 @@ def _parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="comparison: kernel time as the median of R interleaved rounds",
+    )
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations instead")
     ap.add_argument("--shapes", default="", help="MxN,MxN,... instead of the default shapes")
     ap.add_argument(

@@ -38,7 +38,7 @@ Writes <out>/matmul.{md,png,json}, <out>/matmul_extra.json, and <out>/matmul_tab
 problem, "tma" or "ptr" where that kernel beat cuBLAS (torch.addmm for residuals), and for
 relu² "ptr" where the pointer kernel beat the TMA one: matmul_plan.MATMUL_TABLE's format.
 
-Usage: python3 benchmarks/bench_matmul.py --out DIR --presets [enwik8,gpt2,large]
+Usage: python3 benchmarks/bench_matmul.py --out DIR --presets [enwik8,gpt2,large] [--rounds R]
            [--tma-configs few|all] [--iters N]
        python3 benchmarks/bench_matmul.py --out DIR [--quick] [--old OLD_BMM.py] [--compile]
            [--M 2048,8192] [--shapes 512->256,...] [--no-sweep] [--auto]
@@ -314,6 +314,13 @@ def run_presets(args: argparse.Namespace) -> None:
                     for fn in providers.values():
                         kernel_time(fn, 1)
                     ms = {k: kernel_time(fn, args.iters) for k, fn in providers.items()}
+                    ran = [k for k, v in ms.items() if v is not None]
+                    if args.rounds > 1 and ran:
+                        times = common.interleaved_kernel_ms(
+                            [providers[k] for k in ran], args.rounds, [ms[k] for k in ran],
+                            args.iters,
+                        )  # fmt: skip
+                        ms.update({k: t[0] for k, t in zip(ran, times, strict=True)})
                     choice = picked(providers["auto"])
                 key = layout_key(gm, gn, gk, prob["a"], prob["b"]) + prob["epi"]
                 # the best cuBLAS-based way to the same output: mm; addmm or mm + add; for
@@ -390,6 +397,8 @@ def main() -> None:
     parser.add_argument("--tma-configs", choices=("few", "all"), default="few",
                         help="--presets: the TMA kernel's autotuning configs")  # fmt: skip
     parser.add_argument("--iters", type=int, default=10, help="--presets: calls timed each")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--presets: kernel times, median of R interleaved rounds")  # fmt: skip
     args = parser.parse_args()
     if args.presets is not None:
         run_presets(args)

@@ -97,6 +97,30 @@ def kernel_ms(fn: Callable[[], object], iters: int = 10) -> float:
     return (_device_us(fn, iters) - _flush_us(iters)) / iters / 1e3
 
 
+def interleaved_kernel_ms(
+    runs: Sequence[Callable[[], object]],
+    rounds: int,
+    first: Sequence[float] | None = None,
+    iters: int = 10,
+) -> list[tuple[float, float, float]]:
+    """(median, min, max) kernel time per call (`kernel_ms`) of each of `runs` over `rounds`
+    rounds in which they alternate (listed order, then reversed), so that every run meets the
+    GPU in the same clock and power states. `first`: times already taken of each run, counted
+    as the first round; `iters`: calls per time. Timed one after the other, providers drifted
+    by up to 7% between rounds, more than some of the gaps measured
+    (`probe_attention_layout.py`)."""
+    samples = [[t] for t in first] if first is not None else [[] for _ in runs]
+    for r in range(rounds - len(samples[0]) if samples else 0):
+        order = range(len(runs) - 1, -1, -1) if r % 2 == 0 else range(len(runs))
+        for i in order:
+            samples[i].append(kernel_ms(runs[i], iters))
+    out = []
+    for ms in samples:
+        ms = sorted(ms)
+        out.append((ms[len(ms) // 2], ms[0], ms[-1]))
+    return out
+
+
 def time_op(fn: Callable[[], Any], wall_iters: int = 50) -> dict[str, float]:
     """{"ms": GPU kernel time per call (`kernel_ms`), "event_ms": `do_bench`'s median (CUDA
     events, L2 flushed; includes launch gaps when the host is slower than the GPU), "wall_us":
