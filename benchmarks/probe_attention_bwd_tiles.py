@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
 import triton_transformer.attention as attn
+from triton_transformer.utils import clear_launch_plans
 
 SHAPES = {"enwik8": (16, 512, 8), "gpt2": (16, 1024, 12), "large": (8, 2048, 16)}  # b, n, h
 D = 64
@@ -77,6 +78,7 @@ def main() -> None:
             for m1, n1, warps, stages in TILES:
                 attn._ATOMIC_BWD[True, False] = attn._atomic_tiles(m1, n1, warps, stages)
                 attn._attention_bwd_config.cache_clear()
+                clear_launch_plans()  # eager launches are bound per shape
                 try:
                     backward = packed_attention(b, n, h, p)[1]
                     t[(m1, n1, warps, stages)] = common.kernel_ms(backward) * 1e3
@@ -84,6 +86,7 @@ def main() -> None:
                     print(f"{name} {p} {(m1, n1, warps, stages)}: {repr(e)[:200]}", flush=True)
             attn._ATOMIC_BWD[True, False] = shipped
             attn._attention_bwd_config.cache_clear()
+            clear_launch_plans()  # eager launches are bound per shape
             t["cudnn"] = common.kernel_ms(cudnn_attention(b, n, h, p)[1]) * 1e3
             best = min(v for k, v in t.items() if k != "cudnn")
             cells = [f"{t[k]:.1f}" if k in t else "-" for k in (*TILES, "cudnn")]

@@ -35,11 +35,13 @@ from probe_attention_bwd_tiles import cudnn_attention, packed_attention
 from probe_attention_gluon import SHAPES as BWD_SHAPES
 
 import triton_transformer.attention_hopper_fwd as af
+from triton_transformer.utils import clear_launch_plans
 
 FLASH = SDPBackend.FLASH_ATTENTION
 
-# b, n, h, d: the backward probe's shapes (d128 at every length from 512), and two more
-SHAPES = {**BWD_SHAPES, "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16, 128)}
+# b, n, h, d: the backward probe's shapes (d128 at every length from 512), and four more
+SHAPES = {**BWD_SHAPES, "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16, 128),
+          "d128-256": (64, 256, 16, 128), "d128-768": (21, 768, 16, 128)}  # fmt: skip
 
 
 def _tiles(text: str) -> tuple[str, dict]:
@@ -75,16 +77,19 @@ def main() -> None:
         b, n, h, d = SHAPES[preset]
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             vars(af).update(defaults)
+            clear_launch_plans()  # eager launches are bound per shape, not per gate
             q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
                    "default": af.usable(q, q, causal, d**-0.5, plain=True)}  # fmt: skip
             vars(af).update(lifted)
+            clear_launch_plans()
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[0]
             gluon_out = fn().float()
             row["us"]["gluon"] = common.kernel_ms(fn) * 1e3
             for label, tile in args.tiles:
-                af.fwd_tiles = lambda _d, _c, t=tile: t
+                af.fwd_tiles = lambda *_, t=tile: t
+                clear_launch_plans()  # nor per tile table
                 try:
                     tile_out = fn().float()
                     row["us"][f"gluon {label}"] = common.kernel_ms(fn) * 1e3
@@ -95,6 +100,7 @@ def main() -> None:
                     row["us"][f"gluon {label}"] = float("nan")
                     row[f"diff {label}"] = f"{type(e).__name__}: {str(e)[:120]}"
                 af.fwd_tiles = shipped
+                clear_launch_plans()
             af.ENABLED = False
             triton_out = fn().float()
             row["us"]["triton"] = common.kernel_ms(fn) * 1e3

@@ -34,6 +34,7 @@ from probe_attention_bwd_tiles import cudnn_attention, packed_attention
 
 import triton_transformer.attention_hopper as ah
 import triton_transformer.attention_hopper_bwd_ws as ws
+from triton_transformer.utils import clear_launch_plans
 
 FLASH = SDPBackend.FLASH_ATTENTION
 
@@ -105,11 +106,13 @@ def main() -> None:
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             vars(ah).update(defaults)
             ws._taken = ws_taken
+            clear_launch_plans()  # eager launches are bound per shape, not per gate
             q = torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16)
             row = {"preset": preset, "causal": causal, "us": {},
                    "default": default_kernel(q, d, causal)}  # fmt: skip
             vars(ah).update(lifted)
             ws._taken = lambda d, n_q, causal: d in ws.HEAD_DIMS
+            clear_launch_plans()
             torch.manual_seed(0)
             fn = packed_attention(b, n, h, 0.0, d, causal)[1]
             if d in ws.HEAD_DIMS:
@@ -118,8 +121,10 @@ def main() -> None:
                 for stages, consumers in args.ws_tiles:
                     shipped_ws = ws.bwd_tiles
                     ws.bwd_tiles = lambda _c, s=stages, c=consumers: {"STAGES": s, "CONSUMERS": c}
+                    clear_launch_plans()  # nor per tile table
                     row["us"][f"gluon ws {stages},{consumers}"] = common.kernel_ms(fn) * 1e3
                     ws.bwd_tiles = shipped_ws
+                    clear_launch_plans()
                 ws.ENABLED = False
             before = set(_compiled())
             gluon_grad = fn()[0].float()
@@ -129,6 +134,7 @@ def main() -> None:
                 tile = {**shipped(d, causal), **override}
                 tile = {k: v for k, v in tile.items() if v is not None}
                 ah.bwd_tiles = lambda _d, _c, t=tile: t
+                clear_launch_plans()
                 before = set(_compiled())
                 try:
                     tile_grad = fn()[0].float()
@@ -141,6 +147,7 @@ def main() -> None:
                     row["us"][f"gluon {label}"] = float("nan")
                     row[f"stats {label}"] = f"{type(e).__name__}: {str(e)[:120]}"
                 ah.bwd_tiles = shipped
+                clear_launch_plans()
             if d in ws.HEAD_DIMS:
                 row["max |gluon ws - gluon| / max |gluon|"] = (
                     (ws_grad - gluon_grad).abs().max() / gluon_grad.abs().max()
