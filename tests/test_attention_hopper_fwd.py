@@ -25,8 +25,8 @@ COMPILE_SCRIPT = (
     + """
 import triton_transformer.attention_hopper_fwd as af
 
-# the shipped tiles; grouped-query heads without the log-sum-exp on three consumers in turns;
-# one consumer, two programs per SM
+# the shipped tiles of short and long heads; grouped-query heads without the log-sum-exp on
+# three consumers in turns; one consumer, two programs per SM
 OTHERS = (
     dict(BLOCK_N=64, STAGES=2, PINGPONG=True, CONSUMERS=3, PER_SM=1, PERSISTENT=True,
          OUT_IN_V=False),
@@ -35,8 +35,9 @@ OTHERS = (
 )
 for d in af.HEAD_DIMS:
     for causal in (False, True):
-        for (group, need_lse), tiles in zip(((1, True), (2, False), (1, True)),
-                                            (af.fwd_tiles(d, causal), *OTHERS)):
+        shipped = (af.fwd_tiles(d, causal, 512), af.fwd_tiles(d, causal, 4096))
+        for (group, need_lse), tiles in zip(((1, True), (1, True), (2, False), (1, True)),
+                                            (*shipped, *OTHERS)):
             b, h, n = 2, 4, 300
             qkv = torch.empty(b, n, 3, h, d, dtype=torch.bfloat16)
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -64,12 +65,13 @@ for d in af.HEAD_DIMS:
 
 @needs_gluon
 def test_kernel_compiles_for_sm90():
-    check_compiles(COMPILE_SCRIPT, len(af.HEAD_DIMS) * 2 * 3)
+    check_compiles(COMPILE_SCRIPT, len(af.HEAD_DIMS) * 2 * 4)
 
 
 # (n queries, head dim, causal, taken): the default thresholds, where the kernel measured faster
 DEFAULT_GATE = [
-    (512, 128, True, True), (511, 128, False, False), (512, 128, False, True),
+    (512, 128, True, True), (128, 128, True, True), (128, 128, False, True),
+    (127, 128, False, False), (127, 128, True, False),
     (4096, 64, True, False), (2048, 64, False, True), (2047, 64, False, False),
     (512, 64, True, True), (2048, 64, True, True), (511, 64, True, False),
     (2049, 64, True, False), (4096, 32, False, False), (4096, 48, False, False),
@@ -78,7 +80,7 @@ DEFAULT_GATE = [
 
 @needs_gluon
 def test_gate(monkeypatch):
-    # on a (pretended) Hopper GPU: d128 heads from 512 queries, d64 heads without a causal
+    # on a (pretended) Hopper GPU: d128 heads from 128 queries, d64 heads without a causal
     # mask from 2048, causal ones of 512 to 2048; 16-bit dtypes, whole query-head groups,
     # and only plain attention (no mask, dropout or device-side length)
     monkeypatch.setattr(af, "is_sm90", lambda device: True)
@@ -94,6 +96,20 @@ def test_gate(monkeypatch):
     assert not af.usable(q.float(), q.float(), True, 0.125, plain=True)
     assert not af.usable(q, q[:, :, :0], True, 0.125, plain=True)  # no key
     assert af.usable(q.half(), q.half(), False, 0.1, plain=True)
+
+
+def test_short_causal_d128_heads_take_one_consumer():
+    # causal d128 heads below D128_CAUSAL_LONG queries: one consumer, two programs per SM,
+    # 64-key blocks; longer heads, other head dims and non-causal heads keep their tiles
+    short = af.fwd_tiles(128, True, 512)
+    assert (short["CONSUMERS"], short["PER_SM"], short["BLOCK_N"]) == (1, 2, 64)
+    assert af.fwd_tiles(128, True, af.D128_CAUSAL_LONG - 1) == short
+    long = af.fwd_tiles(128, True, af.D128_CAUSAL_LONG)
+    assert (long["CONSUMERS"], long["PER_SM"], long["BLOCK_N"]) == (2, 1, 128)
+    assert af.fwd_tiles(128, False, 512) == long
+    assert af.fwd_tiles(64, True, 512) == af.fwd_tiles(64, True, 4096)
+    # the output leaves through the last V buffer where the consumers' rows fit it
+    assert short["OUT_IN_V"] and long["OUT_IN_V"]
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -179,6 +195,7 @@ TILES = [
         ((64, 3, False, 1, 3, True, False), (64,)),
         ((64, 3, False, 1, 3, False, True), (64,)),
         ((128, 3, True, 1, 2, True, True), (32, 64, 128)),
+        ((64, 3, False, 1, 2, True, True), (32, 64, 128)),
     ]
 ]
 
@@ -189,7 +206,7 @@ TILES = [
     "tiles, d", [(t, d) for t, dims in TILES for d in dims], ids=lambda x: str(x)
 )
 def test_gpu_other_tiles(tiles, d, causal, launches, monkeypatch):
-    monkeypatch.setattr(af, "fwd_tiles", lambda _d, _c: tiles)
+    monkeypatch.setattr(af, "fwd_tiles", lambda *_: tiles)
     for b, h, n_q, n_k in [(2, 3, 1000, 1000), (2, 2, 333, 130), (1, 2, 64, 64)]:
         q, k, v = make_qkv(b, h, n_q, n_k, d, torch.bfloat16, "cuda")
         out = attention(q, k, v, causal=causal, use_triton=True)
@@ -207,7 +224,7 @@ def test_gpu_persistent_programs_take_many_tiles(tiles, d, causal, launches, mon
     # a GPU of one SM: PER_SM programs deal every tile among them, so each walks tiles of
     # different heads and lengths (causal, n_q != n_k, grouped-query heads) with its ring,
     # query buffer and turns carried from one tile to the next
-    monkeypatch.setattr(af, "fwd_tiles", lambda _d, _c: tiles)
+    monkeypatch.setattr(af, "fwd_tiles", lambda *_: tiles)
     monkeypatch.setattr(af, "sm_count", lambda device: 1)
     for b, h, n_q, n_k, group in [(2, 3, 1000, 1000, 1), (3, 4, 333, 517, 2), (2, 2, 700, 300, 1)]:
         q, k, v = make_qkv(b, h, n_q, n_k, d, torch.float16, "cuda")

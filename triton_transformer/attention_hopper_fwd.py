@@ -40,9 +40,11 @@ n_m key blocks each) left some programs with more work than others, and the kern
 the time at 4096 queries.
 
 `fwd_tiles` says which shape each head dim takes, and what was measured: at d128 this kernel
-is 1.23-1.38x the Triton forward and at least cuDNN's speed from 4096 queries; at d64 long
-heads without a causal mask gain (three consumers in turns), and causal heads of 512 to 2048
-queries (one consumer, three programs per SM); the rest keep the Triton forward (`usable`).
+is 1.23-1.38x the Triton forward from 512 queries (1.3-1.7x from 128 queries, causal heads
+below 1024 queries on one consumer, two programs per SM) and at least cuDNN's speed from 4096
+queries; at d64 long heads without a causal mask gain (three consumers in turns), and causal
+heads of 512 to 2048 queries (one consumer, three programs per SM); the rest keep the Triton
+forward (`usable`).
 
 The output leaves by TMA stores (rows past n_q are clipped) through shared memory that holds
 nothing else by then: where the consumers' rows fit it (OUT_IN_V: BLOCK_N >= 64·CONSUMERS),
@@ -442,8 +444,22 @@ if HAVE_GLUON:
             )
 
 
+def fwd_tiles(head_dim: int, causal: bool, n_q: int) -> dict:
+    """The program's shape for heads of `n_q` queries (`_tiles`): causal d128 heads shorter
+    than `D128_CAUSAL_LONG` queries take one consumer, two programs per SM and 64-key blocks.
+
+    Why: at 512 queries a two-consumer program of 128 query rows reads 1 to 4 key blocks of
+    128 keys, two of them on the diagonal (half masked), and has its SM to itself. One
+    consumer of 64 rows over 64-key blocks wastes less on the diagonal, and a second program
+    on the SM runs while the first one waits on its loads (H200, 2026-11-28,
+    `attention_fwd_gluon_session32*.md`, µs per causal forward, (b, n, h) = (32, 512, 16):
+    101.7 against 116.8, cuDNN 100.9; at (16, 1024, 16) 162.3 against 153.7)."""
+    short = head_dim == 128 and causal and n_q < D128_CAUSAL_LONG
+    return _tiles(head_dim, causal, short)
+
+
 @functools.cache
-def fwd_tiles(head_dim: int, causal: bool) -> dict:
+def _tiles(head_dim: int, causal: bool, short: bool) -> dict:
     """The program's shape: CONSUMERS consumer warpgroups of 64 query rows each, PER_SM
     programs per SM (the register cap follows, `_launch`), key blocks of BLOCK_N keys in a
     ring of STAGES buffers, whether the consumers take turns issuing their products
@@ -483,7 +499,9 @@ def fwd_tiles(head_dim: int, causal: bool) -> dict:
     (126.2), (16, 1024, 16) 154.4 (168.7), (4, 4096, 16) 432.8 (448.8), cuDNN 99.9, 153.9,
     467.3; not causal 134.7 (158.9), 228.0 (251.5), 802.0 (818.1); d64 causal at GPT-2's shape
     81.3 (83.7; Triton 89.4, cuDNN 83.0). Taken wherever the consumers' rows fit."""
-    if head_dim > 64:
+    if short:  # `fwd_tiles`
+        tiles = {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 2}
+    elif head_dim > 64:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
     elif head_dim == 64 and not causal:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
@@ -511,12 +529,17 @@ def _launch(consumers: int, per_sm: int) -> dict:
 # 16) 337.1 against 323.3; session 25: d128 at 128 queries 19.8 against 17.6 causal). d64
 # causal at 512 queries (31st session, `attention_fwd_short_session31.json`, (b, n, h)):
 # the sweep's (32, 512, 32) 124.7 against 159.3 (cuDNN 129.8), enwik8's (16, 512, 8) 23.1
-# against 24.0 (cuDNN 23.3).
+# against 24.0 (cuDNN 23.3). d128 heads of 128 and 256 queries (32nd session, with the
+# short-head tiles where causal, `attention_fwd_gluon_session32_d128_128_256.md`): causal
+# (16, 128, 16) 13.9 against 17.8 (cuDNN 14.6), (64, 256, 16) 77.4 against 127.3 (73.7); not
+# causal 15.0 against 19.6 and 88.1 against 150.5.
 # Elsewhere the two are within a few per cent, or the Triton forward is faster, and it runs.
 ENABLED = True
-MIN_QUERIES = 512
+MIN_QUERIES = 128
 MIN_QUERIES_D64 = 2048
 D64_CAUSAL_QUERIES = range(512, 2049)
+# causal d128 heads of fewer queries take `fwd_tiles`' short-head program
+D128_CAUSAL_LONG = 1024
 
 
 def _taken(head_dim: int, n_q: int, causal: bool) -> bool:
@@ -590,7 +613,7 @@ def launch_fwd_sm90(
     lse) (`utils.KernelLauncher.bind`, the descriptors `rebased` per call)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    tiles = dict(tiles or fwd_tiles(d, causal))
+    tiles = dict(tiles or fwd_tiles(d, causal, n_q))
     per_sm, persistent = tiles.pop("PER_SM"), tiles.pop("PERSISTENT")
     blocks = -(-n_q // (tiles["CONSUMERS"] * int(ROWS)))
     units = (-(-blocks // 2) if causal else blocks) * b * h
