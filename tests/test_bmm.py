@@ -1289,6 +1289,27 @@ def test_residual_linear_runs_pytorchs_op_gpu(res_dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_table_residual_entries_run_our_kernel_gpu(device, monkeypatch):
+    # each residual product `MATMUL_TABLE` lists for this GPU ("MxNxK:nt+res", a residual of
+    # the product's dtype, which goes to torch.addmm without an entry) runs our op at that
+    # shape, and its output matches float64
+    table = plan_module.MATMUL_TABLE.get(torch.cuda.get_device_name(), {})
+    shapes = [tuple(map(int, k.split(":")[0].split("x"))) for k in table if k.endswith(":nt+res")]
+    if not shapes:
+        pytest.skip("no residual entries for this GPU")
+    ops = ops_called(monkeypatch)
+    for M, N, K in shapes:
+        ops.clear()
+        x = rand((M, K), torch.bfloat16, device, mean=0.1, std=1.0)
+        w = rand((N, K), torch.bfloat16, device, mean=-0.01, std=K**-0.5)
+        h = rand((M, N), torch.bfloat16, device, mean=1.0)
+        y = linear(x, w, use_triton=True, residual=h)
+        assert ops == [bmm_module.linear_op], (M, N, K, ops)
+        ref = torch.addmm(h.double(), x.double(), w.double().t())
+        assert rel_err(y.double() - h.double(), ref - h.double()) < 1e-2, (M, N, K)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 8, 512, 64), (1, 512, 64), (512, 64)])
 def test_plain_bmm_runs_pytorchs_op_gpu(shape, device, monkeypatch):
     # bmm: batched products are torch.bmm's under "auto", 2-D ones (and a batch of 1) cuBLAS's

@@ -141,6 +141,13 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
         # triton 3.6, torch 2.11, 2026-11-25: the large preset's d(pre) with dropout 0.1,
         # feed-forward fwd+bwd 1.2193 ms fused against 1.2595 with cuBLAS + the pass
         "16384x4096x1024:nn+relu2grad+drop": "fused",
+        # triton 3.6, torch 2.11, 2026-11-28 (asked for by the 25th session's table too): the
+        # attention output projection with a residual of the product's dtype, TFLOP/s
+        # against torch.addmm (medians of 5 interleaved rounds, `matmul_presets_session32`):
+        # enwik8 287 against 264, GPT-2 400 against 392, large 487 against 471
+        "8192x512x512:nt+res": "ptr",
+        "16384x768x768:nt+res": "tma",
+        "16384x1024x1024:nt+res": "tma",
     }
 }
 
