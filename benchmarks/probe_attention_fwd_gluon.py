@@ -39,9 +39,10 @@ from triton_transformer.utils import clear_launch_plans
 
 FLASH = SDPBackend.FLASH_ATTENTION
 
-# b, n, h, d: the backward probe's shapes (d128 at every length from 512), and four more
+# b, n, h, d: the backward probe's shapes (d128 at every length from 512), and six more
 SHAPES = {**BWD_SHAPES, "d64-8192": (2, 8192, 16, 64), "d128-128": (16, 128, 16, 128),
-          "d128-256": (64, 256, 16, 128), "d128-768": (21, 768, 16, 128)}  # fmt: skip
+          "d128-256": (64, 256, 16, 128), "d128-768": (21, 768, 16, 128),
+          "d64-512": (32, 512, 32, 64), "d64-1024": (16, 1024, 32, 64)}  # fmt: skip
 
 
 def _tiles(text: str) -> tuple[str, dict]:

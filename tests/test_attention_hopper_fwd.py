@@ -72,7 +72,8 @@ def test_kernel_compiles_for_sm90():
 DEFAULT_GATE = [
     (512, 128, True, True), (128, 128, True, True), (128, 128, False, True),
     (127, 128, False, False), (127, 128, True, False),
-    (4096, 64, True, False), (2048, 64, False, True), (2047, 64, False, False),
+    (4096, 64, True, False), (2048, 64, False, True), (512, 64, False, True),
+    (511, 64, False, False),
     (512, 64, True, True), (2048, 64, True, True), (511, 64, True, False),
     (2049, 64, True, False), (4096, 32, False, False), (4096, 48, False, False),
 ]  # fmt: skip
@@ -81,7 +82,7 @@ DEFAULT_GATE = [
 @needs_gluon
 def test_gate(monkeypatch):
     # on a (pretended) Hopper GPU: d128 heads from 128 queries, d64 heads without a causal
-    # mask from 2048, causal ones of 512 to 2048; 16-bit dtypes, whole query-head groups,
+    # mask from 512, causal ones of 512 to 2048; 16-bit dtypes, whole query-head groups,
     # and only plain attention (no mask, dropout or device-side length)
     monkeypatch.setattr(af, "is_sm90", lambda device: True)
     for n, d, causal, taken in DEFAULT_GATE:
@@ -98,9 +99,9 @@ def test_gate(monkeypatch):
     assert af.usable(q.half(), q.half(), False, 0.1, plain=True)
 
 
-def test_short_causal_d128_heads_take_one_consumer():
+def test_short_heads_take_their_tiles():
     # causal d128 heads below D128_CAUSAL_LONG queries: one consumer, two programs per SM,
-    # 64-key blocks; longer heads, other head dims and non-causal heads keep their tiles
+    # 64-key blocks; longer heads and non-causal ones keep two consumers
     short = af.fwd_tiles(128, True, 512)
     assert (short["CONSUMERS"], short["PER_SM"], short["BLOCK_N"]) == (1, 2, 64)
     assert af.fwd_tiles(128, True, af.D128_CAUSAL_LONG - 1) == short
@@ -108,6 +109,11 @@ def test_short_causal_d128_heads_take_one_consumer():
     assert (long["CONSUMERS"], long["PER_SM"], long["BLOCK_N"]) == (2, 1, 128)
     assert af.fwd_tiles(128, False, 512) == long
     assert af.fwd_tiles(64, True, 512) == af.fwd_tiles(64, True, 4096)
+    # d64 heads without a causal mask below D64_LONG queries: two consumers, as d128 heads;
+    # from there three consumers in turns
+    assert af.fwd_tiles(64, False, af.D64_LONG - 1) == long
+    three = af.fwd_tiles(64, False, af.D64_LONG)
+    assert (three["CONSUMERS"], three["PINGPONG"]) == (3, True)
     # the output leaves through the last V buffer where the consumers' rows fit it
     assert short["OUT_IN_V"] and long["OUT_IN_V"]
 

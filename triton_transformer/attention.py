@@ -29,7 +29,7 @@ keeps the running max m, sum l and the output accumulator in registers, and writ
 and (only when a gradient is needed) the log-sum-exp per query row. Key blocks fully visible to
 every query of the block run without masks; only the causal diagonal and the ragged last key
 block are masked; blocks past the diagonal are never visited. On Hopper, eager launches of
-d128 heads from 128 queries, of d64 heads without a causal mask from 2048 and of causal d64
+d128 heads from 128 queries, of d64 heads without a causal mask from 512 and of causal d64
 heads of 512 to 2048 (no key padding mask, dropout or device-side key count) run the same
 forward written in Gluon and
 warp-specialized (`attention_hopper_fwd`: a TMA loader warp, consumer warpgroups computing

@@ -42,9 +42,9 @@ the time at 4096 queries.
 `fwd_tiles` says which shape each head dim takes, and what was measured: at d128 this kernel
 is 1.23-1.38x the Triton forward from 512 queries (1.3-1.7x from 128 queries, causal heads
 below 1024 queries on one consumer, two programs per SM) and at least cuDNN's speed from 4096
-queries; at d64 long heads without a causal mask gain (three consumers in turns), and causal
-heads of 512 to 2048 queries (one consumer, three programs per SM); the rest keep the Triton
-forward (`usable`).
+queries; at d64 heads without a causal mask from 512 queries gain (two consumers below 2048,
+three in turns from there), and causal heads of 512 to 2048 queries (one consumer, three
+programs per SM); the rest keep the Triton forward (`usable`).
 
 The output leaves by TMA stores (rows past n_q are clipped) through shared memory that holds
 nothing else by then: where the consumers' rows fit it (OUT_IN_V: BLOCK_N >= 64·CONSUMERS),
@@ -445,16 +445,25 @@ if HAVE_GLUON:
 
 
 def fwd_tiles(head_dim: int, causal: bool, n_q: int) -> dict:
-    """The program's shape for heads of `n_q` queries (`_tiles`): causal d128 heads shorter
-    than `D128_CAUSAL_LONG` queries take one consumer, two programs per SM and 64-key blocks.
+    """The program's shape for heads of `n_q` queries (`_tiles`). Short heads differ: causal
+    d128 heads below `D128_CAUSAL_LONG` queries take one consumer, two programs per SM and
+    64-key blocks; d64 heads without a causal mask below `D64_LONG` queries take two
+    consumers over 128-key blocks, as d128 heads do.
 
-    Why: at 512 queries a two-consumer program of 128 query rows reads 1 to 4 key blocks of
-    128 keys, two of them on the diagonal (half masked), and has its SM to itself. One
-    consumer of 64 rows over 64-key blocks wastes less on the diagonal, and a second program
-    on the SM runs while the first one waits on its loads (H200, 2026-11-28,
-    `attention_fwd_gluon_session32*.md`, µs per causal forward, (b, n, h) = (32, 512, 16):
-    101.7 against 116.8, cuDNN 100.9; at (16, 1024, 16) 162.3 against 153.7)."""
-    short = head_dim == 128 and causal and n_q < D128_CAUSAL_LONG
+    Why (H200, 2026-11-28, `attention_fwd_gluon_session32*.md`, µs per forward, (b, n, h)):
+    - causal d128: at 512 queries a two-consumer program of 128 query rows reads 1 to 4 key
+      blocks of 128 keys, two of them on the diagonal (half masked), and has its SM to
+      itself. One consumer of 64 rows over 64-key blocks wastes less on the diagonal, and a
+      second program on the SM runs while the first one waits on its loads: (32, 512, 16)
+      101.7 against 116.8, cuDNN 100.9; at (16, 1024, 16) 162.3 against 153.7.
+    - d64 without a causal mask: three consumers in turns lose to the Triton forward below
+      2048 queries; two consumers win: (32, 512, 32) 183.4 against three consumers' 227.2
+      and the Triton forward's 201.2 (cuDNN 178.0), (16, 1024, 32) 323.2 against 337.4
+      (315.5), GPT-2's (16, 1024, 12) 128.0 against 134.1 (124.3)."""
+    if head_dim == 128:
+        short = causal and n_q < D128_CAUSAL_LONG
+    else:
+        short = head_dim == 64 and not causal and n_q < D64_LONG
     return _tiles(head_dim, causal, short)
 
 
@@ -484,8 +493,9 @@ def _tiles(head_dim: int, causal: bool, short: bool) -> dict:
       145.1 and causal 123.8 at GPT-2's shape.
     So d128 takes two consumers over three stages; d64 causal heads one consumer, three
     programs per SM (what an eager call takes by default: `usable`), d64 others three
-    consumers in turns. d32 was measured only with two consumers (0.76 / 0.90x the Triton
-    forward at (8, 2048, 16)) and takes one consumer as d64 causal does.
+    consumers in turns (below 2048 queries two consumers since the 32nd session:
+    `fwd_tiles`). d32 was measured only with two consumers (0.76 / 0.90x the Triton forward
+    at (8, 2048, 16)) and takes one consumer as d64 causal does.
 
     The persistent grid (`attention_fwd_gluon_session27*.md`, same units; a program per unit
     of work in brackets): d128 causal (32, 512, 16) 129.2 (136.6), (4, 4096, 16) 448.9
@@ -499,9 +509,9 @@ def _tiles(head_dim: int, causal: bool, short: bool) -> dict:
     (126.2), (16, 1024, 16) 154.4 (168.7), (4, 4096, 16) 432.8 (448.8), cuDNN 99.9, 153.9,
     467.3; not causal 134.7 (158.9), 228.0 (251.5), 802.0 (818.1); d64 causal at GPT-2's shape
     81.3 (83.7; Triton 89.4, cuDNN 83.0). Taken wherever the consumers' rows fit."""
-    if short:  # `fwd_tiles`
+    if short and head_dim > 64:  # short heads: `fwd_tiles`
         tiles = {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 1, "PER_SM": 2}
-    elif head_dim > 64:
+    elif head_dim > 64 or short:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "CONSUMERS": 2, "PER_SM": 1}
     elif head_dim == 64 and not causal:
         tiles = {"BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "CONSUMERS": 3, "PER_SM": 1}
@@ -532,14 +542,18 @@ def _launch(consumers: int, per_sm: int) -> dict:
 # against 24.0 (cuDNN 23.3). d128 heads of 128 and 256 queries (32nd session, with the
 # short-head tiles where causal, `attention_fwd_gluon_session32_d128_128_256.md`): causal
 # (16, 128, 16) 13.9 against 17.8 (cuDNN 14.6), (64, 256, 16) 77.4 against 127.3 (73.7); not
-# causal 15.0 against 19.6 and 88.1 against 150.5.
+# causal 15.0 against 19.6 and 88.1 against 150.5. d64 heads without a causal mask of 512 and
+# 1024 queries (two consumers, `fwd_tiles`): (32, 512, 32) 183.4 against 201.2, (16, 1024, 32)
+# 323.2 against 337.4.
 # Elsewhere the two are within a few per cent, or the Triton forward is faster, and it runs.
 ENABLED = True
 MIN_QUERIES = 128
-MIN_QUERIES_D64 = 2048
+MIN_QUERIES_D64 = 512
 D64_CAUSAL_QUERIES = range(512, 2049)
-# causal d128 heads of fewer queries take `fwd_tiles`' short-head program
+# causal d128 heads of fewer queries, and d64 heads without a causal mask of fewer, take
+# `fwd_tiles`' short-head programs
 D128_CAUSAL_LONG = 1024
+D64_LONG = 2048
 
 
 def _taken(head_dim: int, n_q: int, causal: bool) -> bool:
