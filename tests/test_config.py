@@ -122,6 +122,7 @@ def test_wrong_types(tmp_path):
         ([("model.rope_base", 0)], "model.rope_base=0.0 must be a positive number"),
         ([("model.qk_norm", "maybe")], "model.qk_norm: expected bool"),
         ([("model.kv_heads", 3)], "model.kv_heads=3 must divide model.heads=8"),
+        ([("model.loss_chunk_rows", -1)], "model.loss_chunk_rows=-1 must be >= 0"),
         ([("model.num_tokens", -1)], "model.num_tokens=-1 must be >= 0"),
         ([("data.tokenizer", "bpe")], r"data.vocab_size=0 must be set to a size in \[256"),
         ([("data.tokenizer", "wordpiece")], "data.tokenizer='wordpiece' must be 'bytes', 'bpe'"),
@@ -295,6 +296,10 @@ def test_model_options_and_tokenizer_keys(tmp_path):
     kwargs = m.transformer_kwargs()
     assert kwargs["kv_heads"] == 2 and kwargs["rope_base"] == 5e5 and kwargs["num_tokens"] == 0
     assert "kv_heads" not in Config().model.transformer_kwargs()  # default: one per head
+    # the fused loss's rows per chunk: 0 (the default) leaves the model's own choice
+    assert "loss_chunk_rows" not in Config().model.transformer_kwargs()
+    chunked = load_config(ROOT / "configs" / "gpt2-small.toml", [("model.loss_chunk_rows", 1024)])
+    assert chunked.model.transformer_kwargs()["loss_chunk_rows"] == 1024
     assert (c.data.tokenizer, c.data.vocab_size) == ("bpe", 8192)
     (tmp_path / "c.toml").write_text(config_to_toml(c))
     assert load_config(tmp_path / "c.toml") == c

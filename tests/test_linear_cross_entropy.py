@@ -434,6 +434,34 @@ def test_model_fused_matches_unfused(dtype, device):
     )
 
 
+def test_model_loss_chunk_rows(device, monkeypatch):
+    # `loss_chunk_rows` reaches the fused loss (3 rows per chunk: 6 chunks of 16 tokens, the
+    # last one short), with the same loss and gradients as the default single chunk; bad
+    # values fail at construction
+    seen = []
+    real = lce_mod.launch_cross_entropy_fwd
+    monkeypatch.setattr(
+        lce_mod, "launch_cross_entropy_fwd", lambda z, *a: seen.append(z.shape[1]) or real(z, *a)
+    )
+    kwargs = dict(num_tokens=37, dim=32, max_seq_len=8, depth=1, heads=2, dim_head=16,
+                  causal=True, use_triton=True)  # fmt: skip
+    model = Transformer(**kwargs).to(device)
+    x = torch.randint(37, (2, 8), device=device)
+    labels = torch.randint(37, (2, 8), device=device)
+    default = _model_grads(model, x, labels, True)
+    assert seen == [16]
+    seen.clear()
+    model.loss_chunk_rows = 3
+    chunked = _model_grads(model, x, labels, True)
+    assert seen == [3, 3, 3, 3, 3, 1]
+    for a, b in zip(default, chunked, strict=True):
+        assert rel_err(a, b) <= 1e-5
+    assert Transformer(**kwargs, loss_chunk_rows=3).loss_chunk_rows == 3
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="loss_chunk_rows must be a positive int or None"):
+            Transformer(**kwargs, loss_chunk_rows=bad)
+
+
 # ---- realistic shapes on a GPU -----------------------------------------------------------------
 
 

@@ -392,6 +392,12 @@ class Transformer(nn.Module):
     loss comes from `linear_cross_entropy`, the output projection and cross entropy in chunks
     of tokens, so the (tokens x num_tokens) logits never exist whole. False materialises the
     logits first (as the PyTorch path always does). Same parameters either way.
+    `loss_chunk_rows` (constructor or attribute): rows per chunk of the fused loss; None
+    (default) takes `linear_cross_entropy.default_chunk_rows` (at most `CHUNK_BYTES` of
+    logits per chunk). Fewer rows hold less memory and run slower, each chunk adding a pass
+    over the fp32 weight gradient: at the GPT-2 preset (H200, `benchmarks/RESULTS.md`,
+    sixteenth session) the default 4096 rows saved 1.27 GB of the step's peak memory against
+    the unfused loss at its speed, 2048 rows 1.47 GB at 0.97x, 1024 rows 1.58 GB at 0.96x.
 
     Block options (the defaults are the classic model; see the module docstring):
     `pos_emb` "learned" (the `pos_emb` table) or "rope" (no table; q and k rotated with base
@@ -427,6 +433,7 @@ class Transformer(nn.Module):
         rope_base: float = DEFAULT_BASE,
         kv_heads: int | None = None,
         cuda_graphs: bool = True,
+        loss_chunk_rows: int | None = None,
     ) -> None:
         super().__init__()
         for name, val, allowed in (
@@ -460,6 +467,13 @@ class Transformer(nn.Module):
             raise ValueError(f"kv_heads must be a positive int or None, got {kv_heads!r}")
         if heads % kv_heads:
             raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+        if loss_chunk_rows is not None and (
+            isinstance(loss_chunk_rows, bool) or not isinstance(loss_chunk_rows, int)
+            or loss_chunk_rows < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"loss_chunk_rows must be a positive int or None, got {loss_chunk_rows!r}"
+            )
 
         self.num_tokens = num_tokens
         self.max_seq_len = max_seq_len
@@ -472,6 +486,7 @@ class Transformer(nn.Module):
         self.check_token_ids = check_token_ids
         self.attn_impl = attn_impl
         self.fused_loss = fused_loss
+        self.loss_chunk_rows = loss_chunk_rows
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         self.cuda_graphs = cuda_graphs
@@ -614,6 +629,7 @@ class Transformer(nn.Module):
         if fused:
             return linear_cross_entropy(
                 y, self.to_logits.weight, labels, ignore_index, use_triton=True,
+                chunk_rows=self.loss_chunk_rows,
                 check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
             )  # fmt: skip
         return cross_entropy(

@@ -94,13 +94,17 @@ class ModelConfig:
     rope_base: float = 10000.0  # the rotary embedding's base (pos_emb = "rope")
     # key/value heads: 0 = heads (multi-head); 1 multi-query; a divisor of heads: grouped-query
     kv_heads: int = 0
+    # rows per chunk of the fused loss (`Transformer`'s loss_chunk_rows): fewer hold less
+    # memory and run slower; 0 = the default (at most 512 MiB of logits per chunk)
+    loss_chunk_rows: int = 0
 
     def transformer_kwargs(self) -> dict[str, Any]:
         """The `Transformer` keyword arguments of this section (kv_heads 0: left out, i.e.
-        one key/value head per query head)."""
+        one key/value head per query head; loss_chunk_rows 0: left out, the default)."""
         kwargs = dataclasses.asdict(self)
-        if not kwargs["kv_heads"]:
-            del kwargs["kv_heads"]
+        for name in ("kv_heads", "loss_chunk_rows"):
+            if not kwargs[name]:
+                del kwargs[name]
         return kwargs
 
 
@@ -514,6 +518,8 @@ def _check(c: Config) -> list[str]:
         p.append(f"model.rope_base={m.rope_base} must be a positive number")
     if m.kv_heads < 0 or (m.kv_heads and m.heads >= 1 and m.heads % m.kv_heads):
         p.append(f"model.kv_heads={m.kv_heads} must divide model.heads={m.heads} (0: one per head)")
+    if m.loss_chunk_rows < 0:
+        p.append(f"model.loss_chunk_rows={m.loss_chunk_rows} must be >= 0 (0: the default)")
     for name in ("attn_dropout", "ff_dropout"):
         val = getattr(m, name)
         if not 0.0 <= val < 1.0:
