@@ -31,9 +31,8 @@ every query of the block run without masks; only the causal diagonal and the rag
 block are masked; blocks past the diagonal are never visited. On Hopper, eager launches of
 d128 heads from 128 queries, of d64 heads without a causal mask from 512 and of causal d64
 heads of 512 to 2048 (no key padding mask, dropout or device-side key count) run the same
-forward written in Gluon and
-warp-specialized (`attention_hopper_fwd`: a TMA loader warp, consumer warpgroups computing
-P_j while P_{j-1} V_{j-1} runs), where it measured faster.
+forward written in Gluon and warp-specialized (`attention_hopper_fwd`: a TMA loader warp,
+consumer warpgroups computing P_j while P_{j-1} V_{j-1} runs), where it measured faster.
 
 Backward: a small kernel computes Δ_i = Σ_d dO·O; then one launch holds the programs that
 recompute the probabilities from q, k and the log-sum-exp. Two variants, as PyTorch's own
