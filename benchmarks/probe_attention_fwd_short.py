@@ -26,6 +26,7 @@ import common
 
 import triton_transformer.attention as A
 import triton_transformer.attention_hopper_fwd as gluon_fwd
+from triton_transformer.utils import clear_launch_plans
 
 # (b, h, n, d, causal): the sweep's 512-query rows, enwik8's heads, a d128 control at 1024
 CASES = [(32, 32, 512, 64, True), (16, 8, 512, 64, True), (32, 16, 512, 128, True),
@@ -52,12 +53,12 @@ def kernels(b: int, h: int, n: int, d: int, causal: bool) -> dict[str, Callable]
 
     def gluon():  # every head of the kernel's head dims (plans cleared: the gate is not keyed)
         taken, gluon_fwd._taken = gluon_fwd._taken, lambda hd, n_q, c: hd in gluon_fwd.HEAD_DIMS
-        A._FWD_PLANS.plans.clear()
+        clear_launch_plans()
         try:
             return default()
         finally:
             gluon_fwd._taken = taken
-            A._FWD_PLANS.plans.clear()
+            clear_launch_plans()
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -38,6 +38,7 @@ import triton_transformer.attention as A
 import triton_transformer.attention_hopper as single
 import triton_transformer.attention_hopper_bwd_ws as ws
 import triton_transformer.attention_hopper_fwd as fwd_gluon
+from triton_transformer.utils import clear_launch_plans
 
 D = 64
 # (b, n, h): the sweep's rows at 4096 and 8192 queries, and the same heads at 16 per token
@@ -63,14 +64,12 @@ def kernels(fwd: str, bwd: str) -> Iterator[None]:
             single._taken = lambda d, n_q, causal, dropout: d in single.HEAD_DIMS
         elif bwd == "triton":
             single.ENABLED = False
-        A._FWD_PLANS.plans.clear()
-        A._BWD_PLANS.plans.clear()
+        clear_launch_plans()
         yield
     finally:
         (fwd_gluon.ENABLED, fwd_gluon._taken, single.ENABLED, single._taken, ws.ENABLED,
          ws._taken) = saved  # fmt: skip
-        A._FWD_PLANS.plans.clear()
-        A._BWD_PLANS.plans.clear()
+        clear_launch_plans()
 
 
 def inputs(b: int, n: int, h: int, layout: str) -> tuple[torch.Tensor, ...]:
