@@ -791,6 +791,7 @@ def test_plan_picks_paths(monkeypatch):
         "64x64x64:nt+relu2": "cublas+ew",
         "4096x2048x512:nt+relu2": "ptr",
         "128x128x128:nt+relu2": "fused",
+        "2048x512x2048:nt+res": "cublas+ew",
     }
     monkeypatch.setattr(plan_module, "MATMUL_TABLE", {"H200": table})
 
@@ -826,6 +827,12 @@ def test_plan_picks_paths(monkeypatch):
     assert plan(64, 64, 64, epi="+relu2+res")[0] == "tma"  # the pass has no residual
     assert plan(8192, 2048, 512, epi="+relu2", force="cublas+ew") == ("cublas+ew",)
     assert plan(8192, 512, 512, force="cublas+ew") == ("cublas",)  # nothing to force
+    # a residual of the product's dtype: the product then the add where the table says so
+    assert plan(2048, 512, 2048, epi="+res") == ("cublas+ew",)
+    assert plan(2048, 512, 2048, epi="+res", impl="cublas") == ("cublas",)  # addmm
+    assert plan(8192, 512, 512, epi="+res", force="cublas+ew") == ("cublas+ew",)
+    assert plan(2048, 512, 2048, epi="+res", ok=False)[0] == "tma"  # another dtype: ours
+    assert plan(8192, 512, 512, epi="+res", ok=False, force="cublas+ew")[0] == "tma"
     # "triton", "cublas", forced kernels, problems cuBLAS can't compute whole
     assert plan(8192, 512, 512, impl="triton")[0] == "tma"
     assert plan(512, 512, 8192, a_t=1, b_t=0, impl="cublas") == ("cublas",)  # listed or not
@@ -854,6 +861,9 @@ def test_plan_picks_paths(monkeypatch):
     cpu = plan_module._plan.__wrapped__
     assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "", True, 2, "auto", None)[0] == "ptr"
     assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "+relu2", True, 2, "auto", "cublas+ew") == (
+        "cublas+ew",
+    )
+    assert cpu("cpu", 0, bf16, 64, 64, 64, -1, -1, "+res", True, 2, "auto", "cublas+ew") == (
         "cublas+ew",
     )
 
@@ -1289,22 +1299,34 @@ def test_residual_linear_runs_pytorchs_op_gpu(res_dtype, device, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_table_residual_entries_run_our_kernel_gpu(device, monkeypatch):
+def test_table_residual_entries_gpu(device, monkeypatch):
     # each residual product `MATMUL_TABLE` lists for this GPU ("MxNxK:nt+res", a residual of
     # the product's dtype, which goes to torch.addmm without an entry) runs our op at that
-    # shape, and its output matches float64
+    # shape ("tma", "ptr") or PyTorch's mm then the add ("cublas+ew"), and its output matches
+    # float64
     table = plan_module.MATMUL_TABLE.get(torch.cuda.get_device_name(), {})
-    shapes = [tuple(map(int, k.split(":")[0].split("x"))) for k in table if k.endswith(":nt+res")]
+    keys = [k for k in table if k.endswith(":nt+res")]
+    shapes = [tuple(map(int, k.split(":")[0].split("x"))) for k in keys]
+    entries = [table[k] for k in keys]
     if not shapes:
         pytest.skip("no residual entries for this GPU")
     ops = ops_called(monkeypatch)
-    for M, N, K in shapes:
+    adds = []
+    real_add = torch.Tensor.add_
+    monkeypatch.setattr(
+        torch.Tensor, "add_", lambda t, *a, **k: adds.append(1) or real_add(t, *a, **k)
+    )
+    for (M, N, K), entry in zip(shapes, entries, strict=True):
         ops.clear()
+        adds.clear()
         x = rand((M, K), torch.bfloat16, device, mean=0.1, std=1.0)
         w = rand((N, K), torch.bfloat16, device, mean=-0.01, std=K**-0.5)
         h = rand((M, N), torch.bfloat16, device, mean=1.0)
         y = linear(x, w, use_triton=True, residual=h)
-        assert ops == [bmm_module.linear_op], (M, N, K, ops)
+        if entry == "cublas+ew":  # PyTorch's own mm, then the add
+            assert ops == [] and adds, (M, N, K, ops)
+        else:
+            assert ops == [bmm_module.linear_op], (M, N, K, ops)
         ref = torch.addmm(h.double(), x.double(), w.double().t())
         assert rel_err(y.double() - h.double(), ref - h.double()) < 1e-2, (M, N, K)
 
@@ -1574,6 +1596,58 @@ def test_cublas_ew_relu2_matches_float64(dtype, p, device, monkeypatch):
     refs = (ref.detach(), *torch.autograd.grad(ref, (x64, w64), dy.double()))
     for got, want in zip(outs["cublas+ew"], refs, strict=True):
         assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cublas_ew_residual_matches_float64(dtype, device, monkeypatch):
+    # a residual of the product's dtype through "cublas+ew" (forced; on the CPU torch.mm, as
+    # on CUDA): the product, then the residual added in place; forward and the three
+    # gradients against float64. An accumulation into c itself (the residual is the output)
+    # takes addmm: the product would overwrite the residual before the add.
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", "cublas+ew")
+    adds = []
+    real_add = torch.Tensor.add_
+    monkeypatch.setattr(
+        torch.Tensor, "add_", lambda t, *a, **k: adds.append(1) or real_add(t, *a, **k)
+    )
+    x = rand((2, 19, 40), dtype, device, mean=0.2, std=1.0).requires_grad_()
+    w = rand((72, 40), dtype, device, mean=0.0, std=0.3).requires_grad_()
+    h = rand((2, 19, 72), dtype, device, mean=1.0).requires_grad_()
+    dy = rand((2, 19, 72), dtype, device, mean=0.3)
+    y = linear(x, w, use_triton=True, residual=h)
+    assert adds  # the forward's add
+    got = (y.detach(), *torch.autograd.grad(y, (x, w, h), dy))
+    x64, w64, h64 = (t.detach().double().requires_grad_() for t in (x, w, h))
+    ref = x64 @ w64.T + h64
+    refs = (ref.detach(), *torch.autograd.grad(ref, (x64, w64, h64), dy.double()))
+    for g, want in zip(got, refs, strict=True):
+        assert rel_err(g, want) < TOL[dtype]
+    a, b = rand((19, 40), dtype, device, mean=0.2), rand((40, 72), dtype, device, mean=-0.1)
+    c = rand((19, 72), dtype, device, mean=1.0)
+    want = c.double() + a.double() @ b.double()
+    plan_module._mm2d_into(a, b, c, residual=c)
+    assert rel_err(c, want) < TOL[dtype]
+
+
+def test_residual_product_follows_the_plan(monkeypatch):
+    # an eager linear with a residual of its dtype runs PyTorch's own ops where cuBLAS runs its
+    # GEMMs (`residual_product`): torch.addmm, or torch.mm then the add where the plan says
+    # "cublas+ew" (forced here; the table's entries are `test_plan_picks_paths`')
+    called = []
+    for name in ("addmm", "mm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(
+            torch, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k)
+        )
+    a, w = torch.randn(8, 16, dtype=torch.float64), torch.randn(24, 16, dtype=torch.float64)
+    r = torch.randn(8, 24, dtype=torch.float64)
+    want = r + a @ w.t()
+    assert torch.allclose(plan_module.residual_product(r, a, w.t()), want)
+    assert called == ["addmm"]
+    called.clear()
+    monkeypatch.setattr(plan_module, "_FORCE_PATH", "cublas+ew")
+    assert torch.allclose(plan_module.residual_product(r, a, w.t()), want)
+    assert called == ["mm"]
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

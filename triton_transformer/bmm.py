@@ -939,7 +939,7 @@ def linear(
     plain = activation is None and weight_lp is None and r2 is not None and r2.dtype == x.dtype
     # (not while `.grad` takes dW in place)
     if plain and _grad_home(weight) is None and _runs_natively(x, x2, weight.t(), True, True):
-        y2 = torch.addmm(r2, x2, weight.t())  # cuBLAS's C input, as `_mm2d_into`'s
+        y2 = matmul_plan.residual_product(r2, x2, weight.t())  # as `_mm2d_into` would
         return y2 if two_d else y2.view(out_shape)
     grad_acc = _traced_grad_acc(weight)  # None outside traced training steps
     if swiglu:

@@ -14,7 +14,9 @@ Kernels and paths (`_plan` picks one per shape, layout, dtype, epilogue and devi
   (M, 2·H) [gate | up] projection into the pre-activations the backward keeps, then
   `swiglu.py`'s forward kernel on its halves (the unfused linear + swiglu of before). The
   backward is the fused path's. relu²'s gradient ("+relu2grad", `mlp.py`): torch.mm of dY @ W,
-  then `_relu2_grad_kernel` in place.
+  then `_relu2_grad_kernel` in place. A residual of the operands' dtype where `MATMUL_TABLE`
+  says so: torch.mm into the output, then the residual added in place (at some shapes
+  cuBLAS's addmm runs a slower kernel than its plain product).
 - "tma": Hopper (sm_90/sm_100), fp16/bf16, 2-D problems whose operands TMA can describe (last
   or first stride 1, the other stride and the base 16-byte aligned; N·itemsize a multiple of
   16 for the output; with SwiGLU, N = H, which also aligns the up half of the pre-activations).
@@ -148,6 +150,10 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
         "8192x512x512:nt+res": "ptr",
         "16384x768x768:nt+res": "tma",
         "16384x1024x1024:nt+res": "tma",
+        # triton 3.6, torch 2.11, 2026-11-28: enwik8's feed-forward output with a residual of
+        # the product's dtype (a bf16 model without autocast): torch.mm then the add 551
+        # TFLOP/s against torch.addmm's 536 and our kernels' 474 (`matmul_presets_session32`)
+        "8192x512x2048:nt+res": "cublas+ew",
     }
 }
 
@@ -328,8 +334,10 @@ def _plan(
     plain = cublas_ok and not act  # cuBLAS computes the whole problem
     # cuBLAS's product, then relu² in place or the SwiGLU gating (a pass of its own)
     ew = cublas_ok and epi in ("+relu2", "+swiglu", "+relu2grad", "+relu2grad+drop")
+    # a residual of the product's dtype: addmm ("cublas"), or the product then the add
+    add_ew = cublas_ok and epi == "+res"
     if force == "cublas+ew":
-        if ew:
+        if ew or add_ew:
             return ("cublas+ew",)
         force = None  # forces nothing else
     if device_type != "cuda":
@@ -344,7 +352,7 @@ def _plan(
     if force is None:
         if plain and impl == "cublas":
             return ("cublas",)
-        if ew and choice == "cublas+ew":
+        if (ew or add_ew) and choice == "cublas+ew":
             return ("cublas+ew",)
         if swiglu and ew and impl == "auto" and choice not in _FUSED:
             # the fused kernel measured no faster than cuBLAS + the gating pass (H200,
@@ -406,6 +414,21 @@ def plain_products_on_cublas(
     )  # fmt: skip
 
 
+def residual_product(residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """residual + a @ b with PyTorch's own ops, as the plan computes it (a, b 2-D on CUDA and
+    the residual (M, N), all of one dtype, where `plain_products_on_cublas(a, b, ...,
+    residual=True)`): torch.addmm, or torch.mm and then the add where the table says
+    "cublas+ew"."""
+    (M, K), N = a.shape, b.shape[1]
+    plan = _plan(
+        a.device.type, a.device.index, a.dtype, int(M), int(N), int(K), _orientation(a),
+        _orientation(b), "+res", True, a.element_size(), matmul_impl, _FORCE_PATH,
+    )  # fmt: skip
+    if plan[0] == "cublas+ew":
+        return torch.mm(a, b).add_(residual)
+    return torch.addmm(residual, a, b)
+
+
 def plain_linear_on_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`plain_products_on_cublas(x2, weight.t(), weight_grad=True)` for `bmm.linear`'s x
     (..., K), read as x2 (M, K), and weight (N, K) of x's dtype, without making either view:
@@ -451,7 +474,7 @@ def _plain_on_cublas(
 
     def cublas(m: int, n: int, k: int, lhs_t: int, rhs_t: int, epi: str = "") -> bool:
         plan = _plan("cuda", index, dtype, m, n, k, lhs_t, rhs_t, epi, True, size, impl, None)
-        return plan[0] == "cublas"
+        return plan[0] == "cublas" or (epi == "+res" and plan[0] == "cublas+ew")
 
     if weight_grad:  # dB^T = dC^T @ a: (N, K), summed over M
         db = cublas(N, K, M, _transposed(dc_t), a_t)
@@ -754,13 +777,18 @@ def _mm2d_into(
             )  # fmt: skip
             return
     else:  # the interpreter; torch.mm where a test forces "cublas+ew"
-        cublas_ok = c.dtype == a.dtype and residual is None
+        cublas_ok = c.dtype == a.dtype and (residual is None or residual.dtype == a.dtype)
         plan = _plan(
             device.type, 0, a.dtype, M, N, K, -1, -1, epi, cublas_ok, c.element_size(),
             matmul_impl, _FORCE_PATH,
         )  # fmt: skip
-    if plan[0] == "cublas" and residual is not None:
-        torch.addmm(residual, a, b, out=c)  # the residual as cuBLAS's own C input (beta = 1)
+    if plan[0] == "cublas+ew" and residual is not None and residual is not c:
+        torch.mm(a, b, out=c)
+        c.add_(residual)
+    elif residual is not None and plan[0] in ("cublas", "cublas+ew"):
+        # the residual as cuBLAS's own C input (beta = 1); also where it is c itself (a
+        # gradient accumulated in place), which the product would overwrite before the add
+        torch.addmm(residual, a, b, out=c)
     elif plan[0] == "cublas+ew" and swiglu:
         torch.mm(a, b, out=aux)  # [gate | up], kept for the backward
         launch_swiglu_fwd(aux[:, :N], aux[:, N:], c)  # swiglu.py's gating pass
