@@ -533,11 +533,11 @@ def _gbps(kind: str, M: int, N: int, ms: float) -> float:
 
 
 def _shipped(N: int) -> tuple[tuple[int, int, int], BwdConfig]:
-    """The plain forward's and backward's entries at width N (the three-block tile where the
-    forward takes one)."""
+    """The plain forward's and backward's entries at width N for bf16 rows (an exact-width
+    tile where the forward takes one)."""
     ln = sys.modules["triton_transformer.layernorm"]
     fwd = (
-        ln._layernorm_fwd_thirds_config(N, MAX_BLOCK_N)
+        ln._layernorm_fwd_exact_config(N, MAX_BLOCK_N)
         or ln._layernorm_fwd_config(N, MAX_BLOCK_N)[:3]
     )
     return fwd, ln._layernorm_bwd_config(N, MAX_BLOCK_N)

@@ -52,6 +52,7 @@ def tables():
         ln_mod._LAYERNORM_FWD_CONFIGS,
         ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
         ln_mod._LAYERNORM_FWD_THIRDS,
+        ln_mod._LAYERNORM_FWD_PLAIN_16BIT,
         ln_mod._LAYERNORM_BWD_CONFIGS,
     )
 
@@ -60,6 +61,7 @@ def tables():
             ln_mod._LAYERNORM_FWD_CONFIGS = {16: fwd}
             ln_mod._LAYERNORM_FWD_STABLE_CONFIGS = {}
             ln_mod._LAYERNORM_FWD_THIRDS = {}
+            ln_mod._LAYERNORM_FWD_PLAIN_16BIT = {}
         if bwd is not None:
             ln_mod._LAYERNORM_BWD_CONFIGS = {16: bwd}
         ln_mod._clear_config_caches()
@@ -69,6 +71,7 @@ def tables():
         ln_mod._LAYERNORM_FWD_CONFIGS,
         ln_mod._LAYERNORM_FWD_STABLE_CONFIGS,
         ln_mod._LAYERNORM_FWD_THIRDS,
+        ln_mod._LAYERNORM_FWD_PLAIN_16BIT,
         ln_mod._LAYERNORM_BWD_CONFIGS,
     ) = saved
     ln_mod._clear_config_caches()
@@ -624,9 +627,11 @@ def test_three_block_rows(device, monkeypatch):
     # rows of three power-of-two blocks take the three-block tile (plain and stable; not the
     # residual form, nor once its block exceeds MAX_BLOCK_N) and match float64, forward and
     # backward, through the op
-    assert ln_mod._layernorm_fwd_thirds_config(768, ln_mod.MAX_BLOCK_N) == (4, 256, 2)
-    assert ln_mod._layernorm_fwd_thirds_config(768, 128) is None
-    assert ln_mod._layernorm_fwd_thirds_config(1024, ln_mod.MAX_BLOCK_N) is None
+    big = ln_mod.MAX_BLOCK_N
+    assert ln_mod._layernorm_fwd_exact_config(768, big) == (4, 256, 2)
+    assert ln_mod._layernorm_fwd_exact_config(768, big, True, 4) == (4, 256, 2)
+    assert ln_mod._layernorm_fwd_exact_config(768, 128) is None
+    assert ln_mod._layernorm_fwd_exact_config(1024, big, False, 4) is None
     monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_THIRDS", {48: (2, 16, 1), 96: (4, 32, 2)})
     seen = []
     real = ln_mod.launcher
@@ -657,6 +662,53 @@ def test_three_block_rows(device, monkeypatch):
     h, branch = torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)
     residual_layernorm(h, branch, torch.ones(48, device=device), use_triton=True)
     assert seen[-1][0] is False and seen[-1][2] is True
+
+
+def test_plain_16bit_rows_take_their_tile(device, monkeypatch):
+    # the plain forward of fp16/bf16 rows at a width of `_LAYERNORM_FWD_PLAIN_16BIT` takes its
+    # tile; fp32 rows, the stable forward and the residual form keep the class's. Forward and
+    # backward against float64 through the op.
+    big = ln_mod.MAX_BLOCK_N
+    assert ln_mod._layernorm_fwd_exact_config(1024, big) == (2, 1024, 4)
+    assert ln_mod._layernorm_fwd_exact_config(1024, big, True) is None
+    assert ln_mod._layernorm_fwd_exact_config(1024, big, False, 4) is None
+    assert ln_mod._layernorm_fwd_exact_config(1024, 512) is None
+    monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_PLAIN_16BIT", {48: (2, 64, 1)})
+    monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_CONFIGS", {64: (8, 64, 2)})
+    monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_STABLE_CONFIGS", {})
+    ln_mod._clear_config_caches()
+    seen = []
+    real = ln_mod.launcher
+
+    def spy(kernel):
+        launch = real(kernel)
+        if kernel is not ln_mod._layernorm_fwd_kernel:
+            return launch
+
+        class Spy:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: seen.append(kw["BLOCK_M"]) or launch[grid](*a, **kw)
+
+            def bind(self, grid, *a, **kw):
+                seen.append(kw["BLOCK_M"])
+                return launch.bind(grid, *a, **kw)
+
+        return Spy()
+
+    monkeypatch.setattr(ln_mod, "launcher", spy)
+    for dtype, stable, block_m in (
+        (torch.bfloat16, False, 2), (torch.float16, False, 2), (torch.float32, False, 8),
+        (torch.bfloat16, True, 8),
+    ):  # fmt: skip
+        _check(
+            *_inputs((37, 48), dtype, device),
+            stable=stable,
+            tol=1e-5 if dtype == torch.float32 else 1e-2,
+        )
+        assert seen[-1] == block_m, (dtype, stable, seen)
+    h = torch.randn(5, 48, device=device, dtype=torch.bfloat16)
+    residual_layernorm(h, h, torch.ones(48, device=device), use_triton=True)
+    assert seen[-1] == 8
 
 
 def test_config_lookup_residual(monkeypatch, device):

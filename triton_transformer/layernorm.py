@@ -198,6 +198,16 @@ _LAYERNORM_FWD_THIRDS: dict[int, tuple[int, int, int]] = {
     768: (4, 256, 2),
     12288: (1, 4096, 8),
 }
+# The plain forward (not stable, not the residual form) of fp16/bf16 rows at exactly these
+# widths, where two rows per program beat the class's four. H200, 2026-11-28 (`bench_layernorm`
+# and a probe of the 33rd session, kernel µs, medians of 9 interleaved rounds, bf16, 1024
+# columns, (4, 1024, 4) -> (2, 1024, 4), torch.compile's in brackets): 8192 rows 11.01 ->
+# 10.75 (11.40); 16384 19.59 -> 19.04 (19.71); 32768 36.04 -> 35.10 (35.88); 65536 68.38 ->
+# 66.28 (67.83); at 4096 rows 6.55 -> 6.78 (6.55), at 2048 4.63 -> 4.36 (4.07). fp32 rows keep
+# the class's tile: (2, 1024, 4) measured 35.59 against 35.04 at 16384 rows.
+_LAYERNORM_FWD_PLAIN_16BIT: dict[int, tuple[int, int, int]] = {
+    1024: (2, 1024, 4),
+}
 _LAYERNORM_BWD_CONFIGS: dict[int, BwdConfig] = {
     16: BwdConfig("row", 128, 16, 8, 4),
     32: BwdConfig("row", 64, 32, 8, 4),
@@ -764,10 +774,15 @@ def _layernorm_fwd_config(
     return block_m, block_n, num_warps, n_cols <= block_n
 
 
-def _layernorm_fwd_thirds_config(n_cols: int, max_block: int) -> tuple[int, int, int] | None:
-    """The `_LAYERNORM_FWD_THIRDS` tile (BLOCK_M, n_cols / 3, num_warps) of a row of n_cols,
-    where the table has one whose block fits max_block; else None (the tables above)."""
-    cfg = _LAYERNORM_FWD_THIRDS.get(n_cols)
+def _layernorm_fwd_exact_config(
+    n_cols: int, max_block: int, stable: bool = False, itemsize: int = 2
+) -> tuple[int, int, int] | None:
+    """The tile (BLOCK_M, BLOCK_N, num_warps) an exact-width table gives a row of n_cols (not
+    the residual form): `_LAYERNORM_FWD_PLAIN_16BIT`'s for the plain forward of 2-byte rows,
+    else `_LAYERNORM_FWD_THIRDS`' (BLOCK_N = n_cols / 3); None where neither has one whose
+    block fits max_block (the class tables above then)."""
+    cfg = _LAYERNORM_FWD_PLAIN_16BIT.get(n_cols) if not stable and itemsize == 2 else None
+    cfg = cfg or _LAYERNORM_FWD_THIRDS.get(n_cols)
     return cfg if cfg is not None and cfg[1] <= max_block else None
 
 
@@ -852,8 +867,8 @@ def launch_layernorm_fwd(
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
     `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides the tables (the benchmark's sweep); a
     BLOCK_N of N / 3 holds the row as three blocks (THIRDS), as `_LAYERNORM_FWD_THIRDS` does
-    for the plain and stable forwards at its widths. An eager call takes the launch bound for
-    its shape (`_PLANS`) when there is one."""
+    for the plain and stable forwards at its widths (`_layernorm_fwd_exact_config`). An eager
+    call takes the launch bound for its shape (`_PLANS`) when there is one."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
         return
@@ -873,7 +888,8 @@ def launch_layernorm_fwd(
             bound(*tensors)
             return
     if cfg is None:
-        cfg = None if residual else _layernorm_fwd_thirds_config(N, MAX_BLOCK_N)
+        cfg = None if residual else _layernorm_fwd_exact_config(N, MAX_BLOCK_N, stable,
+                                                                x2.element_size())  # fmt: skip
     if cfg is None:
         block_m, block_n, num_warps, single = _layernorm_fwd_config(N, MAX_BLOCK_N, stable)
         thirds = False
