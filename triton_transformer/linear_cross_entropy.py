@@ -67,9 +67,10 @@ __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
 # Largest size of one chunk's logits; the rows are then split into equal chunks of a multiple
 # of 128 rows (`default_chunk_rows`). Each chunk costs an fp32 (V, K) read and write for the dW
 # accumulation, so fewer chunks are faster and more save memory. At the GPT-2 preset (16384
-# tokens, V = 50304, bf16; H100, 2026-11-24, whole graphed step): 4 chunks of 4096 rows save
-# 1.13 GB of peak memory against the unfused loss at 0.99x its speed; 13 chunks of 1280 rows
-# saved 1.40 GB at 0.95x. Module-level so benchmarks can sweep it.
+# tokens, V = 50304, bf16; H200, 2026-11-28, whole graphed step, `bench_step.py
+# --loss-chunk-rows`): 4 chunks of 4096 rows save 1.23 GB of peak memory against the unfused
+# loss at 0.98x its speed; 12 chunks of 1408 rows 1.50 GB at 0.95x. Module-level so
+# benchmarks can sweep it.
 CHUNK_BYTES = 2**29
 
 # Passed to the forward kernel as ignore_index when there is none, so that it normalises by

@@ -396,8 +396,9 @@ class Transformer(nn.Module):
     (default) takes `linear_cross_entropy.default_chunk_rows` (at most `CHUNK_BYTES` of
     logits per chunk). Fewer rows hold less memory and run slower, each chunk adding a pass
     over the fp32 weight gradient: at the GPT-2 preset (H200, `benchmarks/RESULTS.md`,
-    sixteenth session) the default 4096 rows saved 1.27 GB of the step's peak memory against
-    the unfused loss at its speed, 2048 rows 1.47 GB at 0.97x, 1024 rows 1.58 GB at 0.96x.
+    33rd session, one call) the default 4096 rows saved 1.23 GB of the step's peak memory
+    against the unfused loss at 0.98x its speed, 2048 rows 1.44 GB at 0.97x, 1408 rows 1.50
+    GB at 0.95x, 1024 rows 1.53 GB at 0.94x.
 
     Block options (the defaults are the classic model; see the module docstring):
     `pos_emb` "learned" (the `pos_emb` table) or "rope" (no table; q and k rotated with base
