@@ -161,9 +161,10 @@ MATMUL_TABLE: dict[str, dict[str, str]] = {
 _FUSED = ("tma", "ptr", "fused")
 
 # Tests and benchmarks only: force a path where it is allowed: "tma" or "ptr" (our kernels,
-# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual, or SwiGLU,
-# through cuBLAS and the elementwise pass, on any device: on the CPU torch.mm and the
-# interpreter; other problems are planned as without a force).
+# skipping cuBLAS and the table), or "cublas+ew" (relu² without a residual, SwiGLU, or a
+# residual of the product's dtype, through cuBLAS and the elementwise pass or the add, on any
+# device: on the CPU torch.mm and the interpreter; other problems are planned as without a
+# force).
 _FORCE_PATH: str | None = None
 
 # Traced code (torch.compile) takes `matmul_hopper`'s kernel where an eager call would, through
