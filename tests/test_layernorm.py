@@ -623,6 +623,36 @@ def test_stable_forward_takes_its_override_at_exact_classes_only():
     )
 
 
+def _record_fwd_launches(monkeypatch) -> list:
+    """The forward kernel's launch keywords, one dict per launch (the keyed launch, or an
+    eager call's first launch of a shape, which binds it), appended as `layernorm.py`
+    launches."""
+    seen = []
+    real = ln_mod.launcher
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel, self.launch = kernel, real(kernel)
+
+        def _seen(self, kwargs):
+            if self.kernel is ln_mod._layernorm_fwd_kernel:
+                seen.append(kwargs)
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                self._seen(kwargs)
+                return self.launch[grid](*args, **kwargs)
+
+            return call
+
+        def bind(self, grid, *args, **kwargs):
+            self._seen(kwargs)
+            return self.launch.bind(grid, *args, **kwargs)
+
+    monkeypatch.setattr(ln_mod, "launcher", Spy)
+    return seen
+
+
 def test_three_block_rows(device, monkeypatch):
     # rows of three power-of-two blocks take the three-block tile (plain and stable; not the
     # residual form, nor once its block exceeds MAX_BLOCK_N) and match float64, forward and
@@ -633,35 +663,14 @@ def test_three_block_rows(device, monkeypatch):
     assert ln_mod._layernorm_fwd_exact_config(768, 128) is None
     assert ln_mod._layernorm_fwd_exact_config(1024, big, False, 4) is None
     monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_THIRDS", {48: (2, 16, 1), 96: (4, 32, 2)})
-    seen = []
-    real = ln_mod.launcher
-
-    class Spy:  # records the forward's THIRDS, BLOCK_N and RESIDUAL, then launches
-        def __init__(self, kernel):
-            self.kernel, self.launch = kernel, real(kernel)
-
-        def _seen(self, kwargs):
-            if self.kernel is ln_mod._layernorm_fwd_kernel:
-                seen.append((kwargs["THIRDS"], kwargs["BLOCK_N"], kwargs["RESIDUAL"]))
-
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                self._seen(kwargs)
-                return self.launch[grid](*args, **kwargs)
-
-            return call
-
-        def bind(self, grid, *args, **kwargs):  # an eager call's first launch of a shape
-            self._seen(kwargs)
-            return self.launch.bind(grid, *args, **kwargs)
-
-    monkeypatch.setattr(ln_mod, "launcher", Spy)
+    seen = _record_fwd_launches(monkeypatch)
     for n, stable in ((48, False), (48, True), (96, False), (96, True)):
         _check(*_inputs((70, n), device=device, bias=True), stable=stable)
-        assert seen[-1] == (True, n // 3, False), seen[-1]
+        last = seen[-1]
+        assert (last["THIRDS"], last["BLOCK_N"], last["RESIDUAL"]) == (True, n // 3, False)
     h, branch = torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)
     residual_layernorm(h, branch, torch.ones(48, device=device), use_triton=True)
-    assert seen[-1][0] is False and seen[-1][2] is True
+    assert seen[-1]["THIRDS"] is False and seen[-1]["RESIDUAL"] is True
 
 
 def test_plain_16bit_rows_take_their_tile(device, monkeypatch):
@@ -677,25 +686,7 @@ def test_plain_16bit_rows_take_their_tile(device, monkeypatch):
     monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_CONFIGS", {64: (8, 64, 2)})
     monkeypatch.setattr(ln_mod, "_LAYERNORM_FWD_STABLE_CONFIGS", {})
     ln_mod._clear_config_caches()
-    seen = []
-    real = ln_mod.launcher
-
-    def spy(kernel):
-        launch = real(kernel)
-        if kernel is not ln_mod._layernorm_fwd_kernel:
-            return launch
-
-        class Spy:
-            def __getitem__(self, grid):
-                return lambda *a, **kw: seen.append(kw["BLOCK_M"]) or launch[grid](*a, **kw)
-
-            def bind(self, grid, *a, **kw):
-                seen.append(kw["BLOCK_M"])
-                return launch.bind(grid, *a, **kw)
-
-        return Spy()
-
-    monkeypatch.setattr(ln_mod, "launcher", spy)
+    seen = _record_fwd_launches(monkeypatch)
     for dtype, stable, block_m in (
         (torch.bfloat16, False, 2), (torch.float16, False, 2), (torch.float32, False, 8),
         (torch.bfloat16, True, 8),
@@ -705,10 +696,10 @@ def test_plain_16bit_rows_take_their_tile(device, monkeypatch):
             stable=stable,
             tol=1e-5 if dtype == torch.float32 else 1e-2,
         )
-        assert seen[-1] == block_m, (dtype, stable, seen)
+        assert seen[-1]["BLOCK_M"] == block_m, (dtype, stable)
     h = torch.randn(5, 48, device=device, dtype=torch.bfloat16)
     residual_layernorm(h, h, torch.ones(48, device=device), use_triton=True)
-    assert seen[-1] == 8
+    assert seen[-1]["BLOCK_M"] == 8
 
 
 def test_config_lookup_residual(monkeypatch, device):
