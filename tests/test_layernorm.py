@@ -7,6 +7,7 @@ or the launch tables (the `tables` fixture: every width takes one configuration,
 few rows, and at model scale in the GPU tests.
 """
 
+import contextlib
 import importlib
 import math
 import subprocess
@@ -27,6 +28,7 @@ from triton_transformer.residual_layernorm import residual_layernorm
 
 # The package re-exports the function `layernorm`, which shadows the submodule attribute.
 ln_mod = importlib.import_module("triton_transformer.layernorm")
+bmm = importlib.import_module("triton_transformer.bmm")
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 
@@ -743,6 +745,92 @@ def test_eager_launches_bound_per_shape(device):
     assert not ln_mod._PLANS.plans
 
 
+def _through_registered_op(x, w, b, stable, out_dtype=None):
+    """layernorm's Triton path through torch.library's dispatch and registered autograd: the
+    generic path an eager plan (`_EagerPlan`) must agree with."""
+    return ln_mod.layernorm_op(x, w, b, 1e-5, stable, out_dtype)[0]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize(
+    "shape, dtype, param_dtype, out_dtype",
+    [
+        ((3, 37, 48), torch.float32, None, None),
+        ((70, 100), torch.float16, None, torch.float32),
+        ((2, 5, 64), torch.float16, torch.float32, None),
+    ],
+)
+def test_eager_plan_matches_registered_op(
+    shape, dtype, param_dtype, out_dtype, bias, stable, device
+):
+    # An eager call takes its layout's plan (`_EagerPlan`: made on the first call, its launches
+    # bound then, taken by every later call). Both calls give, bit for bit, what the registered
+    # op gives through the dispatcher, forward and backward, with a dense, an expanded (a
+    # sum's) and a strided upstream gradient.
+    x, w, b = _inputs(shape, dtype, device, bias, param_dtype)
+    dense = torch.randn(shape, device=device).to(out_dtype or dtype)
+    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device).to(out_dtype or dtype)
+    for dy in (dense, torch.ones((), device=device).to(dense.dtype).expand(shape), wide[..., ::2]):
+        results = []
+        for fn in (layernorm, layernorm, _through_registered_op):
+            leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+            xl, wl, bl = (*leaves, None)[:3]
+            if fn is layernorm:
+                y = layernorm(xl, wl, bl, stable=stable, use_triton=True, out_dtype=out_dtype)
+            else:
+                y = fn(xl, wl, bl, stable, out_dtype)
+            y.backward(dy)
+            results.append((y, *(t.grad for t in leaves)))
+        assert len(ln_mod._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+        assert results[0][0].dtype == (out_dtype or dtype)
+
+
+def test_eager_plan_without_autograd_and_with_accumulated_grads(device):
+    # No autograd recorded (no_grad, or no input requiring grad): the plan's forward alone.
+    # Inside `bmm.accumulate_grads_in_place` its backward adds into the parameters' `.grad`
+    # as the generic path does.
+    x, w, b = _inputs((33, 40), device=device)
+    want = _through_registered_op(x, w, b, False)
+    with torch.no_grad():
+        assert torch.equal(layernorm(x, w.requires_grad_(), b, use_triton=True), want)
+    w.requires_grad_(False)
+    y = layernorm(x, w, b, use_triton=True)
+    assert torch.equal(y, want) and y.grad_fn is None
+    assert len(ln_mod._EAGER_PLANS.plans) == 1
+
+    dys = [torch.randn(33, 40, device=device) for _ in range(3)]
+    grads = {}
+    for in_place in (False, True):
+        wl, bl = w.detach().requires_grad_(), b.detach().requires_grad_()
+        context = bmm.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
+        with context:
+            for dy in dys:
+                layernorm(x, wl, bl, use_triton=True).backward(dy)
+        grads[in_place] = (wl.grad, bl.grad)
+    for got, want in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: a later call with a parameter of
+    # another shape, a non-tensor or an integer input still raises the generic path's error.
+    x, w, b = _inputs((8, 16), device=device)
+    layernorm(x, w, b, use_triton=True)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layernorm(x, w[:8], b, use_triton=True)
+    with pytest.raises(TypeError, match="dtype"):
+        layernorm(x.to(torch.int32), w, b, use_triton=True)
+    with pytest.raises(TypeError, match=r"bias must be a torch\.Tensor"):
+        layernorm(x, w, 1.0, use_triton=True)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        layernorm(x.tolist(), w, b, use_triton=True)
+    assert len(ln_mod._EAGER_PLANS.plans) == 1
+
+
 def test_config_lookup_many_rows():
     # 512-wide plain rows from 32K rows on take the many-rows entry; fewer rows, stable
     # LayerNorm and other widths keep the width class's
@@ -870,7 +958,7 @@ def test_kernels_compile_for_sm90_cpu():
         ln = importlib.import_module("triton_transformer.layernorm")
         POINTERS = dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16", H="*bf16", BR="*bf16",
                         DY="*bf16", DX="*bf16", DHN="*bf16", DBR="*bf16", Stats="*fp32",
-                        Partial="*fp32", PartialB="*fp32", RowSums="*fp32", SEED="*i64",
+                        Partial="*fp32", RowSums="*fp32", SEED="*i64",
                         DW="*bf16", DB="*bf16")
         FLOATS = {"inv_n", "eps", "clamp", "p", "drop_scale"}
 

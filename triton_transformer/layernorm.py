@@ -67,6 +67,7 @@ Triton design (e = bytes per element; "per row" = per row of N elements):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -88,6 +89,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     default,
     dropout_threshold,
+    eager_layout,
     exists,
     first_order_only,
     is_traced,
@@ -714,13 +716,15 @@ def _layernorm_bwd_cols_kernel(
 
 @triton.jit(do_not_specialize=["G"])
 def _layernorm_bwd_colsum_kernel(
-    Partial, PartialB, DW, DB, G, N,
+    Partial, DW, DB, G, N,
     HAS_BIAS: tl.constexpr, ACC_W: tl.constexpr, ACC_B: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Sum the (G, N) partials over G in a fixed order: dweight (and dbias, from PartialB) per
-    column. ACC_W / ACC_B: add the sum to what DW / DB hold (a parameter's `.grad`, summed
-    over micro-batches in place) instead of overwriting it."""
+    """Sum the (G, N) partials over G in a fixed order: dweight per column from Partial's first
+    G rows (and dbias from its next G: Partial is (2, G, N) with a bias). ACC_W / ACC_B: add the
+    sum to what DW / DB hold (a parameter's `.grad`, summed over micro-batches in place)
+    instead of overwriting it. (One buffer, not a view per half: a view costs an eager call
+    microseconds of host time.)"""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
@@ -731,7 +735,8 @@ def _layernorm_bwd_colsum_kernel(
         offs = gs.to(tl.int64)[:, None] * N + cols[None, :]
         dw += tl.load(Partial + offs, mask=mask, other=0.0)
         if HAS_BIAS:
-            db += tl.load(PartialB + offs, mask=mask, other=0.0)
+            offs_b = (gs + G).to(tl.int64)[:, None] * N + cols[None, :]
+            db += tl.load(Partial + offs_b, mask=mask, other=0.0)
     dw_sum = tl.sum(dw, axis=0)
     if ACC_W:
         dw_sum += tl.load(DW + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -822,6 +827,7 @@ def _clear_config_caches() -> None:
     _layernorm_fwd_config.cache_clear()
     _layernorm_bwd_config.cache_clear()
     _PLANS.plans.clear()
+    _EAGER_PLANS.plans.clear()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -861,17 +867,21 @@ def _bwd_plan(n_rows, n_cols: int, cfg: BwdConfig, device: torch.device):
 
 def launch_layernorm_fwd(
     x2, weight, bias, y2, stats, eps, stable, *, h2=None, br2=None, p=0.0, seed=None, cfg=None
-) -> None:
+) -> Callable[..., None] | None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), stats (2|3, M).
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2).
     `cfg` (BLOCK_M, BLOCK_N, num_warps) overrides the tables (the benchmark's sweep); a
     BLOCK_N of N / 3 holds the row as three blocks (THIRDS), as `_LAYERNORM_FWD_THIRDS` does
     for the plain and stable forwards at its widths (`_layernorm_fwd_exact_config`). An eager
-    call takes the launch bound for its shape (`_PLANS`) when there is one."""
+    call takes the launch bound for its shape (`_PLANS`) when there is one.
+
+    Returns that bound launch, a function of the tensors (x2, weight, bias or weight, y2,
+    stats, h2 or x2, br2 or x2, seed or stats) of another call of this layout (`_EagerPlan`
+    keeps it), or None where nothing was bound (traced, cfg given, no rows)."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
-        return
+        return None
     residual = h2 is not None
     dropout = residual and p > 0.0
     tensors = (
@@ -886,7 +896,7 @@ def launch_layernorm_fwd(
         bound = _PLANS.get(key)
         if bound is not None:
             bound(*tensors)
-            return
+            return bound
     if cfg is None:
         cfg = None if residual else _layernorm_fwd_exact_config(N, MAX_BLOCK_N, stable,
                                                                 x2.element_size())  # fmt: skip
@@ -911,8 +921,8 @@ def launch_layernorm_fwd(
     kernel = launcher(_layernorm_fwd_kernel)
     if key is None:
         kernel[grid](*tensors, *scalars, **flags)
-    else:
-        _PLANS.put(key, kernel.bind(grid, *tensors, *scalars, **flags))
+        return None
+    return _PLANS.put(key, kernel.bind(grid, *tensors, *scalars, **flags))
 
 
 def launch_layernorm_bwd_rowsums(
@@ -931,22 +941,25 @@ def launch_layernorm_bwd(
     dy2, x2, weight, stats, dx2, dweight, dbias, eps, stable, *,
     dhn2=None, dbr2=None, p=0.0, seed=None, cfg: BwdConfig | None = None,
     acc_w: bool = False, acc_b: bool = False,
-) -> None:  # fmt: skip
+) -> Callable[..., None] | None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight, dbias (or None) and,
     when dbr2 is given, the branch gradient dropout-masked (p, seed) into dbr2. acc_w /
     acc_b: add dweight / dbias to what those tensors hold (`bmm.grad_targets`).
 
     `cfg` overrides `_LAYERNORM_BWD_CONFIGS` (the benchmark's sweep, tests) and is used as
-    given. An eager call takes the launches bound for its shape (`_PLANS`) when there are."""
+    given. An eager call takes the launches bound for its shape (`_PLANS`) when there are.
+    Returns them, a function of the tensors (x2, weight, dy2, dx2, stats, dhn2 or dy2, dbr2
+    or dx2, seed or stats, dweight, dbias or dweight) of another call of this layout, or None
+    where nothing was bound."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if N == 0:
-        return
+        return None
     if M == 0:  # no rows: zero gradients (nothing to add to an accumulated one)
         if not acc_w:
             dweight.zero_()
         if exists(dbias) and not acc_b:
             dbias.zero_()
-        return
+        return None
     has_bias = exists(dbias)
     dropout = exists(dbr2) and p > 0.0
     # stand-ins for absent tensors (never read)
@@ -960,11 +973,10 @@ def launch_layernorm_bwd(
         plan = _PLANS.get(key)
         if plan is not None:
             plan(*tensors)
-            return
+            return plan
     plan = _bwd_launches(tensors, M, N, eps, stable, p, cfg, exists(dhn2), exists(dbr2), acc_w,
                          acc_b)  # fmt: skip
-    if key is not None:
-        _PLANS.put(key, plan)
+    return None if key is None else _PLANS.put(key, plan)
 
 
 def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w, acc_b):
@@ -1007,7 +1019,7 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
             SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
     colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
-        (cdiv(N, _COLSUM_BLOCK_C),), partial[0], partial[-1], dweight, dbias, groups, N,
+        (cdiv(N, _COLSUM_BLOCK_C),), partial, dweight, dbias, groups, N,
         HAS_BIAS=has_bias, ACC_W=acc_w, ACC_B=acc_b and has_bias,
         BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
@@ -1021,7 +1033,7 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
             main(x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2, seed)
         else:
             main(x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed)
-        colsum(partial[0], partial[-1], dweight, dbias)
+        colsum(partial, dweight, dbias)
 
     return launch
 
@@ -1121,6 +1133,127 @@ def _layernorm_backward(ctx, dy, _dstats):
 
 layernorm_op.register_autograd(_layernorm_backward, setup_context=_layernorm_setup_context)
 accumulates_grads(layernorm_backward_op)
+
+
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
+# one key of every fact the checks and the kernels read (shapes, strides, dtypes, devices,
+# 16-byte alignment, the scalars), one lookup, then the launches bound for it. Per call it
+# skips what the generic path pays on top of the kernels: the checks, `call_op`, the op's
+# autograd wrapper of eight inputs, `as_rows` views and a plan key of every launch's tensors.
+# The kernels, the saved tensors and the gradients are the generic path's.
+
+
+class _EagerPlan:
+    """The launches of eager layernorm calls of one layout: x viewable as (M, N) rows of unit
+    column stride, contiguous parameters (what `_eager_plan` admits). `fwd` and the `bwd`
+    entries are the bound launches the generic launchers return on a plan's first call."""
+
+    __slots__ = ("bwd", "device", "eps", "fwd", "n_cols", "n_rows", "out_dtype", "shape",
+                 "stable", "stats_shape")  # fmt: skip
+
+    def __init__(self, x: torch.Tensor, eps: float, stable: bool, out_dtype) -> None:
+        self.shape, self.device = x.shape, x.device
+        self.out_dtype = out_dtype or x.dtype
+        self.n_cols = x.shape[-1]
+        self.n_rows = x.numel() // self.n_cols
+        self.stats_shape = (3 if stable else 2, self.n_rows)
+        self.eps, self.stable = eps, stable
+        self.fwd: Callable[..., None] | None = None
+        self.bwd: dict[tuple, Callable[..., None] | None] = {}
+
+    def forward(self, x, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, stats), as `layernorm_op` returns them."""
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        fwd = self.fwd
+        if fwd is not None:
+            fwd(x, weight, weight if bias is None else bias, y, stats, x, x, stats)
+        else:
+            rows = (self.n_rows, self.n_cols)
+            self.fwd = launch_layernorm_fwd(
+                x.view(rows), weight, bias, y.view(rows), stats, self.eps, self.stable
+            )
+        return y, stats
+
+    def backward(self, dy, x, weight, bias, stats, acc_w, acc_b) -> tuple:
+        """(dx, dweight, dbias) as `layernorm_backward_op` returns them, for dy of any layout:
+        rows of dy read in place, or a copy where they have no unit column stride (e.g. the
+        expanded gradient of a sum). Dense rows take the launches bound for their dtype,
+        alignment and gradient targets."""
+        dx = torch.empty(self.shape, dtype=x.dtype, device=self.device)
+        dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
+        dweight_into = dweight if acc_w is None else acc_w
+        dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
+        dy2 = dy if dy.is_contiguous() else as_rows(dy)
+        dense = dy2.is_contiguous()
+        key = (dy2.dtype, not dy2.data_ptr() & 15, acc_w is None, acc_b is None)
+        bwd = self.bwd.get(key) if dense else None
+        if bwd is not None:
+            dbias_into = dweight_into if dbias_into is None else dbias_into
+            bwd(x, weight, dy2, dx, stats, dy2, dx, stats, dweight_into, dbias_into)
+            return dx, dweight, dbias
+        rows = (self.n_rows, self.n_cols)
+        bwd = launch_layernorm_bwd(
+            dy2.view(rows) if dense else dy2, x.view(rows), weight, stats, dx.view(rows),
+            dweight_into, dbias_into, self.eps, self.stable,
+            acc_w=acc_w is not None, acc_b=acc_b is not None,
+        )  # fmt: skip
+        if dense:
+            self.bwd[key] = bwd
+        return dx, dweight, dbias
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(x, weight, bias, eps, stable, out_dtype) -> _EagerPlan | None:
+    """The plan of this eager call's layout, made on its first call; None where the generic
+    path must run: traced tensors, anything the checks would refuse, or a layout the plan
+    does not cover."""
+    if torch.compiler.is_compiling() or is_traced(x):
+        return None
+    try:
+        bias_layout = None if bias is None else eager_layout(bias)
+        key = (eager_layout(x), eager_layout(weight), bias_layout, eps, stable, out_dtype)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
+        return None
+    plan = _EAGER_PLANS.get(key)
+    if plan is not None:
+        return plan
+    check_layernorm_args(x, weight, bias, True)
+    check_out_dtype(out_dtype)
+    if x.numel() == 0 or not weight.is_contiguous() or not (bias is None or bias.is_contiguous()):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr():  # no (M, N) view: generic
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(x, float(eps), bool(stable), out_dtype))
+
+
+class _EagerLayerNorm(torch.autograd.Function):
+    """`layernorm_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan):
+        y, stats = plan.forward(x, weight, bias)
+        ctx.save_for_backward(x, weight, bias, stats)
+        ctx.plan = plan
+        ctx.grad_homes = (_grad_home(weight), None if bias is None else _grad_home(bias))
+        return y
+
+    @staticmethod
+    @first_order_only("layernorm")
+    def backward(ctx, dy):
+        x, weight, bias, stats = ctx.saved_tensors
+        homes = ctx.grad_homes
+        targets = (None, None)
+        if homes[0] is not None or homes[1] is not None:
+            targets = grad_targets(homes, (None, None), dy)
+        dx, dweight, dbias = ctx.plan.backward(dy, x, weight, bias, stats, *targets)
+        if targets[0] is not None or targets[1] is not None:
+            dweight, dbias = folded_grads((dweight, dbias), targets, (None, None))
+        return dx, dweight, dbias if bias is not None else None, None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -1224,6 +1357,14 @@ def layernorm(
     Returns:
         (..., N) tensor in out_dtype: a new tensor, never a view (in-place ops on it work).
     """
+    if use_triton:
+        plan = _eager_plan(x, weight, bias, eps, stable, out_dtype)
+        if plan is not None:
+            if torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            ):
+                return _EagerLayerNorm.apply(x, weight, bias, plan)
+            return plan.forward(x, weight, bias)[0]
     check_layernorm_args(x, weight, bias, use_triton)
     check_out_dtype(out_dtype)
     if not use_triton:

@@ -375,7 +375,7 @@ def launch_rmsnorm_bwd(
         BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
     colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
-        (cdiv(N, _COLSUM_BLOCK_C),), partial, partial, dweight, dweight, groups, N,
+        (cdiv(N, _COLSUM_BLOCK_C),), partial, dweight, dweight, groups, N,
         HAS_BIAS=False, ACC_W=acc_w, ACC_B=False, BLOCK_G=_COLSUM_BLOCK_G, BLOCK_C=_COLSUM_BLOCK_C,
         num_warps=_COLSUM_WARPS,
     )  # fmt: skip
@@ -383,7 +383,7 @@ def launch_rmsnorm_bwd(
     def launch(x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight) -> None:
         partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
         main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed)
-        colsum(partial, partial, dweight, dweight)
+        colsum(partial, dweight, dweight)
 
     if key is not None:
         _PLANS.put(key, launch)

@@ -668,6 +668,15 @@ def layout_key(*tensors: torch.Tensor | None) -> tuple:
     return (*layouts, *tensor_facts(*present))
 
 
+def eager_layout(t: torch.Tensor) -> tuple:
+    """What an op's eager plan (`layernorm._EagerPlan`, `dropout._EagerPlan`,
+    `attention._EagerPlan`) keys on for a tensor argument: every fact of it that the op's
+    checks and its kernels' specialisation read (shape, strides, dtype, device, 16-byte
+    alignment). A call whose tensors match a validated call's in all of them passes the same
+    checks, so a plan hit skips them."""
+    return t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15
+
+
 class LaunchPlans:
     """An op's eager launches bound once per shape: `plans.get(key)` or None, then
     `plans.put(key, plan)` with what `KernelLauncher.bind` returned. The key is the op's to
