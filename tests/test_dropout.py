@@ -355,18 +355,73 @@ def test_explicit_seed(device):
 
 
 def test_eager_launch_bound_per_shape(device):
-    # the first eager call of a shape binds its launch (`_PLANS`); a repeat takes it and draws
-    # the same mask from the same seed; a view of more irreducible dims than the kernel
-    # walks is copied first, on the bound path too
+    # the first eager call of a shape binds its launch (its `_EAGER_PLANS` entry); a repeat
+    # takes it and draws the same mask from the same seed; a view of more irreducible dims
+    # than the kernel walks is copied first, on the bound path too
     import triton_transformer.dropout as dropout_mod
 
     x = torch.randn(6, 130, device=device) + 0.5
     seed = torch.tensor(1234, device=device)
     first = dropout(x, 0.3, use_triton=True, seed=seed)
-    assert len(dropout_mod._PLANS.plans) == 1
+    (plan,) = dropout_mod._EAGER_PLANS.plans.values()
+    assert len(plan.bound) == 1
     assert torch.equal(dropout(x, 0.3, use_triton=True, seed=seed), first)
-    assert len(dropout_mod._PLANS.plans) == 1
+    assert len(plan.bound) == 1 and len(dropout_mod._EAGER_PLANS.plans) == 1
     odd = torch.randn(2, 3, 4, 5, 6, 7, device=device)[:, :, ::2, :, ::2, ::2]  # 5 dims
     want = dropout(odd.contiguous(), 0.3, use_triton=True, seed=seed)
     for _ in range(2):
         assert torch.equal(dropout(odd, 0.3, use_triton=True, seed=seed), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_plan_matches_registered_op(dtype, device):
+    # An eager call takes its layout's plan (`dropout._EagerPlan`: made on the first call, its
+    # launches bound then, taken by every later call). Each call gives, bit for bit, what the
+    # registered op gives through the dispatcher from the same seed, forward and backward,
+    # with a dense, an expanded (a sum's) and a strided upstream gradient, and a seed that
+    # is a view not 16-byte aligned (`draw_seeds(...)[1]`).
+    import triton_transformer.dropout as dropout_mod
+
+    x = (torch.randn(5, 3, 130, device=device) + 0.5).to(dtype)
+    wide = torch.randn(5, 3, 260, device=device).to(dtype)
+    dys = (torch.randn_like(x), torch.ones((), device=device, dtype=dtype).expand(x.shape))
+    seeds = draw_seeds(device, 2)
+    for dy in (*dys, wide[..., ::2]):
+        for seed in (seeds[0], seeds[1]):
+            results = []
+            for registered in (False, False, True):
+                xl = x.detach().requires_grad_()
+                if registered:
+                    y = dropout_op(xl, 0.3, seed)
+                else:
+                    y = dropout(xl, 0.3, use_triton=True, seed=seed)
+                y.backward(dy)
+                results.append((y, xl.grad))
+            for got in results[:2]:
+                for a, want in zip(got, results[2], strict=True):
+                    assert torch.equal(a, want)
+    assert len(dropout_mod._EAGER_PLANS.plans) == 1
+    with torch.no_grad():
+        assert torch.equal(dropout(x, 0.3, use_triton=True, seed=seeds[0]),
+                           dropout_op(x, 0.3, seeds[0]))  # fmt: skip
+    assert len(dropout_mod._EAGER_PLANS.plans) == 1
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout and p: the generic path's errors
+    # still come after one exists, and p of 0 or 1 takes no plan (no kernel).
+    import triton_transformer.dropout as dropout_mod
+
+    x = torch.randn(4, 16, device=device)
+    dropout(x, 0.3, use_triton=True)
+    with pytest.raises(ValueError, match="dropout probability"):
+        dropout(x, 1.5, use_triton=True)
+    with pytest.raises(TypeError, match="p must be a real number"):
+        dropout(x, "0.3", use_triton=True)
+    with pytest.raises(TypeError, match="dtype"):
+        dropout(x.to(torch.int32), 0.3, use_triton=True)
+    with pytest.raises(TypeError, match="seed"):
+        dropout(x, 0.3, use_triton=True, seed=torch.tensor(1.0, device=device))
+    assert dropout(x, 0.0, use_triton=True) is x
+    assert torch.equal(dropout(x, 1.0, use_triton=True), torch.zeros_like(x))
+    assert len(dropout_mod._EAGER_PLANS.plans) == 1

@@ -42,6 +42,7 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     dropout_threshold,
+    eager_layout,
     first_order_only,
     is_traced,
     launcher,
@@ -189,6 +190,73 @@ def _dropout_backward(ctx, dy: torch.Tensor):
 dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
 
 
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
+# one key of what the checks and the kernel read (`utils.eager_layout`, p), one lookup, then
+# the bound launches, forward and backward; as `layernorm._EagerPlan`.
+
+
+class _EagerPlan:
+    """The launches of eager dropout calls of one layout of x and one p: `_dropout_plan`'s
+    bound launches, one per layout of the tensor masked (x forward, the upstream gradient
+    backward) and of the seed."""
+
+    __slots__ = ("bound", "device", "p")
+
+    def __init__(self, x: torch.Tensor, p: float) -> None:
+        self.device, self.p = x.device, p
+        self.bound: dict[tuple, object] = {}
+
+    def __call__(self, t: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        """`dropout_op(t, p, seed)` for t of the plan's shape."""
+        key = (t.stride(), t.dtype, not t.data_ptr() & 15, not seed.data_ptr() & 15)
+        bound = self.bound.get(key)
+        if bound is not None:
+            return bound(t, seed)
+        out, self.bound[key] = _dropout_plan(t, self.p, seed, bind=True)
+        return out
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(x: torch.Tensor, p: float) -> _EagerPlan | None:
+    """The plan of this eager call's layout (made on its first call), or None where the
+    generic path runs: traced, not a tensor, or what the plan does not cover (p of 0 or 1, an
+    empty x)."""
+    if torch.compiler.is_compiling() or is_traced(x):
+        return None
+    try:
+        key = (eager_layout(x), p)
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor (or no storage): generic
+        return None
+    plan = _EAGER_PLANS.get(key)
+    if plan is not None:
+        return plan
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p < 1.0:
+        return None  # the checks raise, or p needs no kernel
+    check_triton_tensor(x, "x")
+    if x.numel() == 0:
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(x, float(p)))
+
+
+class _EagerDropout(torch.autograd.Function):
+    """`dropout_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, x, seed, plan):
+        ctx.save_for_backward(seed)
+        ctx.plan = plan
+        return plan(x, seed)
+
+    @staticmethod
+    @first_order_only("dropout")
+    def backward(ctx, dy):
+        (seed,) = ctx.saved_tensors
+        return ctx.plan(dy, seed), None, None
+
+
 def dropout(
     x: torch.Tensor,
     p: float = 0.0,
@@ -217,6 +285,13 @@ def dropout(
             number.
         ValueError: `p` outside [0, 1] (or NaN).
     """
+    if use_triton and training:
+        plan = _eager_plan(x, p)
+        if plan is not None:
+            seed = seed_or_draw(seed, plan.device)
+            if x.requires_grad and torch.is_grad_enabled():
+                return _EagerDropout.apply(x, seed, plan)
+            return plan(x, seed)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
