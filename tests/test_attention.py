@@ -850,9 +850,10 @@ PLAN_CASES = [
 @pytest.mark.parametrize("case", PLAN_CASES)
 def test_eager_launches_bound_per_shape(case, device):
     # an eager call's first launch of a shape binds the forward's and the backward's launches
-    # (`_FWD_PLANS`, `_BWD_PLANS`); later calls of that shape take them, with their own
-    # tensors: the same output and gradients as launches looked up afresh. Another dtype or
-    # alignment binds its own.
+    # (`attention`'s in its `_EagerPlan`, `attention_packed`'s in `_FWD_PLANS` and
+    # `_BWD_PLANS`); later calls of that shape take them, with their own tensors: the same
+    # output and gradients as launches looked up afresh. Another dtype or alignment binds its
+    # own.
     b, h, h_kv, n, d, causal, p, padded, packed = case
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     kpm = None
@@ -883,25 +884,31 @@ def test_eager_launches_bound_per_shape(case, device):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
-    plans = attn_mod._FWD_PLANS.plans, attn_mod._BWD_PLANS.plans
+    def bound_launches() -> list[int]:
+        eager = attn_mod._EAGER_PLANS.plans.values()
+        return [
+            len(attn_mod._FWD_PLANS.plans) + sum(len(plan.fwd) for plan in eager),
+            len(attn_mod._BWD_PLANS.plans) + sum(len(plan.bwd) for plan in eager),
+        ]
+
     if device == "cuda":  # a plan keeps no tensor (a TMA descriptor's) of the call that made it
         before = torch.cuda.memory_allocated()
         run(*[t.clone() for t in inputs])
         assert torch.cuda.memory_allocated() == before
     else:
         run(*inputs)
-    assert [len(t) for t in plans] == [1, 1]
+    assert bound_launches() == [1, 1]
     other = [t + 0.25 for t in inputs]  # new tensors, new values
     bound = run(*other)
-    assert [len(t) for t in plans] == [1, 1]
+    assert bound_launches() == [1, 1]
     clear_launch_plans()
     check(bound, run(*other))
     run(*[t.half() for t in inputs])
-    assert [len(t) for t in plans] == [2, 2]
+    assert bound_launches() == [2, 2]
     shifted = [torch.empty(t.numel() + 1, device=device, dtype=t.dtype)[1:] for t in other]
     shifted = [s.view_as(t).copy_(t) for s, t in zip(shifted, other, strict=True)]
     check(run(*shifted), bound)  # 2 bytes off: no TMA descriptors, other specialisations
-    assert [len(t) for t in plans] == [3, 3]
+    assert bound_launches() == [3, 3]
 
 
 @pytest.mark.gpu
@@ -928,3 +935,75 @@ def test_gpu_deterministic_backward_is_bit_identical(dropout, device):
             out.backward(dout)
             grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param((2, 2, 2, 20, 16, True, 0.0, False), id="causal"),
+        pytest.param((1, 4, 2, 24, 32, False, 0.3, True), id="gqa-mask-dropout"),
+        pytest.param((2, 4, 4, 128, 64, True, 0.0, False), id="gpu-causal", marks=ON_GPU),
+        pytest.param(
+            (2, 4, 2, 256, 128, False, 0.2, True), id="gpu-gqa-mask-dropout", marks=ON_GPU
+        ),
+    ],
+)
+def test_eager_plan_matches_registered_op(case, device):
+    # An eager `attention` call takes its layout's plan (`attention._EagerPlan`: made on the
+    # first call, its launches bound then, taken by every later call). Each call gives what
+    # the registered op gives through the dispatcher from the same seed, forward and backward
+    # (bit for bit on the CPU; on a GPU dQ sums in a varying order), with a dense and a
+    # strided upstream gradient; without autograd its forward alone.
+    b, h, h_kv, n, d, causal, p, padded = case
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = make_qkv(b, h, n, n, d, dtype, device)
+    k, v = k[:, :h_kv].contiguous(), v[:, :h_kv].contiguous()
+    kpm = None
+    if padded:
+        kpm = torch.rand(b, n, device=device) > 0.25
+        kpm[:, 0] = True
+    seed = torch.tensor(77, device=device)
+    scale = 1.0 / math.sqrt(d)
+    wide = torch.randn(b, h, n, 2 * d, device=device).to(dtype)
+    tol = 0 if device == "cpu" else 2e-2
+    for dout in (torch.randn(b, h, n, d, device=device).to(dtype), wide[..., ::2]):
+        results = []
+        for registered in (False, False, True):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            if registered:
+                out = attn_mod.flash_attention_op(*leaves, kpm, seed, causal, scale, p, True)
+                out = out[0].transpose(1, 2)
+            else:
+                out = attention(
+                    *leaves, causal=causal, key_padding_mask=kpm, dropout_p=p,
+                    use_triton=True, seed=seed,
+                )  # fmt: skip
+            out.backward(dout)
+            results.append((out, *(t.grad for t in leaves)))
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                torch.testing.assert_close(a, want, rtol=tol, atol=tol)
+    assert len(attn_mod._EAGER_PLANS.plans) == 1
+    with torch.no_grad():
+        got = attention(q, k, v, causal=causal, key_padding_mask=kpm, dropout_p=p,
+                        use_triton=True, seed=seed)  # fmt: skip
+    torch.testing.assert_close(got, results[2][0], rtol=tol, atol=tol)
+    assert len(attn_mod._EAGER_PLANS.plans) == 1
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: the generic path's errors still
+    # come after one exists.
+    q, k, v = make_qkv(1, 2, 8, 8, 16, torch.float32, device)
+    attention(q, k, v, use_triton=True)
+    with pytest.raises(ValueError, match="4-D"):
+        attention(q[0], k, v, use_triton=True)
+    with pytest.raises(ValueError, match="head dim"):
+        attention(q[..., :8], k[..., :8], v[..., :8], use_triton=True)
+    with pytest.raises(TypeError, match="scale"):
+        attention(q, k, v, scale=float("nan"), use_triton=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention(q, k, v, dropout_p=1.0, use_triton=True)
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        attention(q, k, v, key_padding_mask=torch.ones(1, 8, device=device), use_triton=True)
+    assert len(attn_mod._EAGER_PLANS.plans) == 1

@@ -88,6 +88,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +110,7 @@ from triton_transformer.utils import (
     compile_tma,
     descriptor_template,
     dropout_threshold,
+    eager_layout,
     first_order_only,
     interpreter_enabled,
     is_traced,
@@ -1862,6 +1864,102 @@ def _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale) ->
     return torch.matmul(attn, v)
 
 
+# ---------------------------------------------------------------------------------------------
+# Eager calls
+# ---------------------------------------------------------------------------------------------
+# An eager `attention` call (nothing traces) of a layout seen before takes that layout's
+# `_EagerPlan`: one key of what the checks and the launches read (`utils.eager_layout` of q,
+# k, v and the mask, the scalars as given, the module switches), one lookup, then the
+# launches `_fwd_launches` and `_bwd_launches` bound on its first call; as
+# `layernorm._EagerPlan`. The kernels and saved tensors are `flash_attention_op`'s.
+
+
+class _EagerPlan:
+    """The launches of eager attention calls of one layout: forward per need of the
+    log-sum-exp and layout of the seed, backward per layout of dout and of the seed and per
+    `torch.are_deterministic_algorithms_enabled()`."""
+
+    __slots__ = ("bwd", "causal", "dropout_p", "fwd", "scale")
+
+    def __init__(self, causal: bool, scale: float, dropout_p: float) -> None:
+        self.causal, self.scale, self.dropout_p = causal, scale, dropout_p
+        self.fwd: dict[tuple, Callable] = {}
+        self.bwd: dict[tuple, Callable] = {}
+
+    def forward(self, q, k, v, kpm, seed, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) as `flash_attention_op` returns them."""
+        key = (need_lse, seed is None or not seed.data_ptr() & 15)
+        fwd = self.fwd.get(key)
+        if fwd is not None:
+            return fwd(q, k, v, kpm, seed, None)
+        out, lse, self.fwd[key] = _fwd_launches(
+            q, k, v, kpm, seed, self.causal, self.scale, self.dropout_p, need_lse, None, None
+        )
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, kpm, seed) -> tuple:
+        """(dq, dk, dv) as `flash_attention_backward_op` returns them."""
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        tensors = (dout, q, k, v, out, lse, kpm, seed, dq, dk, dv, None)
+        key = (dout.stride(), dout.dtype, not dout.data_ptr() & 15, deterministic,
+               seed is None or not seed.data_ptr() & 15)  # fmt: skip
+        bwd = self.bwd.get(key)
+        if bwd is not None:
+            bwd(*tensors)
+        else:
+            self.bwd[key] = _bwd_launches(
+                tensors, self.causal, self.scale, self.dropout_p, None, deterministic
+            )
+        return dq, dk, dv
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(q, k, v, key_padding_mask, causal, dropout_p, training, scale):
+    """The plan of this eager `attention` call's layout, made on its first call (after the
+    checks); None where the generic path runs: traced, not tensors (the checks raise), or
+    an empty attention."""
+    if torch.compiler.is_compiling() or is_traced(q):
+        return None
+    kpm = key_padding_mask
+    try:
+        layouts = (eager_layout(q), eager_layout(k), eager_layout(v),
+                   None if kpm is None else eager_layout(kpm))  # fmt: skip
+        key = (*layouts, causal, dropout_p, training, scale, _switches())
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
+        return None
+    plan = _EAGER_PLANS.get(key)
+    if plan is not None:
+        return plan
+    _check_inputs(q, k, v, kpm, use_triton=True)
+    p = check_dropout_p(dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
+    if q.numel() == 0 or k.numel() == 0:
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(bool(causal), scale, p))
+
+
+class _EagerAttention(torch.autograd.Function):
+    """`flash_attention_op` and its registered backward for an eager call of a planned
+    layout: returns out, (b, n_q, h, d)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kpm, seed, plan):
+        out, lse = plan.forward(q, k, v, kpm, seed, True)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    @first_order_only("attention")
+    def backward(ctx, dout):
+        q, k, v, out, lse, kpm, seed = ctx.saved_tensors
+        dq, dk, dv = ctx.plan.backward(dout, q, k, v, out, lse, kpm, seed)
+        return dq, dk, dv, None, None, None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1895,6 +1993,15 @@ def attention(
         is a view of a contiguous (b, n_q, h, d) tensor, so `out.transpose(1, 2)` reshapes to
         (b, n_q, h·d) without a copy.
     """
+    if use_triton:
+        plan = _eager_plan(q, k, v, key_padding_mask, causal, dropout_p, training, scale)
+        if plan is not None:
+            seed = seed_or_draw(seed, q.device) if plan.dropout_p > 0.0 else None
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                out = _EagerAttention.apply(q, k, v, key_padding_mask, seed, plan)
+            else:
+                out = plan.forward(q, k, v, key_padding_mask, seed, False)[0]
+            return out.transpose(1, 2)
     _check_inputs(q, k, v, key_padding_mask, use_triton)
     dropout_p = check_dropout_p(dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
