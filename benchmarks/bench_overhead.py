@@ -28,6 +28,7 @@ def cases(ops, use_triton: bool = True) -> dict:
     """The op calls timed: ours (use_triton) or the PyTorch reference of each (eager)."""
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
+    branch = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     w = torch.randn(512, device=dev, requires_grad=True)
     wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
     s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
@@ -40,6 +41,10 @@ def cases(ops, use_triton: bool = True) -> dict:
     return {
         "layernorm": lambda: ops.layernorm(x, w, use_triton=use_triton),
         "rmsnorm": lambda: ops.rmsnorm(x, w, use_triton=use_triton),
+        # (h_new, y) of x + branch; y alone timed (PyTorch: the add, then F.layer_norm)
+        "residual_layernorm": lambda: ops.residual_layernorm(x, branch, w, use_triton=use_triton)[
+            1
+        ],
         "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
         "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
         "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
@@ -109,12 +114,14 @@ def main() -> None:
     import triton_transformer.cross_entropy as ce_mod
     import triton_transformer.dropout as dropout_mod
     import triton_transformer.layernorm as ln_mod
+    import triton_transformer.residual_layernorm as rln_mod
     import triton_transformer.rmsnorm as rmsnorm_mod
     import triton_transformer.softmax as softmax_mod
 
     class ops:
         layernorm, softmax = ln_mod.layernorm, softmax_mod.softmax
         rmsnorm = rmsnorm_mod.rmsnorm
+        residual_layernorm = rln_mod.residual_layernorm
         linear, bmm = bmm_mod.linear, bmm_mod.bmm
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
         attention = attention_mod.attention

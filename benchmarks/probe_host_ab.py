@@ -53,12 +53,14 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
     import bench_overhead
 
     mods = {m: importlib.import_module(f"{package}.{m}") for m in (
-        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "rmsnorm", "softmax",
+        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "residual_layernorm",
+        "rmsnorm", "softmax",
     )}  # fmt: skip
 
     class ops:
         layernorm, softmax = mods["layernorm"].layernorm, mods["softmax"].softmax
         rmsnorm = mods["rmsnorm"].rmsnorm
+        residual_layernorm = mods["residual_layernorm"].residual_layernorm
         linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
         cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
         attention = mods["attention"].attention

@@ -377,3 +377,75 @@ def test_out_dtype_keeps_fp32_stream(use_triton, p, device):
                                      strict=True):  # fmt: skip
         assert g.dtype == like.dtype, name
         _assert_close(g, r, tol, name)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize(
+    "shape, dtype, branch_dtype, p, out_dtype",
+    [
+        ((3, 17, 48), torch.float32, None, 0.0, None),
+        ((40, 100), torch.float32, torch.float16, 0.3, torch.float16),
+        ((2, 5, 64), torch.float16, None, 0.2, None),
+    ],
+)
+def test_eager_plan_matches_registered_op(
+    shape, dtype, branch_dtype, p, out_dtype, bias, stable, device
+):
+    # An eager call takes its layout's plan (`residual_layernorm._EagerPlan`: made on the first
+    # call, its launches bound then, taken by every later call). Both calls give, bit for bit,
+    # what the registered op gives through the dispatcher from the same seed, forward and
+    # backward: both outputs used (dense and strided upstream gradients) or y alone.
+    import triton_transformer.residual_layernorm as rln_mod
+
+    h, br, w, b = _inputs(shape, dtype, device, bias, branch_dtype)
+    seed = torch.tensor(4321, device=device)
+    sum_dtype = torch.promote_types(h.dtype, br.dtype)
+    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device)
+    dy = torch.randn(shape, device=device).to(out_dtype or sum_dtype)
+    dhns = (torch.randn(shape, device=device).to(sum_dtype), wide[..., ::2].to(sum_dtype), None)
+    for dhn in dhns:
+        results = []
+        for registered in (False, False, True):
+            leaves = [t.detach().requires_grad_() for t in (h, br, w, b) if t is not None]
+            hl, brl, wl, bl = (*leaves, None)[:4]
+            if registered:
+                h_new, y, _ = residual_layernorm_op(
+                    hl, brl, wl, bl, 1e-5, stable, p, seed if p else wl, out_dtype
+                )
+            else:
+                h_new, y = residual_layernorm(
+                    hl, brl, wl, bl, dropout_p=p, stable=stable, use_triton=True,
+                    out_dtype=out_dtype, seed=seed,
+                )  # fmt: skip
+            if dhn is None:
+                torch.autograd.backward(y, dy)
+            else:
+                torch.autograd.backward((h_new, y), (dhn, dy))
+            results.append((h_new, y, *(t.grad for t in leaves)))
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+    assert len(rln_mod._EAGER_PLANS.plans) == 1
+    with torch.no_grad():
+        got = residual_layernorm(h, br, w, b, dropout_p=p, stable=stable, use_triton=True,
+                                 out_dtype=out_dtype, seed=seed)  # fmt: skip
+    for a, want in zip(got, results[2][:2], strict=True):
+        assert torch.equal(a, want)
+    assert len(rln_mod._EAGER_PLANS.plans) == 1
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: the generic path's errors still
+    # come after one exists.
+    import triton_transformer.residual_layernorm as rln_mod
+
+    h, br, w, b = _inputs((6, 16), device=device)
+    residual_layernorm(h, br, w, b, use_triton=True)
+    with pytest.raises(ValueError, match="branch shape"):
+        residual_layernorm(h, br[:3], w, b, use_triton=True)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        residual_layernorm(h, br, w[:8], b, use_triton=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        residual_layernorm(h, br, w, b, dropout_p=1.0, use_triton=True)
+    assert len(rln_mod._EAGER_PLANS.plans) == 1

@@ -55,12 +55,15 @@ from triton_transformer.layernorm import (
     param_grads,
 )
 from triton_transformer.utils import (
+    LaunchPlans,
     accumulates_grads,
     as_rows,
     call_op,
     default,
+    eager_layout,
     exists,
     first_order_only,
+    is_traced,
     seed_or_draw,
 )
 
@@ -173,6 +176,159 @@ residual_layernorm_op.register_autograd(
 accumulates_grads(residual_layernorm_backward_op)
 
 
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
+# one key of what the checks and the kernels read (`utils.eager_layout` of h, branch and the
+# parameters, the scalars as given), one lookup, then the launches bound on its first call;
+# as `layernorm._EagerPlan`, whose launchers it shares.
+
+
+def _aligned(t: torch.Tensor | None) -> bool | None:
+    return None if t is None else not t.data_ptr() & 15
+
+
+class _EagerPlan:
+    """The launches of eager residual_layernorm calls of one layout: h and branch viewable
+    as (M, N) rows of unit column stride, contiguous parameters (what `_eager_plan` admits).
+    Forward per alignment of the seed; backward per dtype and alignment of the upstream
+    gradients (dense ones) and of the seed, and per gradient target."""
+
+    __slots__ = ("branch_dtype", "bwd", "device", "eps", "fwd", "h_dtype", "n_cols", "n_rows",
+                 "out_dtype", "p", "shape", "stable", "stats_shape", "sum_dtype")  # fmt: skip
+
+    def __init__(self, h, branch, eps: float, stable: bool, p: float, out_dtype) -> None:
+        self.shape, self.device = h.shape, h.device
+        self.h_dtype, self.branch_dtype = h.dtype, branch.dtype
+        self.sum_dtype = torch.promote_types(h.dtype, branch.dtype)
+        self.out_dtype = out_dtype or self.sum_dtype
+        self.n_cols = h.shape[-1]
+        self.n_rows = h.numel() // self.n_cols
+        self.stats_shape = (3 if stable else 2, self.n_rows)
+        self.eps, self.stable, self.p = eps, stable, p
+        self.fwd: dict = {}
+        self.bwd: dict = {}
+
+    def forward(self, h, branch, weight, bias, seed) -> tuple:
+        """(h_new, y, stats) as `residual_layernorm_op` returns them; seed None when p == 0."""
+        h_new = torch.empty(self.shape, dtype=self.sum_dtype, device=self.device)
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        key = _aligned(seed)
+        fwd = self.fwd.get(key)
+        if fwd is not None:
+            fwd(h_new, weight, weight if bias is None else bias, y, stats, h, branch,
+                stats if seed is None else seed)  # fmt: skip
+            return h_new, y, stats
+        rows = (self.n_rows, self.n_cols)
+        self.fwd[key] = launch_layernorm_fwd(
+            h_new.view(rows), weight, bias, y.view(rows), stats, self.eps, self.stable,
+            h2=h.view(rows), br2=branch.view(rows), p=self.p, seed=seed,
+        )  # fmt: skip
+        return h_new, y, stats
+
+    def backward(self, dy, dh_new, h_new, weight, bias, stats, seed, acc_w, acc_b) -> tuple:
+        """(dh, dbranch, dweight, dbias) as `residual_layernorm_backward_op` returns them, for
+        upstream gradients of any layout (dh_new None: zero)."""
+        dh = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
+        separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
+        dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
+                              device=self.device)  # fmt: skip
+        dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
+        dweight_into = dweight if acc_w is None else acc_w
+        dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
+        dy2 = dy if dy.is_contiguous() else as_rows(dy)
+        dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
+        dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
+        key = (dy2.dtype, _aligned(dy2), None if dhn2 is None else dhn2.dtype, _aligned(dhn2),
+               _aligned(seed), acc_w is None, acc_b is None)  # fmt: skip
+        bwd = self.bwd.get(key) if dense else None
+        if bwd is not None:
+            bwd(h_new, weight, dy2, dh, stats, dy2 if dhn2 is None else dhn2,
+                dbranch if separate else dh, stats if seed is None else seed, dweight_into,
+                dweight_into if dbias_into is None else dbias_into)  # fmt: skip
+            return dh, dbranch, dweight, dbias
+        rows = (self.n_rows, self.n_cols)
+        bwd = launch_layernorm_bwd(
+            dy2.view(rows) if dense else dy2, h_new.view(rows), weight, stats, dh.view(rows),
+            dweight_into, dbias_into, self.eps, self.stable,
+            dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
+            dbr2=dbranch.view(rows) if separate else None, p=self.p, seed=seed,
+            acc_w=acc_w is not None, acc_b=acc_b is not None,
+        )  # fmt: skip
+        if dense:
+            self.bwd[key] = bwd
+        return dh, dbranch, dweight, dbias
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _rows_view(t: torch.Tensor) -> bool:
+    """Whether t (non-empty) has an (M, N) view of unit column stride."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows.stride(-1) == 1 and rows.data_ptr() == t.data_ptr()
+
+
+def _eager_plan(h, branch, weight, bias, eps, stable, dropout_p, training, out_dtype):
+    """The plan of this eager call's layout, made on its first call (after the checks); None
+    where the generic path runs: traced, not tensors (the checks raise), or a layout the plan
+    does not cover."""
+    if torch.compiler.is_compiling() or is_traced(h):
+        return None
+    try:
+        bias_layout = None if bias is None else eager_layout(bias)
+        key = (eager_layout(h), eager_layout(branch), eager_layout(weight), bias_layout, eps,
+               stable, dropout_p, training, out_dtype)  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
+        return None
+    plan = _EAGER_PLANS.get(key)
+    if plan is not None:
+        return plan
+    check_layernorm_args(h, weight, bias, True)
+    check_out_dtype(out_dtype)
+    p = check_residual_branch(h, branch, dropout_p, training, True)
+    if h.numel() == 0 or not weight.is_contiguous() or not (bias is None or bias.is_contiguous()):
+        return None
+    if not (_rows_view(h) and _rows_view(branch)):
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(h, branch, float(eps), bool(stable), p, out_dtype))
+
+
+class _EagerResidualLayerNorm(torch.autograd.Function):
+    """`residual_layernorm_op` and its registered backward for an eager call of a planned
+    layout: returns (h_new, y)."""
+
+    @staticmethod
+    def forward(ctx, h, branch, weight, bias, seed, plan):
+        h_new, y, stats = plan.forward(h, branch, weight, bias, seed)
+        ctx.set_materialize_grads(False)  # as the op's: an unused output gets no zeros
+        ctx.save_for_backward(h_new, weight, bias, stats, seed)
+        ctx.plan = plan
+        ctx.grad_homes = (_grad_home(weight), None if bias is None else _grad_home(bias))
+        return h_new, y
+
+    @staticmethod
+    @first_order_only("residual_layernorm")
+    def backward(ctx, dh_new, dy):
+        if dy is None and dh_new is None:
+            return (None,) * 6
+        h_new, weight, bias, stats, seed = ctx.saved_tensors
+        if dy is None:  # y unused: only the residual sum passes a gradient (rare)
+            dy = torch.zeros_like(h_new)
+        homes, plan = ctx.grad_homes, ctx.plan
+        targets = (None, None)
+        if homes[0] is not None or homes[1] is not None:
+            targets = grad_targets(homes, (None, None), dy)
+        dh, dbranch, dweight, dbias = plan.backward(
+            dy, dh_new, h_new, weight, bias, stats, seed, *targets
+        )
+        if plan.p == 0.0 and plan.branch_dtype == plan.h_dtype:
+            dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
+        if targets[0] is not None or targets[1] is not None:
+            dweight, dbias = folded_grads((dweight, dbias), targets, (None, None))
+        return dh, dbranch, dweight, dbias if bias is not None else None, None, None
+
+
 def residual_layernorm(
     h: torch.Tensor,
     branch: torch.Tensor,
@@ -204,6 +360,16 @@ def residual_layernorm(
     Returns:
         (h_new, y), new tensors shaped like h; h_new in the promoted dtype of (h, branch).
     """
+    if use_triton:
+        plan = _eager_plan(h, branch, weight, bias, eps, stable, dropout_p, training, out_dtype)
+        if plan is not None:
+            seed = seed_or_draw(seed, h.device) if plan.p > 0.0 else None
+            if torch.is_grad_enabled() and (
+                h.requires_grad or branch.requires_grad or weight.requires_grad
+                or (bias is not None and bias.requires_grad)
+            ):  # fmt: skip
+                return _EagerResidualLayerNorm.apply(h, branch, weight, bias, seed, plan)
+            return plan.forward(h, branch, weight, bias, seed)[:2]
     check_layernorm_args(h, weight, bias, use_triton)
     check_out_dtype(out_dtype)
     p = check_residual_branch(h, branch, dropout_p, training, use_triton)
