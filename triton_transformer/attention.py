@@ -110,7 +110,6 @@ from triton_transformer.utils import (
     compile_tma,
     descriptor_template,
     dropout_threshold,
-    eager_layout,
     first_order_only,
     interpreter_enabled,
     is_traced,
@@ -1868,8 +1867,8 @@ def _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale) ->
 # Eager calls
 # ---------------------------------------------------------------------------------------------
 # An eager `attention` call (nothing traces) of a layout seen before takes that layout's
-# `_EagerPlan`: one key of what the checks and the launches read (`utils.eager_layout` of q,
-# k, v and the mask, the scalars as given, the module switches), one lookup, then the
+# `_EagerPlan`: one key of what the checks and the launches read (`utils.eager_plan_key` of
+# q, k, v and the mask, the scalars as given, the module switches), one lookup, then the
 # launches `_fwd_launches` and `_bwd_launches` bound on its first call; as
 # `layernorm._EagerPlan`. The kernels and saved tensors are `flash_attention_op`'s.
 
@@ -1921,17 +1920,9 @@ def _eager_plan(q, k, v, key_padding_mask, causal, dropout_p, training, scale):
     """The plan of this eager `attention` call's layout, made on its first call (after the
     checks); None where the generic path runs: traced, not tensors (the checks raise), or
     an empty attention."""
-    if torch.compiler.is_compiling() or is_traced(q):
-        return None
     kpm = key_padding_mask
-    try:
-        layouts = (eager_layout(q), eager_layout(k), eager_layout(v),
-                   None if kpm is None else eager_layout(kpm))  # fmt: skip
-        key = (*layouts, causal, dropout_p, training, scale, _switches())
-    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
-        return None
-    plan = _EAGER_PLANS.get(key)
-    if plan is not None:
+    key, plan = _EAGER_PLANS.find((q, k, v, kpm), (causal, dropout_p, training, scale, _switches()))
+    if key is None or plan is not None:
         return plan
     _check_inputs(q, k, v, kpm, use_triton=True)
     p = check_dropout_p(dropout_p) if training else 0.0

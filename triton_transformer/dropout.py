@@ -42,7 +42,6 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     dropout_threshold,
-    eager_layout,
     first_order_only,
     is_traced,
     launcher,
@@ -192,8 +191,8 @@ dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_con
 
 # ----------------------------------------------------------------------------- eager calls
 # An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
-# one key of what the checks and the kernel read (`utils.eager_layout`, p), one lookup, then
-# the bound launches, forward and backward; as `layernorm._EagerPlan`.
+# one key of what the checks and the kernel read (`utils.eager_plan_key`: x and p), one
+# lookup, then the bound launches, forward and backward; as `layernorm._EagerPlan`.
 
 
 class _EagerPlan:
@@ -224,14 +223,8 @@ def _eager_plan(x: torch.Tensor, p: float) -> _EagerPlan | None:
     """The plan of this eager call's layout (made on its first call), or None where the
     generic path runs: traced, not a tensor, or what the plan does not cover (p of 0 or 1, an
     empty x)."""
-    if torch.compiler.is_compiling() or is_traced(x):
-        return None
-    try:
-        key = (eager_layout(x), p)
-    except (AttributeError, TypeError, RuntimeError):  # not a tensor (or no storage): generic
-        return None
-    plan = _EAGER_PLANS.get(key)
-    if plan is not None:
+    key, plan = _EAGER_PLANS.find((x,), (p,))
+    if key is None or plan is not None:
         return plan
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p < 1.0:
         return None  # the checks raise, or p needs no kernel

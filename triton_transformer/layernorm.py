@@ -89,9 +89,9 @@ from triton_transformer.utils import (
     check_triton_tensor,
     default,
     dropout_threshold,
-    eager_layout,
     exists,
     first_order_only,
+    has_rows_view,
     is_traced,
     launcher,
     next_power_of_2,
@@ -1137,8 +1137,9 @@ accumulates_grads(layernorm_backward_op)
 
 # ----------------------------------------------------------------------------- eager calls
 # An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
-# one key of every fact the checks and the kernels read (shapes, strides, dtypes, devices,
-# 16-byte alignment, the scalars), one lookup, then the launches bound for it. Per call it
+# one key of every fact the checks and the kernels read (`utils.eager_plan_key`: shapes,
+# strides, dtypes, devices, 16-byte alignment, the scalars), one lookup, then the launches
+# bound for it. Per call it
 # skips what the generic path pays on top of the kernels: the checks, `call_op`, the op's
 # autograd wrapper of eight inputs, `as_rows` views and a plan key of every launch's tensors.
 # The kernels, the saved tensors and the gradients are the generic path's.
@@ -1211,24 +1212,19 @@ def _eager_plan(x, weight, bias, eps, stable, out_dtype) -> _EagerPlan | None:
     """The plan of this eager call's layout, made on its first call; None where the generic
     path must run: traced tensors, anything the checks would refuse, or a layout the plan
     does not cover."""
-    if torch.compiler.is_compiling() or is_traced(x):
-        return None
-    try:
-        bias_layout = None if bias is None else eager_layout(bias)
-        key = (eager_layout(x), eager_layout(weight), bias_layout, eps, stable, out_dtype)
-    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
-        return None
-    plan = _EAGER_PLANS.get(key)
-    if plan is not None:
+    key, plan = _EAGER_PLANS.find((x, weight, bias), (eps, stable, out_dtype))
+    if key is None or plan is not None:
         return plan
     check_layernorm_args(x, weight, bias, True)
     check_out_dtype(out_dtype)
-    if x.numel() == 0 or not weight.is_contiguous() or not (bias is None or bias.is_contiguous()):
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr():  # no (M, N) view: generic
+    if x.numel() == 0 or not (plain_params(weight, bias) and has_rows_view(x)):
         return None
     return _EAGER_PLANS.put(key, _EagerPlan(x, float(eps), bool(stable), out_dtype))
+
+
+def plain_params(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a norm's parameters are contiguous, as its eager plan passes them."""
+    return weight.is_contiguous() and (bias is None or bias.is_contiguous())
 
 
 class _EagerLayerNorm(torch.autograd.Function):

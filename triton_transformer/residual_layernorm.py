@@ -53,6 +53,7 @@ from triton_transformer.layernorm import (
     launch_layernorm_bwd,
     launch_layernorm_fwd,
     param_grads,
+    plain_params,
 )
 from triton_transformer.utils import (
     LaunchPlans,
@@ -60,10 +61,9 @@ from triton_transformer.utils import (
     as_rows,
     call_op,
     default,
-    eager_layout,
     exists,
     first_order_only,
-    is_traced,
+    has_rows_view,
     seed_or_draw,
 )
 
@@ -178,7 +178,7 @@ accumulates_grads(residual_layernorm_backward_op)
 
 # ----------------------------------------------------------------------------- eager calls
 # An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
-# one key of what the checks and the kernels read (`utils.eager_layout` of h, branch and the
+# one key of what the checks and the kernels read (`utils.eager_plan_key` of h, branch, the
 # parameters, the scalars as given), one lookup, then the launches bound on its first call;
 # as `layernorm._EagerPlan`, whose launchers it shares.
 
@@ -263,33 +263,20 @@ class _EagerPlan:
 _EAGER_PLANS = LaunchPlans()
 
 
-def _rows_view(t: torch.Tensor) -> bool:
-    """Whether t (non-empty) has an (M, N) view of unit column stride."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows.stride(-1) == 1 and rows.data_ptr() == t.data_ptr()
-
-
 def _eager_plan(h, branch, weight, bias, eps, stable, dropout_p, training, out_dtype):
     """The plan of this eager call's layout, made on its first call (after the checks); None
     where the generic path runs: traced, not tensors (the checks raise), or a layout the plan
     does not cover."""
-    if torch.compiler.is_compiling() or is_traced(h):
-        return None
-    try:
-        bias_layout = None if bias is None else eager_layout(bias)
-        key = (eager_layout(h), eager_layout(branch), eager_layout(weight), bias_layout, eps,
-               stable, dropout_p, training, out_dtype)  # fmt: skip
-    except (AttributeError, TypeError, RuntimeError):  # not tensors (or no storage): generic
-        return None
-    plan = _EAGER_PLANS.get(key)
-    if plan is not None:
+    scalars = (eps, stable, dropout_p, training, out_dtype)
+    key, plan = _EAGER_PLANS.find((h, branch, weight, bias), scalars)
+    if key is None or plan is not None:
         return plan
     check_layernorm_args(h, weight, bias, True)
     check_out_dtype(out_dtype)
     p = check_residual_branch(h, branch, dropout_p, training, True)
-    if h.numel() == 0 or not weight.is_contiguous() or not (bias is None or bias.is_contiguous()):
+    if h.numel() == 0 or not (plain_params(weight, bias) and has_rows_view(h)):
         return None
-    if not (_rows_view(h) and _rows_view(branch)):
+    if not has_rows_view(branch):
         return None
     return _EAGER_PLANS.put(key, _EagerPlan(h, branch, float(eps), bool(stable), p, out_dtype))
 

@@ -669,12 +669,32 @@ def layout_key(*tensors: torch.Tensor | None) -> tuple:
 
 
 def eager_layout(t: torch.Tensor) -> tuple:
-    """What an op's eager plan (`layernorm._EagerPlan`, `dropout._EagerPlan`,
-    `attention._EagerPlan`) keys on for a tensor argument: every fact of it that the op's
+    """What an op's eager plan (the `_EagerPlan` of layernorm, residual_layernorm, dropout
+    and attention) keys on for a tensor argument: every fact of it that the op's
     checks and its kernels' specialisation read (shape, strides, dtype, device, 16-byte
     alignment). A call whose tensors match a validated call's in all of them passes the same
     checks, so a plan hit skips them."""
     return t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15
+
+
+def eager_plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
+    """The key of an eager call's plan (the ops' `_EagerPlan`): `eager_layout` of each of
+    `tensors` (None where absent) and the `scalars` as given. None where the call takes the
+    op's generic path: traced (Dynamo, or fake or functional tensors), or an argument that is
+    not a tensor with storage (the op's checks then raise)."""
+    if torch.compiler.is_compiling() or is_traced(tensors[0]):
+        return None
+    try:
+        return (*[None if t is None else eager_layout(t) for t in tensors], *scalars)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def has_rows_view(t: torch.Tensor) -> bool:
+    """Whether non-empty t (..., N) has an (M, N) view of unit column stride: what the row
+    kernels read without a copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows.stride(-1) == 1 and rows.data_ptr() == t.data_ptr()
 
 
 class LaunchPlans:
@@ -694,6 +714,13 @@ class LaunchPlans:
 
     def get(self, key: tuple) -> Any:
         return self.plans.get(key)
+
+    def find(self, tensors: tuple, scalars: tuple) -> tuple[tuple | None, Any]:
+        """(key, plan) of an eager call whose plan is keyed by `eager_plan_key(tensors,
+        scalars)`: (None, None) where the call takes the op's generic path, (key, None) where
+        its plan is still to be made."""
+        key = eager_plan_key(tensors, scalars)
+        return key, (None if key is None else self.plans.get(key))
 
     def put(self, key: tuple, plan: Any) -> Any:
         if len(self.plans) >= self.limit:
