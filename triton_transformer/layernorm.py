@@ -1139,10 +1139,10 @@ accumulates_grads(layernorm_backward_op)
 # An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`:
 # one key of every fact the checks and the kernels read (`utils.eager_plan_key`: shapes,
 # strides, dtypes, devices, 16-byte alignment, the scalars), one lookup, then the launches
-# bound for it. Per call it
-# skips what the generic path pays on top of the kernels: the checks, `call_op`, the op's
-# autograd wrapper of eight inputs, `as_rows` views and a plan key of every launch's tensors.
-# The kernels, the saved tensors and the gradients are the generic path's.
+# bound for it. Per call it skips what the generic path pays on top of the kernels: the
+# checks, `call_op`, the op's autograd wrapper of eight inputs, `as_rows` views and a plan key
+# of every launch's tensors. The kernels, the saved tensors and the gradients are the generic
+# path's.
 
 
 class _EagerPlan:
@@ -1150,7 +1150,7 @@ class _EagerPlan:
     column stride, contiguous parameters (what `_eager_plan` admits). `fwd` and the `bwd`
     entries are the bound launches the generic launchers return on a plan's first call."""
 
-    __slots__ = ("bwd", "device", "eps", "fwd", "n_cols", "n_rows", "out_dtype", "shape",
+    __slots__ = ("bwd", "device", "eps", "fwd", "n_cols", "n_rows", "out_dtype", "p", "shape",
                  "stable", "stats_shape")  # fmt: skip
 
     def __init__(self, x: torch.Tensor, eps: float, stable: bool, out_dtype) -> None:
@@ -1159,7 +1159,7 @@ class _EagerPlan:
         self.n_cols = x.shape[-1]
         self.n_rows = x.numel() // self.n_cols
         self.stats_shape = (3 if stable else 2, self.n_rows)
-        self.eps, self.stable = eps, stable
+        self.eps, self.stable, self.p = eps, stable, 0.0
         self.fwd: Callable[..., None] | None = None
         self.bwd: dict[tuple, Callable[..., None] | None] = {}
 
@@ -1178,31 +1178,45 @@ class _EagerPlan:
         return y, stats
 
     def backward(self, dy, x, weight, bias, stats, acc_w, acc_b) -> tuple:
-        """(dx, dweight, dbias) as `layernorm_backward_op` returns them, for dy of any layout:
-        rows of dy read in place, or a copy where they have no unit column stride (e.g. the
-        expanded gradient of a sum). Dense rows take the launches bound for their dtype,
-        alignment and gradient targets."""
+        """(dx, dweight, dbias) as `layernorm_backward_op` returns them, for dy of any layout."""
         dx = torch.empty(self.shape, dtype=x.dtype, device=self.device)
-        dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
-        dweight_into = dweight if acc_w is None else acc_w
-        dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
-        dy2 = dy if dy.is_contiguous() else as_rows(dy)
-        dense = dy2.is_contiguous()
-        key = (dy2.dtype, not dy2.data_ptr() & 15, acc_w is None, acc_b is None)
-        bwd = self.bwd.get(key) if dense else None
-        if bwd is not None:
-            dbias_into = dweight_into if dbias_into is None else dbias_into
-            bwd(x, weight, dy2, dx, stats, dy2, dx, stats, dweight_into, dbias_into)
-            return dx, dweight, dbias
-        rows = (self.n_rows, self.n_cols)
-        bwd = launch_layernorm_bwd(
-            dy2.view(rows) if dense else dy2, x.view(rows), weight, stats, dx.view(rows),
-            dweight_into, dbias_into, self.eps, self.stable,
-            acc_w=acc_w is not None, acc_b=acc_b is not None,
-        )  # fmt: skip
-        if dense:
-            self.bwd[key] = bwd
-        return dx, dweight, dbias
+        return (dx, *bound_grads(self, dy, x, weight, bias, stats, dx, acc_w, acc_b))
+
+
+def bound_grads(
+    plan, dy, x, weight, bias, stats, dx, acc_w, acc_b, *, dh_new=None, dbranch=None, seed=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of an eager norm plan (`_EagerPlan`, `residual_layernorm._EagerPlan`: its
+    n_rows, n_cols, eps, stable, p and dict `bwd`) into dx, and into dbranch, the residual
+    form's masked branch gradient, where given (dh_new: the residual sum's upstream gradient;
+    seed: its dropout's). Rows of the upstream gradients are read in place, or copied where
+    they have no unit column stride (e.g. a sum's expanded gradient); dense ones take the
+    launches bound in plan.bwd for their dtypes and alignment, the seed's and the gradient
+    targets. Returns (dweight, dbias) as the backward ops return them."""
+    dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
+    dweight_into = dweight if acc_w is None else acc_w
+    dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
+    dy2 = dy if dy.is_contiguous() else as_rows(dy)
+    dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
+    dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
+    present = [t for t in (dy2, dhn2, seed) if t is not None]
+    key = (dhn2 is None, seed is None, acc_w is None, acc_b is None, *tensor_facts(*present))
+    bwd = plan.bwd.get(key) if dense else None
+    if bwd is not None:
+        bwd(x, weight, dy2, dx, stats, default(dhn2, dy2), default(dbranch, dx),
+            default(seed, stats), dweight_into, default(dbias_into, dweight_into))  # fmt: skip
+        return dweight, dbias
+    rows = (plan.n_rows, plan.n_cols)
+    bwd = launch_layernorm_bwd(
+        dy2.view(rows) if dense else dy2, x.view(rows), weight, stats, dx.view(rows),
+        dweight_into, dbias_into, plan.eps, plan.stable,
+        dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
+        dbr2=None if dbranch is None else dbranch.view(rows), p=plan.p, seed=seed,
+        acc_w=acc_w is not None, acc_b=acc_b is not None,
+    )  # fmt: skip
+    if dense:
+        plan.bwd[key] = bwd
+    return dweight, dbias
 
 
 _EAGER_PLANS = LaunchPlans()

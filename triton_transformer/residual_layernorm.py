@@ -47,6 +47,7 @@ from torch.library import triton_op
 from triton_transformer.bmm import _grad_home, _traced_grad_acc, folded_grads, grad_targets
 from triton_transformer.layernorm import (
     _layernorm_reference,
+    bound_grads,
     check_layernorm_args,
     check_out_dtype,
     check_residual_branch,
@@ -65,6 +66,7 @@ from triton_transformer.utils import (
     first_order_only,
     has_rows_view,
     seed_or_draw,
+    tensor_facts,
 )
 
 
@@ -183,10 +185,6 @@ accumulates_grads(residual_layernorm_backward_op)
 # as `layernorm._EagerPlan`, whose launchers it shares.
 
 
-def _aligned(t: torch.Tensor | None) -> bool | None:
-    return None if t is None else not t.data_ptr() & 15
-
-
 class _EagerPlan:
     """The launches of eager residual_layernorm calls of one layout: h and branch viewable
     as (M, N) rows of unit column stride, contiguous parameters (what `_eager_plan` admits).
@@ -213,7 +211,7 @@ class _EagerPlan:
         h_new = torch.empty(self.shape, dtype=self.sum_dtype, device=self.device)
         y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
-        key = _aligned(seed)
+        key = None if seed is None else tensor_facts(seed)
         fwd = self.fwd.get(key)
         if fwd is not None:
             fwd(h_new, weight, weight if bias is None else bias, y, stats, h, branch,
@@ -233,30 +231,10 @@ class _EagerPlan:
         separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
         dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
                               device=self.device)  # fmt: skip
-        dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
-        dweight_into = dweight if acc_w is None else acc_w
-        dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
-        dy2 = dy if dy.is_contiguous() else as_rows(dy)
-        dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
-        dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
-        key = (dy2.dtype, _aligned(dy2), None if dhn2 is None else dhn2.dtype, _aligned(dhn2),
-               _aligned(seed), acc_w is None, acc_b is None)  # fmt: skip
-        bwd = self.bwd.get(key) if dense else None
-        if bwd is not None:
-            bwd(h_new, weight, dy2, dh, stats, dy2 if dhn2 is None else dhn2,
-                dbranch if separate else dh, stats if seed is None else seed, dweight_into,
-                dweight_into if dbias_into is None else dbias_into)  # fmt: skip
-            return dh, dbranch, dweight, dbias
-        rows = (self.n_rows, self.n_cols)
-        bwd = launch_layernorm_bwd(
-            dy2.view(rows) if dense else dy2, h_new.view(rows), weight, stats, dh.view(rows),
-            dweight_into, dbias_into, self.eps, self.stable,
-            dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
-            dbr2=dbranch.view(rows) if separate else None, p=self.p, seed=seed,
-            acc_w=acc_w is not None, acc_b=acc_b is not None,
+        dweight, dbias = bound_grads(
+            self, dy, h_new, weight, bias, stats, dh, acc_w, acc_b, dh_new=dh_new,
+            dbranch=dbranch if separate else None, seed=seed,
         )  # fmt: skip
-        if dense:
-            self.bwd[key] = bwd
         return dh, dbranch, dweight, dbias
 
 
