@@ -1057,9 +1057,10 @@ def test_plain_products_keep_our_op_where_it_does_more(device, monkeypatch):
     x = rand((7, 48), torch.float32, device, mean=0.3).requires_grad_()
     w = rand((16, 48), torch.float32, device, mean=0.1).requires_grad_()
     h = rand((7, 16), torch.float32, device)
-    linear(x, w, "relu_squared", use_triton=True)
+    y = linear(x, w, "relu_squared", use_triton=True)  # ours through its eager plan
+    assert type(y.grad_fn).__name__ == "_EagerLinearBackward"
     linear(x.bfloat16(), w.bfloat16(), use_triton=True, residual=h)  # bf16 product, fp32 sum
-    assert ops == [bmm_module.linear_op, bmm_module.linear_op]
+    assert ops == [bmm_module.linear_op]
     ops.clear()
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         linear(x, w, use_triton=True)  # x cast to bf16, the fp32 weight read through a copy
@@ -1266,15 +1267,23 @@ def test_model_shapes_gpu(K, N, activation, M, path, device, monkeypatch):
 def test_plain_products_run_pytorchs_op_gpu(K, N, activation, M, device, monkeypatch):
     # Under "auto" a plain projection whose three GEMMs the H200's plan gives to cuBLAS is
     # F.linear in an eager call (decode-sized ones with a short K keep the pointer kernel,
-    # relu² its epilogue); under "triton" our op. Forward and backward against float64.
+    # relu² its epilogue, through its eager plan); under "triton" our op. Forward and
+    # backward against float64.
     ops = ops_called(monkeypatch)
+    plans = bmm_module._EAGER_PLANS.plans
+    plans.clear()
     check_linear_bf16(M, K, N, activation, device)
     native = activation is None and (M > 16 or (K >= 2048 and N >= 2048))
-    assert (ops == []) == native, ops
+    assert (ops == [] and not plans) == native, ops
+    assert bool(plans) == (activation == "relu_squared")  # no op of the dispatcher's
     ops.clear()
+    plans.clear()
     monkeypatch.setattr(plan_module, "matmul_impl", "triton")
     check_linear_bf16(M, K, N, activation, device)
-    assert ops and ops[0] in (bmm_module.linear_op, bmm_module.linear_relu2_op)
+    if activation == "relu_squared":
+        assert plans and not ops
+    else:
+        assert ops and ops[0] is bmm_module.linear_op
 
 
 @pytest.mark.gpu
@@ -1957,3 +1966,110 @@ def test_linear_swiglu_compiles_gpu(compile_tma, device, monkeypatch):
     for got, want in zip(grads[1], grads[0], strict=True):
         assert rel_err(got, want) < 1e-2
     assert grads[1][2].dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- eager plan
+
+
+def _relu2_through_registered_op(x, w, p=0.0, seed=None):
+    """relu² `linear` through torch.library's dispatch and registered autograd (x 2-D): the
+    generic path the eager plan (`bmm._EagerPlan`) must agree with."""
+    return bmm_module.linear_op(x, w, None, True, p, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, p", [((37, 48), 0.0), ((3, 13, 48), 0.0), ((37, 48), 0.25)])
+def test_eager_linear_plan_matches_registered_op(shape, p, dtype, device):
+    # An eager relu² call takes its layout's plan (made on the first call, its products bound
+    # on the first call that can bind them, taken by later calls): forward and backward bit
+    # for bit what the registered op gives through the dispatcher, with a dense, an expanded
+    # (a sum's) and a strided upstream gradient, with and without a dropout.
+    bmm_module._EAGER_PLANS.plans.clear()
+    x = rand(shape, dtype, device, mean=0.2)
+    w = rand((40, shape[-1]), dtype, device, mean=0.05, std=0.2)
+    out_shape = (*shape[:-1], 40)
+    dense = torch.randn(out_shape, device=device).to(dtype)
+    wide = torch.randn((*shape[:-1], 80), device=device).to(dtype)
+    seed = draw_seeds(device, 2)[1]  # a view 8 bytes into its buffer
+    expanded = torch.ones((), device=device, dtype=dtype).expand(out_shape)
+    for dy in (dense, expanded, wide[..., ::2]):
+        results = []
+        for plan in (True, True, False):
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            if plan:
+                y = linear(xl, wl, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
+            else:
+                y2 = _relu2_through_registered_op(xl.reshape(-1, shape[-1]), wl, p, seed)
+                y = y2.view(out_shape)
+            y.backward(dy)
+            results.append((y, xl.grad, wl.grad))
+        assert len(bmm_module._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+    plan = next(iter(bmm_module._EAGER_PLANS.plans.values()))
+    if dtype == torch.float32 or device == "cuda":  # bf16 interpreted: widened, not bound
+        assert None not in (plan.fwd, plan.dx, plan.dw) and len(plan.grads) == 3
+
+
+def test_eager_linear_plan_without_autograd_under_autocast_and_accumulating(device):
+    # No autograd recorded (no_grad, or nothing requiring grad): the plan's forward alone.
+    # Under autocast the fp32 weight is read through its bf16 copy and its gradient comes
+    # back in fp32; inside `accumulate_grads_in_place` dW is added into `.grad`; both as the
+    # generic path gives them.
+    bmm_module._EAGER_PLANS.plans.clear()
+    x = rand((33, 40), torch.float32, device, mean=0.2)
+    w = rand((24, 40), torch.float32, device, mean=0.05, std=0.2)
+    want = _relu2_through_registered_op(x, w)
+    with torch.no_grad():
+        assert torch.equal(linear(x, w.requires_grad_(), "relu_squared", use_triton=True), want)
+    w.requires_grad_(False)
+    y = linear(x, w, "relu_squared", use_triton=True)
+    assert torch.equal(y, want) and y.grad_fn is None
+
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = linear(xl, wl, "relu_squared", use_triton=True)
+    w_lp = wl.detach().bfloat16().requires_grad_()
+    xr = x.detach().requires_grad_()
+    want = _relu2_through_registered_op(xr.bfloat16(), w_lp)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy)
+    assert wl.grad.dtype == torch.float32
+    torch.testing.assert_close(xl.grad, xr.grad, rtol=0, atol=0)
+    torch.testing.assert_close(wl.grad, w_lp.grad.float(), rtol=2e-2, atol=1e-2)
+
+    dys = [torch.randn(33, 24, device=device) for _ in range(3)]
+    grads = {}
+    for in_place in (False, True):
+        wl = w.detach().requires_grad_()
+        context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
+        with context:
+            for dy in dys:
+                linear(x, wl, "relu_squared", use_triton=True).backward(dy)
+        grads[in_place] = wl.grad
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=1e-5)
+
+
+def test_eager_linear_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: a later call with a weight of
+    # another shape, a bad dropout or an integer input still raises the generic path's error;
+    # fp16 and a residual take the generic path.
+    bmm_module._EAGER_PLANS.plans.clear()
+    x = rand((8, 16), torch.float32, device, mean=0.2)
+    w = rand((12, 16), torch.float32, device)
+    linear(x, w, "relu_squared", use_triton=True)
+    with pytest.raises(ValueError, match="last dim"):
+        linear(x, w[:, :8], "relu_squared", use_triton=True)
+    with pytest.raises(ValueError, match="dropout"):
+        linear(x, w, "relu_squared", use_triton=True, dropout_p=1.5)
+    with pytest.raises(TypeError, match="dtype"):
+        linear(x.to(torch.int32), w, "relu_squared", use_triton=True)
+    with pytest.raises(ValueError, match="activation"):
+        linear(x, w, "gelu", use_triton=True)
+    assert len(bmm_module._EAGER_PLANS.plans) == 1
+    linear(x.half(), w.half(), "relu_squared", use_triton=True)
+    linear(x, w, "relu_squared", use_triton=True, residual=torch.zeros(8, 12, device=device))
+    assert len(bmm_module._EAGER_PLANS.plans) == 1

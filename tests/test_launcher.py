@@ -107,12 +107,32 @@ def test_bound_launch_takes_new_tensors(device):
         torch.testing.assert_close(y2, x2 * 4.0 + 3)
 
 
-def test_bind_refuses_a_tensor_after_the_scalars(device):
-    # a tensor after the first non-tensor argument would be held by the bound launch, and
-    # launched again on later calls instead of the caller's
-    x = torch.randn(64, device=device)
-    with pytest.raises(ValueError, match="leading arguments"):
-        launcher(_axpb_kernel).bind((1,), x, 64, x, 2.0, 3, SCALE=1)
+@triton.jit
+def _axpb_late_kernel(X, n, Y, a, SEED, b, SCALE: tl.constexpr, BLOCK: tl.constexpr = 128):
+    """`_axpb_kernel` with tensors after scalars (Y after n, SEED after a, as the matmul
+    kernels pass a dropout seed after their sizes): y = x * a * SCALE + b + seed."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask).to(tl.float32)
+    seed = tl.load(SEED).to(tl.float32)
+    tl.store(Y + offs, (x * a * SCALE + b + seed).to(Y.dtype.element_ty), mask=mask)
+
+
+def test_bound_launch_takes_tensors_after_scalars(device):
+    # each call's tensors go to the slots the bound call's tensors took, in their order; the
+    # bound launch keeps none of the first call's (they would be launched again, and held)
+    x = torch.randn(1000, device=device) + 0.5
+    y = torch.empty_like(x)
+    seed = torch.tensor(5.0, device=device)
+    bound = launcher(_axpb_late_kernel).bind((8,), x, 1000, y, 2.0, seed, 3, SCALE=2)
+    torch.testing.assert_close(y, x * 4.0 + 8)
+    for shift in (1.0, -7.0):
+        x2, y2 = torch.randn_like(x), torch.empty_like(x)
+        bound(x2, y2, torch.tensor(shift, device=device))
+        torch.testing.assert_close(y2, x2 * 4.0 + 3 + shift)
+    del x, y, seed
+    assert all(not isinstance(c.cell_contents, torch.Tensor)
+               for c in bound.__closure__ or ())  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -54,7 +54,7 @@ import math
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +65,15 @@ from triton_transformer import matmul_plan
 from triton_transformer.matmul_plan import _bmm_into, _mm2d_into, accumulate_mm, launch_relu2_grad
 from triton_transformer.swiglu import _swiglu_reference, launch_swiglu_bwd
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     check_dropout_p,
     check_triton_tensor,
     first_order_only,
+    has_rows_view,
     is_traced,
     seed_or_draw,
+    tensor_facts,
     tracing,
 )
 
@@ -831,6 +834,131 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return copy
 
 
+# ----------------------------------------------------------------------------- eager calls
+# An eager `linear(x, weight, "relu_squared")` (no residual; bf16 or fp32, whose backward
+# recovers relu(pre) from the output) of a layout seen before takes that layout's
+# `_EagerPlan`, as `layernorm._EagerPlan`: one key of what the checks and the launches read
+# (`utils.eager_plan_key` of x, the weight as the product reads it and the seed, the
+# scalars, the planner's switches), one lookup, then the products bound on the plan's first
+# calls (`matmul_plan.bind_mm2d`): the forward's, relu²'s gradient pass, dX's and dW's.
+# The kernels, the saved tensors and the gradients are `linear_op`'s.
+
+
+class _EagerPlan:
+    """The launches of eager relu² `linear` calls of one layout: x viewable as (M, K) rows,
+    a contiguous weight (N, K) (what `_eager_plan` admits). Each entry is a bound product,
+    made on the first call that can bind it (None until then)."""
+
+    __slots__ = ("drop_p", "dw", "dx", "fwd", "grads", "rows", "x_shape", "y_rows", "y_shape")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, p: float) -> None:
+        n, k = weight.shape
+        self.x_shape, self.y_shape = x.shape, (*x.shape[:-1], n)
+        self.rows = (x.numel() // k, k) if x.dim() != 2 else None  # None: x is 2-D already
+        self.y_rows = (x.numel() // k, n)
+        self.drop_p = p
+        self.fwd = self.dx = self.dw = None
+        self.grads: dict[tuple, Callable] = {}  # relu²'s gradient pass per layout of dy
+
+    def forward(self, x, w, seed) -> torch.Tensor:
+        """dropout(relu(x @ w.T)²), shaped (..., N), as `linear_op` writes it."""
+        y = torch.empty(self.y_shape, dtype=x.dtype, device=x.device)
+        x2 = x if self.rows is None else x.view(self.rows)
+        y2 = y if self.rows is None else y.view(self.y_rows)
+        fwd = self.fwd
+        if fwd is not None:
+            fwd(x2, w.t(), y2, None, seed)
+        else:
+            drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
+            self.fwd = matmul_plan.bind_mm2d(x2, w.t(), y2, True, drop)
+        return y
+
+    def backward(self, dy, x, w, y, seed, home, weight_dtype, needs) -> tuple:
+        """(dx, dweight) as `linear_op`'s backward gives them: d(pre) = dy · 2·relu(pre) [·
+        mask / (1 - p)] (relu(pre) from y), dX = d(pre) @ W, dW = d(pre)^T @ X in the
+        weight's dtype (added into home.grad where `bmm._foldable`)."""
+        y2 = y if self.rows is None else y.view(self.y_rows)
+        dy2 = dy if self.rows is None else dy.reshape(self.y_rows)
+        dpre = torch.empty(self.y_rows, dtype=y.dtype, device=y.device)
+        key = (dy2.stride(), *tensor_facts(dy2))
+        grad = self.grads.get(key)
+        if grad is not None:
+            grad(dy2, y2, dpre, seed)
+        else:
+            drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
+            self.grads[key] = launch_relu2_grad(dy2, y2, dpre, True, drop, bind=True)
+        dx = dw = None
+        if needs[0]:  # dX = d(pre) @ W
+            dx = torch.empty(self.x_shape, dtype=dpre.dtype, device=dpre.device)
+            dx2 = dx if self.rows is None else dx.view(self.rows)
+            if self.dx is not None:
+                self.dx(dpre, w, dx2, None, None)
+            else:
+                self.dx = matmul_plan.bind_mm2d(dpre, w, dx2)
+        if needs[1]:  # dW = d(pre)^T @ X, in the weight's own dtype
+            x2 = x if self.rows is None else x.view(self.rows)
+            if home is not None and _foldable(home, weight_dtype, x2):
+                return dx, weight_grad(home, dpre.t(), x2, weight_dtype)
+            dw = torch.empty(w.shape, dtype=weight_dtype, device=w.device)
+            if self.dw is not None:
+                self.dw(dpre.t(), x2, dw, None, None)
+            else:
+                self.dw = matmul_plan.bind_mm2d(dpre.t(), x2, dw)
+        return dx, dw
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _drops(p: object) -> bool:
+    """Whether `linear`'s dropout_p asks for a dropout (a number above 0; a bad one is
+    refused by the checks)."""
+    return type(p) in (float, int) and p > 0
+
+
+def _eager_plan(x, weight, w, activation, residual, dropout_p, seed) -> _EagerPlan | None:
+    """The plan of this eager `linear` call's layout (w: the weight as the product reads it,
+    seed: the dropout's), made on its first call; None where the generic path runs: another
+    activation, a residual, fp16 (relu(pre) is saved there), traced or empty tensors, or a
+    layout the plan does not cover. The caller has checked x and weight (`_check_pair`)."""
+    if activation != "relu_squared" or residual is not None:
+        return None
+    switches = (matmul_plan.matmul_impl, matmul_plan._FORCE_PATH)
+    key, plan = _EAGER_PLANS.find((x, w, seed), (dropout_p, weight.dtype, *switches))
+    if key is None or plan is not None:
+        return plan
+    p = check_dropout_p(dropout_p)
+    if x.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
+        return None
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1] or w.dtype != x.dtype:
+        return None  # the generic path raises
+    check_triton_tensor(x, "x")
+    check_triton_tensor(w, "weight")
+    if x.numel() == 0 or w.numel() == 0 or not has_rows_view(x):
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(x, w, p))
+
+
+class _EagerLinear(torch.autograd.Function):
+    """`linear_op` with relu² and its registered backward for an eager call of a planned
+    layout: returns y (..., N)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w, seed, plan):
+        y = plan.forward(x, w, seed)
+        ctx.save_for_backward(x, w, y, seed)
+        ctx.plan, ctx.weight_dtype, ctx.grad_home = plan, weight.dtype, _grad_home(weight)
+        return y
+
+    @staticmethod
+    @first_order_only("linear")
+    def backward(ctx, dy):
+        x, w, y, seed = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, dw = ctx.plan.backward(dy, x, w, y, seed, ctx.grad_home, ctx.weight_dtype, needs)
+        return dx, dw, None, None, None
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -867,11 +995,22 @@ def linear(
     writes the fp32 gradient directly, never rounded to bf16 nor cast in a separate pass.
     """
     x, weight = _check_pair(x, weight, "x", "weight", cast_b=False)
+    cast = None  # the weight in x's dtype, once an eager relu² call below has made it
     # the common eager call first: no epilogue, dropout (a plain 0, not a bool: the full path
     # rejects those) or residual
     plain = activation is None and residual is None and type(dropout_p) in (float, int)
     if use_triton and plain and dropout_p == 0 and _plain_linear_natively(x, weight):
         return F.linear(x, weight)
+    if use_triton and activation is not None:
+        # fresh seed drawn before the key: its alignment is part of it
+        drawn = seed_or_draw(seed, x.device) if _drops(dropout_p) else None
+        w = weight if weight.dtype == x.dtype else _weight_in(weight, x.dtype)
+        plan = _eager_plan(x, weight, w, activation, residual, dropout_p, drawn)
+        if plan is not None:
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return _EagerLinear.apply(x, weight, w, drawn, plan)
+            return plan.forward(x, w, drawn)
+        seed, cast = (drawn if drawn is not None else seed), w
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     dropout_p = check_dropout_p(dropout_p)
@@ -933,7 +1072,7 @@ def linear(
     # Mixed precision (autocast left an fp32 weight uncast): the product reads a copy in x's
     # dtype, made outside autograd (once per step in `reuse_weight_casts`); the op returns the
     # weight's gradient in fp32 directly.
-    weight_lp = _weight_in(weight, x.dtype)
+    weight_lp = _weight_in(weight, x.dtype) if cast is None else (None if cast is weight else cast)
     # a residual of the product's dtype and no other epilogue: PyTorch's own op where cuBLAS
     # runs all three GEMMs anyway (without a residual, `_plain_linear_natively` asked above)
     plain = activation is None and weight_lp is None and r2 is not None and r2.dtype == x.dtype

@@ -53,6 +53,8 @@ runs the Triton kernel). `matmul_plan` takes it for eager launches where
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -324,14 +326,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def launch_mm_sm90(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_t: bool, epilogue: str,
     kept: torch.Tensor | None = None, num_sms: int | None = None, tiles: dict | None = None,
-    p: float = 0.0, seed: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+    p: float = 0.0, seed: torch.Tensor | None = None, bind: bool = False,
+) -> Callable[..., None] | None:  # fmt: skip
     """c (M, N) = epilogue(a (M, K) @ b) with b (K, N), or b (N, K) read transposed when b_t
     (a weight W as Wᵀ). epilogue: a key of `EPILOGUES`; kept (M, N): the forward's tile the
     backward epilogues read. p: the forward's dropout: "relu2_dropout" draws its mask from
     `seed` (a 0-dim int64 device tensor) and scales the kept by 1 / (1 - p);
     "relu2grad_from_square" reads its output Y, which holds the mask, and scales by
-    1 / √(1 - p) (no seed). tiles: `TILES` unless given (benchmarks)."""
+    1 / √(1 - p) (no seed). tiles: `TILES` unless given (benchmarks). bind: return the
+    launch bound (`utils.KernelLauncher.bind`), again(a, b, c, y, seed), y: kept (c where
+    there is none), seed: c where there is none."""
     M, K = a.shape
     N = c.shape[1]
     if M == 0 or N == 0 or K == 0:
@@ -353,8 +357,18 @@ def launch_mm_sm90(
     triton.set_allocator(tma_scratch)
     n_tiles = -(-M // tiles["BLOCK_M"]) * -(-N // tiles["BLOCK_N"])
     y = kept if kept is not None else c
-    launcher(_mm_sm90_kernel)[(min(num_sms, n_tiles),)](
-        a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0), y.stride(0), scale,
-        seed if seed is not None else c, dropout_threshold(p),
+    grid = (min(num_sms, n_tiles),)
+    launch = launcher(_mm_sm90_kernel)
+    bound = (launch.bind if bind else launch[grid])(
+        *((grid,) if bind else ()), a, b, c, y, M, N, K, a.stride(0), b.stride(0), c.stride(0),
+        y.stride(0), scale, seed if seed is not None else c, dropout_threshold(p),
         B_T=b_t, EPILOGUE=EPILOGUES[epilogue], GROUP_M=8, NUM_SMS=num_sms, **tiles, **LAUNCH,
     )  # fmt: skip
+    if not bind:
+        return None
+
+    def again(a, b, c, y, seed) -> None:
+        triton.set_allocator(tma_scratch)  # per launching thread, as above
+        bound(a, b, c, y, seed)
+
+    return again

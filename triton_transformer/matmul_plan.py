@@ -90,6 +90,7 @@ eager would fuse in the TMA kernel then takes "cublas+ew" (inductor launches cuB
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -526,12 +527,15 @@ def _dropout_args(drop: tuple[float, torch.Tensor] | None, placeholder: torch.Te
 
 
 def launch_mm_tma(
-    a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop, swiglu=False, grad=None
-) -> None:
+    a, b, c, r, aux, relu_squared, a_lay, b_lay, split, num_sms, drop, swiglu=False, grad=None,
+    bind=False,
+) -> Callable[..., None] | None:  # fmt: skip
     """Persistent TMA kernel (autotuned) for 2-D a (M, K), b (K, N) into c (M, N); with
     swiglu, b (K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations
     (`_mm_tma_swiglu_tuned`, tuned over its own configs); grad: (s, from_square) of the
-    RELU2_GRAD epilogue (s row-major, TMA-describable)."""
+    RELU2_GRAD epilogue (s row-major, TMA-describable). bind (no residual, aux or split):
+    return the tuned launch bound, again(a, b, c, s, seed) as `bind_mm2d`'s; None before the
+    problem is tuned."""
     M, K = a.shape
     N = c.shape[1]
     # A context variable in Triton: set it in whichever thread launches (autograd's too).
@@ -572,6 +576,15 @@ def launch_mm_tma(
         key += (aux is not None, a.dtype, c.dtype, None if r is None else r.dtype, num_sms)
         key += (drop is not None, swiglu, flags["RELU2_GRAD"])
         tuned = _TUNED.get(key)
+        if tuned is not None and bind and split == 1:
+            bound = launcher(_mm_tma_kernel).bind(tuned[0], *args, **flags, **tuned[1])
+
+            # the bound tensors: a, b, c, the residual's slot (s), aux's, the workspace's, seed
+            def again(a, b, c, s, seed) -> None:
+                triton.set_allocator(tma_scratch)  # per launching thread, as above
+                bound(a, b, c, c if s is None else s, c, c, c if seed is None else seed)
+
+            return again
         if tuned is not None:
             launcher(_mm_tma_kernel)[tuned[0]](*args, **flags, **tuned[1])
         else:
@@ -582,18 +595,25 @@ def launch_mm_tma(
     if split > 1:
         mn = M * N
         launcher(_splitk_reduce_kernel)[(cdiv(mn, 1024),)](ws, c, mn, split, BLOCK=1024)
+    return None
 
 
 def launch_mm_ptr(
-    a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swiglu=False, grad=None
-) -> None:
+    a, b, c, r, aux, relu_squared, cfg, interpret, drop=None, swiglu=False, grad=None,
+    bind=False,
+) -> Callable[..., None] | None:  # fmt: skip
     """Pointer kernel over 3-D views a (B, M, K), b (B, K, N), c (B, M, N); with swiglu (batch
     1), b (1, K, 2·N) is [gate | up] and aux (M, 2·N) receives both pre-activations; grad
-    (batch 1): (s, from_square) of the RELU2_GRAD epilogue."""
+    (batch 1): (s, from_square) of the RELU2_GRAD epilogue. bind (batch 1, no residual or
+    aux, no bf16 in the interpreter): return the launch bound, again(a, b, c, s, seed) as
+    `bind_mm2d`'s, for 2-D a, b, c (the kernel reads their strides as bound)."""
     has_residual = r is not None
     if grad is not None:  # the epilogue reads s where a residual would be
         r = grad[0]
     c_out, aux_out = c, aux
+    # interpreted, a bound launch takes only what it reads as given (no bf16: no widened copies)
+    bind = bind and a.shape[0] == 1 and not (interpret and any(
+        t is not None and t.dtype == torch.bfloat16 for t in (a, b, r, c, aux)))  # fmt: skip
     if interpret:
         # Triton's interpreter has no bf16 arithmetic and rounds stores to bf16 by truncation:
         # it gets fp32 operands and writes fp32 buffers, cast here as a GPU's store rounds
@@ -614,7 +634,10 @@ def launch_mm_ptr(
         a_, b_, c_ = a, b, c
         if end - start < batch:
             a_, b_, c_ = a[start:end], b[start:end], c[start:end]
-        launcher(_mm_ptr_kernel)[(grid_mn, end - start)](
+        launch = launcher(_mm_ptr_kernel)
+        launch = launch.bind if bind else launch[(grid_mn, end - start)]
+        bound = launch(
+            *(((grid_mn, 1),) if bind else ()),
             a_, b_, c_, r if r is not None else c_, aux if aux is not None else c_,
             M, N, K, *a_.stride(), *b_.stride(), *c_.stride(), rs[0], rs[1], xs,
             *_dropout_args(drop, c_),
@@ -627,6 +650,14 @@ def launch_mm_ptr(
         for out, buffer in ((c_out, c), (aux_out, aux)):
             if out is not buffer:
                 out.copy_(buffer)  # round to nearest, as a GPU's store does
+    if not bind:
+        return None
+
+    # the bound tensors: a, b, c, the residual's slot (s), aux's, seed
+    def again(a, b, c, s, seed) -> None:
+        bound(a, b, c, c if s is None else s, c, c if seed is None else seed)
+
+    return again
 
 
 def _fp32_buffer(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -664,31 +695,126 @@ def _gluon_epilogue(
     return None
 
 
-def _launch_gluon(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_lay: tuple[int, int], num_sms: int,
-    relu_squared: bool, residual: torch.Tensor | None, aux: torch.Tensor | None,
-    drop: tuple | None, swiglu: bool, grad: tuple[torch.Tensor, bool] | None,
+def _takes_gluon(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, num_sms: int, relu_squared: bool,
+    residual: torch.Tensor | None, aux: torch.Tensor | None, drop: tuple | None, swiglu: bool,
+    grad: tuple[torch.Tensor, bool] | None,
 ) -> bool:  # fmt: skip
-    """Run a problem of `_mm2d_into` as `matmul_hopper`'s Gluon kernel where it has the
-    epilogue and `matmul_hopper.usable` takes the tensors; whether it ran. b_lay: b's TMA
-    layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N). Traced
-    (torch.compile), the launch is `mm_opaque_op`, which inductor calls as it is."""
+    """Whether a problem of `_mm2d_into` runs as `matmul_hopper`'s Gluon kernel: it has the
+    epilogue, `matmul_hopper.usable` takes the tensors, and traced code may call it
+    (`mm_opaque_op`, `TRACED_OPAQUE`)."""
     epilogue = _gluon_epilogue(relu_squared, residual, aux, drop, swiglu, grad)
     kept = grad[0] if grad is not None else None
     if epilogue is None or not matmul_hopper.usable(a, b, c, kept, num_sms):
         return False
+    return TRACED_OPAQUE or not is_traced(a)
+
+
+def _launch_gluon(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_lay: tuple[int, int], num_sms: int,
+    relu_squared: bool, drop: tuple | None, grad: tuple[torch.Tensor, bool] | None,
+    bind: bool = False,
+) -> Callable[..., None] | None:  # fmt: skip
+    """Run a problem `_takes_gluon` as `matmul_hopper`'s Gluon kernel. b_lay: b's TMA
+    layout (`_layout`), a transposed view of an (N, K) tensor or row-major (K, N). Traced
+    (torch.compile), the launch is `mm_opaque_op`, which inductor calls as it is. bind: return
+    the launch bound, again(a, b, c, s, seed) as `bind_mm2d`'s."""
+    epilogue = _gluon_epilogue(relu_squared, None, None, drop, False, grad)
+    kept = grad[0] if grad is not None else None
     p, seed = drop if drop is not None else (0.0, None)
     if is_traced(a):
-        if not TRACED_OPAQUE:
-            return False
         mm_opaque_op(a, b, c, relu_squared, p, seed, kept, grad is not None and grad[1])
-        return True
+        return None
     b_t = bool(b_lay[0])  # the kernel reads b as stored: (N, K) when b is its transpose
-    matmul_hopper.launch_mm_sm90(
+    bound = matmul_hopper.launch_mm_sm90(
         a, b.t() if b_t else b, c, b_t, epilogue, kept, num_sms, p=p,
-        seed=seed if epilogue == "relu2_dropout" else None,
+        seed=seed if epilogue == "relu2_dropout" else None, bind=bind,
     )  # fmt: skip
+    if bound is None:
+        return None
+    draws = epilogue == "relu2_dropout"
+
+    # b's storage is what the kernel reads, whether b is its transpose or not
+    def again(a, b, c, s, seed) -> None:
+        bound(a, b, c, c if s is None else s, seed if draws else c)
+
+    return again
+
+
+def _empty_product(a: torch.Tensor, c: torch.Tensor, residual, aux) -> bool:
+    """Write a product with no output or an empty sum (K = 0) without a kernel, and say
+    whether it was one: relu(0)² = 0, silu(0)·0 = 0, d(pre) = 0 · slope (aux: relu(0) or the
+    zero pre-activations); act(0) = 0 leaves nothing for a dropout to scale."""
+    if c.numel() == 0:
+        return True
+    if a.shape[1] != 0:
+        return False
+    if residual is None:
+        c.zero_()
+    else:
+        c.copy_(residual)
+    if aux is not None:
+        aux.zero_()
     return True
+
+
+def _route(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, relu_squared: bool,
+    residual: torch.Tensor | None, aux: torch.Tensor | None, drop: tuple | None, swiglu: bool,
+    grad: tuple[torch.Tensor, bool] | None,
+) -> tuple:  # fmt: skip
+    """How `_mm2d_into` runs a non-empty product: (path, plan, a_lay, b_lay), path one of
+    "gluon", "tma", "ptr", "cublas" and "cublas+ew"; plan `_plan`'s; a_lay, b_lay the
+    operands' TMA layouts (`_layout`, CUDA only)."""
+    M, K = a.shape
+    N = c.shape[1]
+    device = a.device
+    M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
+    epi = "+swiglu" if swiglu else _EPI[relu_squared, residual is not None]
+    if grad is not None:  # the mask's draws cost the epilogue more than the separate pass
+        epi = "+relu2grad+drop" if drop is not None else "+relu2grad"
+    if device.type != "cuda":  # the interpreter; torch.mm where a test forces "cublas+ew"
+        cublas_ok = c.dtype == a.dtype and (residual is None or residual.dtype == a.dtype)
+        plan = _plan(
+            device.type, 0, a.dtype, M, N, K, -1, -1, epi, cublas_ok, c.element_size(),
+            matmul_impl, _FORCE_PATH,
+        )  # fmt: skip
+        return plan[0], plan, None, None
+    a_lay, b_lay = _layout(a), _layout(b)
+    if grad is not None and _orientation(grad[0]) != 0:
+        a_lay = None  # the epilogue's descriptor of s needs it row-major: no TMA
+    a_t, b_t = a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1  # `_plan`'s layouts
+    traced = is_traced(a)
+    # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
+    # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
+    # tracing only where mm's out_dtype has a meta kernel)
+    widen = c.dtype == torch.float32 and residual is None
+    widen = widen and (not traced or _MM_OUT_DTYPE_TRACEABLE)
+    cublas_ok = c.dtype == a.dtype or widen
+    if residual is not None:
+        cublas_ok = cublas_ok and residual.dtype == a.dtype
+    plan = _plan(
+        "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok, c.element_size(),
+        matmul_impl, _FORCE_PATH, traced and not compile_tma(),
+    )  # fmt: skip
+    # Hopper's Gluon kernel for eager "tma" problems it has the epilogue of, and for relu²'s
+    # gradient after a dropout, read from the forward's output, whatever the plan (it
+    # needs no mask there; GPT-2 preset at dropout 0.1: the step 1.014× the one with
+    # cuBLAS + the pass regenerating the mask, `step_gpt2_dropout_session19*.md`).
+    # A forced "tma" means the Triton kernel: tests and benchmarks compare them.
+    if not traced or compile_tma():  # a traced plan differs only without TMA kernels
+        eager_tma = plan[0] == "tma"
+    else:
+        eager_tma = _plan(
+            "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok,
+            c.element_size(), matmul_impl, _FORCE_PATH,
+        )[0] == "tma"  # fmt: skip
+    gluon_first = eager_tma or (epi == "+relu2grad+drop" and grad[1])
+    if gluon_first and _FORCE_PATH is None:  # noqa: SIM102
+        if _takes_gluon(a, b, c, sm_count(device), relu_squared, residual, aux, drop, swiglu,
+                        grad):  # fmt: skip
+            return "gluon", plan, a_lay, b_lay
+    return plan[0], plan, a_lay, b_lay
 
 
 def _mm2d_into(
@@ -717,111 +843,122 @@ def _mm2d_into(
     else s (M, N, any strides): fused in the epilogue, or cuBLAS's product, then
     `_relu2_grad_kernel` in place ("cublas+ew").
     """
-    M, K = a.shape
-    N = c.shape[1]
-    if c.numel() == 0:
+    if _empty_product(a, c, residual, aux):
         return
-    # an empty sum: relu(0)² = 0, silu(0)·0 = 0, d(pre) = 0 · slope (aux: relu(0) or the zero
-    # pre-activations)
-    if K == 0:
-        if residual is None:
-            c.zero_()
-        else:
-            c.copy_(residual)
-        if aux is not None:
-            aux.zero_()
-        return  # act(0) = 0: nothing for a dropout to scale
-    device = a.device
-    M, N, K = int(M), int(N), int(K)  # symbolic sizes: specialise (plans are per shape)
-    epi = "+swiglu" if swiglu else _EPI[relu_squared, residual is not None]
-    if grad is not None:  # the mask's draws cost the epilogue more than the separate pass
-        epi = "+relu2grad+drop" if drop is not None else "+relu2grad"
-    if device.type == "cuda":
-        a_lay, b_lay = _layout(a), _layout(b)
-        if grad is not None and _orientation(grad[0]) != 0:
-            a_lay = None  # the epilogue's descriptor of s needs it row-major: no TMA
-        a_t, b_t = a_lay[0] if a_lay else -1, b_lay[0] if b_lay else -1  # `_plan`'s layouts
-        traced = is_traced(a)
-        # cuBLAS computes the product in one dtype, addmm's residual in that dtype, and
-        # fp16/bf16 products written in fp32 (the weight gradients of mixed precision; while
-        # tracing only where mm's out_dtype has a meta kernel)
-        widen = c.dtype == torch.float32 and residual is None
-        widen = widen and (not traced or _MM_OUT_DTYPE_TRACEABLE)
-        cublas_ok = c.dtype == a.dtype or widen
-        if residual is not None:
-            cublas_ok = cublas_ok and residual.dtype == a.dtype
-        plan = _plan(
-            "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok, c.element_size(),
-            matmul_impl, _FORCE_PATH, traced and not compile_tma(),
+    route = _route(a, b, c, relu_squared, residual, aux, drop, swiglu, grad)
+    _run(route, a, b, c, relu_squared, residual, aux, drop, swiglu, grad)
+
+
+def _run(
+    route: tuple, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, relu_squared: bool,
+    residual: torch.Tensor | None, aux: torch.Tensor | None, drop: tuple | None, swiglu: bool,
+    grad: tuple[torch.Tensor, bool] | None, bind: bool = False,
+) -> Callable[..., None] | None:  # fmt: skip
+    """Launch `_route`'s path for `_mm2d_into`'s problem. bind (no residual, aux or swiglu):
+    return the launches bound, again(a, b, c, s, seed) as `bind_mm2d`'s, or None where this
+    path has none (the pointer kernel in the interpreter, a TMA problem before its tuning or
+    split over K)."""
+    path, plan, a_lay, b_lay = route
+    if path == "gluon":
+        return _launch_gluon(a, b, c, b_lay, sm_count(a.device), relu_squared, drop, grad, bind)
+    if path == "tma":
+        return launch_mm_tma(
+            a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop, swiglu,
+            grad, bind,
         )  # fmt: skip
-        # Hopper's Gluon kernel for eager "tma" problems it has the epilogue of, and for relu²'s
-        # gradient after a dropout, read from the forward's output, whatever the plan (it
-        # needs no mask there; GPT-2 preset at dropout 0.1: the step 1.014× the one with
-        # cuBLAS + the pass regenerating the mask, `step_gpt2_dropout_session19*.md`).
-        # A forced "tma" means the Triton kernel: tests and benchmarks compare them.
-        if not traced or compile_tma():  # a traced plan differs only without TMA kernels
-            eager_tma = plan[0] == "tma"
-        else:
-            eager_tma = _plan(
-                "cuda", device.index, a.dtype, M, N, K, a_t, b_t, epi, cublas_ok,
-                c.element_size(), matmul_impl, _FORCE_PATH,
-            )[0] == "tma"  # fmt: skip
-        gluon_first = eager_tma or (epi == "+relu2grad+drop" and grad[1])
-        if gluon_first and _FORCE_PATH is None:  # noqa: SIM102
-            if _launch_gluon(a, b, c, b_lay, sm_count(device), relu_squared, residual, aux,
-                             drop, swiglu, grad):  # fmt: skip
-                return
-        if plan[0] == "tma":
-            launch_mm_tma(
-                a, b, c, residual, aux, relu_squared, a_lay, b_lay, plan[1], plan[2], drop,
-                swiglu, grad,
-            )  # fmt: skip
-            return
-    else:  # the interpreter; torch.mm where a test forces "cublas+ew"
-        cublas_ok = c.dtype == a.dtype and (residual is None or residual.dtype == a.dtype)
-        plan = _plan(
-            device.type, 0, a.dtype, M, N, K, -1, -1, epi, cublas_ok, c.element_size(),
-            matmul_impl, _FORCE_PATH,
+    if path == "ptr":
+        interpret = a.device.type != "cuda"
+        bound = launch_mm_ptr(
+            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop,
+            swiglu, grad, bind,
         )  # fmt: skip
-    if plan[0] == "cublas+ew" and residual is not None and residual is not c:
+        if bound is None:
+            return None
+        return lambda a, b, c, s, seed: bound(a, b, c, s, seed)
+    if path == "cublas+ew" and residual is not None and residual is not c:
         torch.mm(a, b, out=c)
         c.add_(residual)
-    elif residual is not None and plan[0] in ("cublas", "cublas+ew"):
+    elif residual is not None:
         # the residual as cuBLAS's own C input (beta = 1); also where it is c itself (a
         # gradient accumulated in place), which the product would overwrite before the add
         torch.addmm(residual, a, b, out=c)
-    elif plan[0] == "cublas+ew" and swiglu:
+    elif path == "cublas+ew" and swiglu:
         torch.mm(a, b, out=aux)  # [gate | up], kept for the backward
-        launch_swiglu_fwd(aux[:, :N], aux[:, N:], c)  # swiglu.py's gating pass
-    elif plan[0] in ("cublas", "cublas+ew"):
-        if c.dtype != a.dtype:
-            torch.mm(a, b, c.dtype, out=c)  # fp32 accumulator written as is, no cast pass
+        launch_swiglu_fwd(aux[:, : c.shape[1]], aux[:, c.shape[1] :], c)  # the gating pass
+    else:
+        widened = c.dtype != a.dtype  # fp32 accumulator written as is, no cast pass
+        if widened:
+            torch.mm(a, b, c.dtype, out=c)
         else:
             torch.mm(a, b, out=c)
-        if plan[0] == "cublas+ew" and grad is not None:
-            launch_relu2_grad(c, grad[0], c, grad[1], drop)
-        elif plan[0] == "cublas+ew":
-            _relu2_in_place(c, aux, drop)
-    else:
-        interpret = device.type != "cuda"
-        launch_mm_ptr(
-            a[None], b[None], c[None], residual, aux, relu_squared, plan[1], interpret, drop,
-            swiglu, grad,
-        )  # fmt: skip
+        after = None
+        if path == "cublas+ew" and grad is not None:
+            after = launch_relu2_grad(c, grad[0], c, grad[1], drop, bind)
+        elif path == "cublas+ew":
+            after = _relu2_in_place(c, aux, drop, bind)
+        if bind:
+            return _bound_cublas(widened, path == "cublas+ew", after)
+    return None
+
+
+def _bound_cublas(widened: bool, ew: bool, after: Callable | None) -> Callable | None:
+    """`_run`'s bound launches of a cuBLAS path: torch.mm, then the bound relu² pass."""
+    if ew and after is None:
+        return None
+
+    def again(a, b, c, s, seed) -> None:
+        if widened:
+            torch.mm(a, b, c.dtype, out=c)
+        else:
+            torch.mm(a, b, out=c)
+        if ew:
+            after(c, s, seed)
+
+    return again
+
+
+def bind_mm2d(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    relu_squared: bool = False,
+    drop: tuple[float, torch.Tensor] | None = None,
+    grad: tuple[torch.Tensor, bool] | None = None,
+) -> Callable[..., None] | None:
+    """`_mm2d_into(a, b, c, relu_squared, drop=drop, grad=grad)` (no residual, aux or
+    SwiGLU) for an eager caller that repeats it with tensors of these same layouts (shapes,
+    strides, dtypes, 16-byte alignment, device) and module switches (`matmul_impl`,
+    `_FORCE_PATH`): computes c now, and returns again(a, b, c, s, seed), which launches
+    what this call launched for new tensors without planning it again (s: grad's tensor,
+    seed: drop's; None where absent). None where there is nothing to bind (traced, empty, a
+    path without bound launches yet): call this again next time."""
+    if _empty_product(a, c, None, None):
+        return None
+    route = _route(a, b, c, relu_squared, None, None, drop, False, grad)
+    return _run(route, a, b, c, relu_squared, None, None, drop, False, grad, not is_traced(a))
 
 
 def _relu2_in_place(
-    c: torch.Tensor, aux: torch.Tensor | None, drop: tuple[float, torch.Tensor] | None
-) -> None:
+    c: torch.Tensor,
+    aux: torch.Tensor | None,
+    drop: tuple[float, torch.Tensor] | None,
+    bind: bool = False,
+) -> Callable[..., None] | None:
     """c (M, N, contiguous) = dropout(relu(c)²) in place, aux = relu(c) if given: the relu²
-    epilogue after cuBLAS's product (`_relu2_ew_kernel`)."""
+    epilogue after cuBLAS's product (`_relu2_ew_kernel`). bind (no aux): return the launch
+    bound, again(c, s, seed) (s unused)."""
     M, N = c.shape
+    grid = (cdiv(M, 16), cdiv(N, 256))
+    launch = launcher(_relu2_ew_kernel)
     # 16 x 256 tiles, 4 warps: the d(pre) pass's (`launch_relu2_grad`), also one read and write
-    launcher(_relu2_ew_kernel)[(cdiv(M, 16), cdiv(N, 256))](
-        c, aux if aux is not None else c, M, N, *_dropout_args(drop, c),
-        STORE_AUX=aux is not None, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
-        num_warps=4,
+    bound = (launch.bind if bind else launch[grid])(
+        *((grid,) if bind else ()), c, aux if aux is not None else c, M, N,
+        *_dropout_args(drop, c), STORE_AUX=aux is not None, DROPOUT=drop is not None,
+        BLOCK_M=16, BLOCK_N=256, num_warps=4,
     )  # fmt: skip
+    if not bind:
+        return None
+    return lambda c, s, seed: bound(c, c, c if seed is None else seed)
 
 
 def launch_relu2_grad(
@@ -830,17 +967,27 @@ def launch_relu2_grad(
     dp: torch.Tensor,
     from_square: bool,
     drop: tuple[float, torch.Tensor] | None,
-) -> None:
+    bind: bool = False,
+) -> Callable[..., None] | None:
     """dp (M, N, contiguous) = dy · 2·relu(pre) [· the forward's mask / (1 - p)] for dy and s
     (M, N) of any strides, relu(pre) = sqrt(s) if from_square else s: `_relu2_grad_kernel`.
     Each element is read and written by the same program, so dp may be dy itself: relu²'s
-    backward in place after cuBLAS's product dY @ W ("cublas+ew"), or `relu2_grad_op`."""
+    backward in place after cuBLAS's product dY @ W ("cublas+ew"), or `relu2_grad_op`. bind:
+    return the launch bound, again(dp, s, seed) for dy = dp ("cublas+ew"), or
+    again(dy, s, dp, seed) where dy is not dp."""
     M, N = dp.shape
-    launcher(_relu2_grad_kernel)[(cdiv(M, 16), cdiv(N, 256))](
-        dy, s, dp, M, N, *dy.stride(), *s.stride(), *_dropout_args(drop, dp),
-        FROM_SQUARE=from_square, DROPOUT=drop is not None, BLOCK_M=16, BLOCK_N=256,
-        num_warps=4,
+    grid = (cdiv(M, 16), cdiv(N, 256))
+    launch = launcher(_relu2_grad_kernel)
+    bound = (launch.bind if bind else launch[grid])(
+        *((grid,) if bind else ()), dy, s, dp, M, N, *dy.stride(), *s.stride(),
+        *_dropout_args(drop, dp), FROM_SQUARE=from_square, DROPOUT=drop is not None,
+        BLOCK_M=16, BLOCK_N=256, num_warps=4,
     )  # fmt: skip
+    if not bind:
+        return None
+    if dy is dp:
+        return lambda dp, s, seed: bound(dp, s, dp, dp if seed is None else seed)
+    return lambda dy, s, dp, seed: bound(dy, s, dp, dp if seed is None else seed)
 
 
 # Whether torch.addmm(..., out_dtype=float32) accepts an fp32 accumulator with fp16/bf16

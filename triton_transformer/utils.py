@@ -538,20 +538,33 @@ class KernelLauncher:
 
     def bind(self, grid: tuple, *args: Any, **kwargs: Any) -> Callable[..., None]:
         """Launch once as `self[grid](*args, **kwargs)`, then return a launch of the same
-        kernel whose leading tensor arguments are given per call: `bound(*tensors)` launches
-        with those tensors, the rest of `args` and `kwargs` as bound here, and no key
-        computed. Host-made TMA descriptors count as tensors (pass `rebased` copies). For a
-        caller that keys its own cache of bound launches on every fact the kernel's
-        specialisation reads from the tensors (dtype, 16-byte alignment), so a hit is the
-        same specialisation (the ops' `LaunchPlans`: `layernorm._PLANS`, attention's
-        `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves the key's pass over every
-        argument.
+        kernel whose tensor arguments are given per call: `bound(*tensors)` launches with
+        those tensors, in the places and order the tensors of `args` take, the rest of `args`
+        and `kwargs` as bound here, and no key computed. Host-made TMA descriptors count as
+        tensors (pass `rebased` copies). For a caller that keys its own cache of bound
+        launches on every fact the kernel's specialisation reads from the tensors (dtype,
+        16-byte alignment), so a hit is the same specialisation (the ops' `LaunchPlans`:
+        `layernorm._PLANS`, attention's `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves
+        the key's pass over every argument. The bound launch holds none of this call's
+        tensors.
         Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
         launch hooks set at the call), it launches as `self[grid]` does."""
-        n_tensors = next((i for i, a in enumerate(args) if not _per_call(a)), len(args))
-        fixed = args[n_tensors:]
-        if any(_per_call(a) for a in fixed):  # it would be held, not passed
-            raise ValueError("bind: the per-call tensors must be the leading arguments")
+        slots = [i for i, a in enumerate(args) if _per_call(a)]
+        n_lead = len(slots) if slots == list(range(len(slots))) else 0
+        fixed = args[n_lead:]
+        if n_lead:  # the common layout, tensors first: no argument list to fill per call
+
+            def place(tensors: tuple) -> tuple:
+                return (*tensors, *fixed)
+        else:  # a tensor after a scalar (a seed after the sizes): filled into its slot
+            template = [None if _per_call(a) else a for a in args]
+
+            def place(tensors: tuple) -> tuple:
+                full = template.copy()
+                for i, t in zip(slots, tensors, strict=True):
+                    full[i] = t
+                return tuple(full)
+
         self.launch(grid, *args, **kwargs)
         entry = None
         if (
@@ -562,7 +575,7 @@ class KernelLauncher:
             key = _specialization(device, args, kwargs)
             entry = None if key is None else self.compiled.get(key)
         if entry is None:
-            return lambda *tensors: self.launch(grid, *tensors, *fixed, **kwargs)
+            return lambda *tensors: self.launch(grid, *place(tensors), **kwargs)
         run, function, metadata, tail = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
         runtime, active = self.knobs.runtime, self.driver.active
@@ -572,10 +585,15 @@ class KernelLauncher:
             # a profiler's hooks (Triton's path calls them), or another device (the function
             # handle is the bound device's): the keyed launch
             if current != device or not _no_launch_hooks(runtime):
-                self.launch(grid, *tensors, *fixed, **kwargs)
+                self.launch(grid, *place(tensors), **kwargs)
                 return
             stream = active.get_current_stream(current)
-            run(g0, g1, g2, stream, function, metadata, None, None, None, *tensors, *fixed, *tail)
+            if n_lead:
+                run(g0, g1, g2, stream, function, metadata, None, None, None, *tensors, *fixed,
+                    *tail)  # fmt: skip
+            else:
+                run(g0, g1, g2, stream, function, metadata, None, None, None, *place(tensors),
+                    *tail)  # fmt: skip
 
         return bound
 
