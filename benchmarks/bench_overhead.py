@@ -31,6 +31,8 @@ def cases(ops, use_triton: bool = True) -> dict:
     branch = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     w = torch.randn(512, device=dev, requires_grad=True)
     wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
+    w_in = torch.randn(2048, 512, device=dev, dtype=dt, requires_grad=True)
+    w_out = torch.randn(512, 2048, device=dev, dtype=dt, requires_grad=True)
     s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
     q = torch.randn(2, 8, 32, 64, device=dev, dtype=dt, requires_grad=True)
     # 512 queries: where a Hopper GPU's eager backward takes the Gluon kernel (host-made TMA
@@ -48,6 +50,8 @@ def cases(ops, use_triton: bool = True) -> dict:
         "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
         "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
         "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
+        # the relu² feed-forward (PyTorch: its two linears, F.relu and the square between)
+        "relu2_mlp": lambda: ops.relu2_mlp(x, w_in, w_out, use_triton=use_triton),
         "bmm": lambda: ops.bmm(s, q, use_triton=use_triton),
         "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=use_triton),
         "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
@@ -114,6 +118,7 @@ def main() -> None:
     import triton_transformer.cross_entropy as ce_mod
     import triton_transformer.dropout as dropout_mod
     import triton_transformer.layernorm as ln_mod
+    import triton_transformer.mlp as mlp_mod
     import triton_transformer.residual_layernorm as rln_mod
     import triton_transformer.rmsnorm as rmsnorm_mod
     import triton_transformer.softmax as softmax_mod
@@ -125,6 +130,7 @@ def main() -> None:
         linear, bmm = bmm_mod.linear, bmm_mod.bmm
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
         attention = attention_mod.attention
+        relu2_mlp = mlp_mod.relu2_mlp
 
     if args.no_gluon:
         import triton_transformer.attention_hopper as attention_hopper

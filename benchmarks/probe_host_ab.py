@@ -53,8 +53,8 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
     import bench_overhead
 
     mods = {m: importlib.import_module(f"{package}.{m}") for m in (
-        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "residual_layernorm",
-        "rmsnorm", "softmax",
+        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "mlp",
+        "residual_layernorm", "rmsnorm", "softmax",
     )}  # fmt: skip
 
     class ops:
@@ -64,6 +64,7 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
         linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
         cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
         attention = mods["attention"].attention
+        relu2_mlp = mods["mlp"].relu2_mlp
 
     return bench_overhead.cases(ops, use_triton=use_triton)
 

@@ -2009,7 +2009,8 @@ def test_eager_linear_plan_matches_registered_op(shape, p, dtype, device):
                 assert torch.equal(a, want)
     plan = next(iter(bmm_module._EAGER_PLANS.plans.values()))
     if dtype == torch.float32 or device == "cuda":  # bf16 interpreted: widened, not bound
-        assert None not in (plan.fwd, plan.dx, plan.dw) and len(plan.grads) == 3
+        assert len(plan.products.bound) == 3 and None not in plan.products.bound.values()
+        assert len(plan.grads) == 3 and None not in plan.grads.values()
 
 
 def test_eager_linear_plan_without_autograd_under_autocast_and_accumulating(device):

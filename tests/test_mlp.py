@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import TOL, CountAdds, pretend_gpu, rel_err
 
+import triton_transformer.bmm as bmm_module
 import triton_transformer.matmul_plan as plan_module
 import triton_transformer.mlp as mlp_module
 import triton_transformer.utils as utils_module
@@ -294,3 +295,87 @@ def test_accumulate_grads_in_place(device, monkeypatch):
     off_in, _, off_adds = run(True)
     torch.testing.assert_close(off_in, want_in, rtol=0, atol=0)
     assert off_adds == 4
+
+
+# ----------------------------------------------------------------------------- eager plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, p", [((37, 48), 0.0), ((3, 13, 48), 0.0), ((37, 48), 0.25)])
+def test_eager_plan_matches_registered_op(shape, p, dtype, device):
+    # An eager call takes its layout's plan (made on the first call, its four products bound
+    # on the first calls that can bind them, taken by later calls): forward and backward bit
+    # for bit what the registered op gives through the dispatcher, with a dense, an expanded
+    # (a sum's) and a strided upstream gradient, with and without a dropout.
+    mlp_module._EAGER_PLANS.plans.clear()
+    x = rand(shape, dtype, device)
+    w_in = rand((80, shape[-1]), dtype, device, mean=0.05, std=0.2)
+    w_out = rand((shape[-1], 80), dtype, device, mean=0.0, std=0.1)
+    seed = draw_seeds(device, 2)[1]  # a view 8 bytes into its buffer
+    dense = torch.randn(shape, device=device).to(dtype)
+    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device).to(dtype)
+    expanded = torch.ones((), device=device, dtype=dtype).expand(shape)
+    for dy in (dense, expanded, wide[..., ::2]):
+        results = []
+        for plan in (True, True, False):
+            leaves = [t.detach().requires_grad_() for t in (x, w_in, w_out)]
+            if plan:
+                y = relu2_mlp(*leaves, use_triton=True, dropout_p=p, seed=seed)
+            else:
+                x2 = leaves[0].reshape(-1, shape[-1])
+                y = mlp_module.relu2_mlp_op(x2, *leaves[1:], p, seed)[0].view(shape)
+            y.backward(dy)
+            results.append((y, *(t.grad for t in leaves)))
+        assert len(mlp_module._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+    plan = next(iter(mlp_module._EAGER_PLANS.plans.values()))
+    if dtype == torch.float32 or device == "cuda":  # bf16 interpreted: widened, not bound
+        # h, out, dx, dw_in; d(pre) and dW_out per layout of dout
+        assert len(plan.products.bound) == 4 + 2 * 3
+        assert None not in plan.products.bound.values()
+
+
+def test_eager_plan_without_autograd_and_accumulating(device):
+    # No autograd recorded: the plan's forward alone. Inside `accumulate_grads_in_place` the
+    # weight gradients are added into `.grad`, as the generic path adds them.
+    mlp_module._EAGER_PLANS.plans.clear()
+    x = rand((33, 40), torch.float32, device)
+    w_in = rand((48, 40), torch.float32, device, mean=0.05, std=0.2)
+    w_out = rand((40, 48), torch.float32, device, mean=0.0, std=0.1)
+    want = mlp_module.relu2_mlp_op(x, w_in, w_out)[0]
+    with torch.no_grad():
+        assert torch.equal(relu2_mlp(x, w_in.requires_grad_(), w_out, use_triton=True), want)
+    w_in.requires_grad_(False)
+    y = relu2_mlp(x, w_in, w_out, use_triton=True)
+    assert torch.equal(y, want) and y.grad_fn is None
+    assert len(mlp_module._EAGER_PLANS.plans) == 1
+
+    dys = [torch.randn(33, 40, device=device) for _ in range(3)]
+    grads = {}
+    for in_place in (False, True):
+        wi, wo = w_in.detach().requires_grad_(), w_out.detach().requires_grad_()
+        context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
+        with context:
+            for dy in dys:
+                relu2_mlp(x, wi, wo, use_triton=True).backward(dy)
+        grads[in_place] = (wi.grad, wo.grad)
+    for got, want in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: a later call with a weight of
+    # another shape or dtype, or a bad dropout, still raises the generic path's error.
+    mlp_module._EAGER_PLANS.plans.clear()
+    x = rand((8, 16), torch.float32, device)
+    w_in, w_out = rand((24, 16), torch.float32, device), rand((16, 24), torch.float32, device)
+    relu2_mlp(x, w_in, w_out, use_triton=True)
+    with pytest.raises(ValueError, match="need x"):
+        relu2_mlp(x, w_in, w_out[:8], use_triton=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        relu2_mlp(x, w_in, w_out.double(), use_triton=True)
+    with pytest.raises(ValueError, match="dropout"):
+        relu2_mlp(x, w_in, w_out, use_triton=True, dropout_p=-0.5)
+    assert len(mlp_module._EAGER_PLANS.plans) == 1

@@ -846,10 +846,11 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 class _EagerPlan:
     """The launches of eager relu² `linear` calls of one layout: x viewable as (M, K) rows,
-    a contiguous weight (N, K) (what `_eager_plan` admits). Each entry is a bound product,
-    made on the first call that can bind it (None until then)."""
+    a contiguous weight (N, K) (what `_eager_plan` admits): the products ("fwd", "dx",
+    "dw"), and relu²'s gradient pass per layout of dy, each bound on the first call that
+    can bind it."""
 
-    __slots__ = ("drop_p", "dw", "dx", "fwd", "grads", "rows", "x_shape", "y_rows", "y_shape")
+    __slots__ = ("drop_p", "grads", "products", "rows", "x_shape", "y_rows", "y_shape")
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, p: float) -> None:
         n, k = weight.shape
@@ -857,20 +858,16 @@ class _EagerPlan:
         self.rows = (x.numel() // k, k) if x.dim() != 2 else None  # None: x is 2-D already
         self.y_rows = (x.numel() // k, n)
         self.drop_p = p
-        self.fwd = self.dx = self.dw = None
-        self.grads: dict[tuple, Callable] = {}  # relu²'s gradient pass per layout of dy
+        self.products = matmul_plan.BoundProducts()
+        self.grads: dict[tuple, Callable | None] = {}
 
     def forward(self, x, w, seed) -> torch.Tensor:
         """dropout(relu(x @ w.T)²), shaped (..., N), as `linear_op` writes it."""
         y = torch.empty(self.y_shape, dtype=x.dtype, device=x.device)
         x2 = x if self.rows is None else x.view(self.rows)
         y2 = y if self.rows is None else y.view(self.y_rows)
-        fwd = self.fwd
-        if fwd is not None:
-            fwd(x2, w.t(), y2, None, seed)
-        else:
-            drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
-            self.fwd = matmul_plan.bind_mm2d(x2, w.t(), y2, True, drop)
+        drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
+        self.products.run("fwd", x2, w.t(), y2, True, drop)
         return y
 
     def backward(self, dy, x, w, y, seed, home, weight_dtype, needs) -> tuple:
@@ -890,20 +887,13 @@ class _EagerPlan:
         dx = dw = None
         if needs[0]:  # dX = d(pre) @ W
             dx = torch.empty(self.x_shape, dtype=dpre.dtype, device=dpre.device)
-            dx2 = dx if self.rows is None else dx.view(self.rows)
-            if self.dx is not None:
-                self.dx(dpre, w, dx2, None, None)
-            else:
-                self.dx = matmul_plan.bind_mm2d(dpre, w, dx2)
+            self.products.run("dx", dpre, w, dx if self.rows is None else dx.view(self.rows))
         if needs[1]:  # dW = d(pre)^T @ X, in the weight's own dtype
             x2 = x if self.rows is None else x.view(self.rows)
             if home is not None and _foldable(home, weight_dtype, x2):
                 return dx, weight_grad(home, dpre.t(), x2, weight_dtype)
             dw = torch.empty(w.shape, dtype=weight_dtype, device=w.device)
-            if self.dw is not None:
-                self.dw(dpre.t(), x2, dw, None, None)
-            else:
-                self.dw = matmul_plan.bind_mm2d(dpre.t(), x2, dw)
+            self.products.run("dw", dpre.t(), x2, dw)
         return dx, dw
 
 

@@ -938,6 +938,35 @@ def bind_mm2d(
     return _run(route, a, b, c, relu_squared, None, None, drop, False, grad, not is_traced(a))
 
 
+class BoundProducts:
+    """The bound products of an op's eager plan (`bmm._EagerPlan`, `mlp._EagerPlan`), one per
+    slot: `run(slot, a, b, c, ...)` computes c as `_mm2d_into` would, through the slot's
+    bound launches (`bind_mm2d`), made on the first call that can bind them. A slot stands
+    for one layout of each operand: a caller whose operands' layouts vary (an upstream
+    gradient) puts that layout in the slot's key."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self) -> None:
+        self.bound: dict[object, Callable[..., None] | None] = {}
+
+    def run(
+        self,
+        slot: object,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        relu_squared: bool = False,
+        drop: tuple[float, torch.Tensor] | None = None,
+        grad: tuple[torch.Tensor, bool] | None = None,
+    ) -> None:
+        again = self.bound.get(slot)
+        if again is not None:
+            again(a, b, c, None if grad is None else grad[0], None if drop is None else drop[1])
+        else:
+            self.bound[slot] = bind_mm2d(a, b, c, relu_squared, drop, grad)
+
+
 def _relu2_in_place(
     c: torch.Tensor,
     aux: torch.Tensor | None,
