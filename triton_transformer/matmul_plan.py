@@ -397,7 +397,7 @@ def plain_products_on_cublas(
     dB = a^T @ dC, or with `weight_grad` its transpose dC^T @ a (`bmm.linear`'s weight
     gradient, in the weight's (N, K) layout).
 
-    a (M, K) and b (K, N) are 2-D, or 3-D with a batch of more than 1 (torch.bmm unless our
+    a (M, K) and b (K, N) are 2-D, or 3-D with a batch other than 1 (torch.bmm unless our
     kernel is asked for, `_bmm_into`), on CUDA, of one dtype (the residual's too), with no
     other epilogue. dC is taken to be contiguous, the common case. Then PyTorch's own op
     computes those same three cuBLAS products, with its C++ autograd and none of our Python
@@ -406,7 +406,7 @@ def plain_products_on_cublas(
     if not _cublas_allowed(a):
         return False
     if a.dim() == 3:
-        if a.shape[0] > 1:
+        if a.shape[0] != 1:  # torch.bmm (an empty batch too: nothing to launch)
             return True
         a, b = a[0], b[0]
     (M, K), N = a.shape, b.shape[1]
