@@ -130,9 +130,40 @@ def test_bound_launch_takes_tensors_after_scalars(device):
         x2, y2 = torch.randn_like(x), torch.empty_like(x)
         bound(x2, y2, torch.tensor(shift, device=device))
         torch.testing.assert_close(y2, x2 * 4.0 + 3 + shift)
-    del x, y, seed
-    assert all(not isinstance(c.cell_contents, torch.Tensor)
-               for c in bound.__closure__ or ())  # fmt: skip
+    assert not _tensors_held(bound)
+
+
+def _tensors_held(fn, depth: int = 4) -> bool:
+    """Whether a tensor is reachable from fn's closure (through nested closures, tuples,
+    lists and dicts): what a bound launch must not keep alive."""
+    seen = []
+    todo = [c.cell_contents for c in fn.__closure__ or ()]
+    for _ in range(depth):
+        nested = []
+        for obj in todo:
+            if isinstance(obj, torch.Tensor):
+                return True
+            if isinstance(obj, (tuple, list)):
+                nested.extend(obj)
+            elif isinstance(obj, dict):
+                nested.extend(obj.values())
+            elif callable(obj) and getattr(obj, "__closure__", None) and obj not in seen:
+                seen.append(obj)
+                nested.extend(c.cell_contents for c in obj.__closure__)
+        todo = nested
+    return False
+
+
+def test_bound_launch_holds_no_tensor(device):
+    # neither layout of the arguments (tensors first, or after a scalar) keeps the bound
+    # call's tensors alive in the launch it returns
+    x = torch.randn(64, device=device)
+    y, seed = torch.empty_like(x), torch.tensor(1.0, device=device)
+    bound = launcher(_axpb_kernel).bind((1,), x, y, 64, 2.0, 3, SCALE=1)
+    assert not _tensors_held(bound)
+    bound = launcher(_axpb_late_kernel).bind((1,), x, 64, y, 2.0, seed, 3, SCALE=1)
+    assert not _tensors_held(bound)
+    assert _tensors_held(lambda: x + y)  # the probe sees a held one
 
 
 @pytest.mark.gpu

@@ -551,7 +551,7 @@ class KernelLauncher:
         launch hooks set at the call), it launches as `self[grid]` does."""
         slots = [i for i, a in enumerate(args) if _per_call(a)]
         n_lead = len(slots) if slots == list(range(len(slots))) else 0
-        fixed = args[n_lead:]
+        fixed = args[n_lead:] if n_lead else ()  # (held: never one of this call's tensors)
         if n_lead:  # the common layout, tensors first: no argument list to fill per call
 
             def place(tensors: tuple) -> tuple:
