@@ -850,8 +850,8 @@ PLAN_CASES = [
 @pytest.mark.parametrize("case", PLAN_CASES)
 def test_eager_launches_bound_per_shape(case, device):
     # an eager call's first launch of a shape binds the forward's and the backward's launches
-    # (`attention`'s in its `_EagerPlan`, `attention_packed`'s in `_FWD_PLANS` and
-    # `_BWD_PLANS`); later calls of that shape take them, with their own tensors: the same
+    # (in an `_EagerPlan`: `attention`'s in `_EAGER_PLANS`, `attention_packed`'s in
+    # `_PACKED_PLANS`); later calls of that shape take them, with their own tensors: the same
     # output and gradients as launches looked up afresh. Another dtype or alignment binds its
     # own.
     b, h, h_kv, n, d, causal, p, padded, packed = case
@@ -885,7 +885,7 @@ def test_eager_launches_bound_per_shape(case, device):
             torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
     def bound_launches() -> list[int]:
-        eager = attn_mod._EAGER_PLANS.plans.values()
+        eager = [*attn_mod._EAGER_PLANS.plans.values(), *attn_mod._PACKED_PLANS.plans.values()]
         return [
             len(attn_mod._FWD_PLANS.plans) + sum(len(plan.fwd) for plan in eager),
             len(attn_mod._BWD_PLANS.plans) + sum(len(plan.bwd) for plan in eager),
@@ -989,6 +989,73 @@ def test_eager_plan_matches_registered_op(case, device):
                         use_triton=True, seed=seed)  # fmt: skip
     torch.testing.assert_close(got, results[2][0], rtol=tol, atol=tol)
     assert len(attn_mod._EAGER_PLANS.plans) == 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param((2, 2, 20, 16, True, 0.0, False), id="causal"),
+        pytest.param((1, 2, 24, 32, False, 0.3, True), id="mask-dropout"),
+        pytest.param((2, 4, 128, 64, True, 0.0, False), id="gpu-causal", marks=ON_GPU),
+        pytest.param((2, 2, 256, 128, False, 0.2, True), id="gpu-mask-dropout", marks=ON_GPU),
+    ],
+)
+def test_eager_packed_plan_matches_registered_op(case, device):
+    # An eager `attention_packed` call takes its layout's plan (`_PACKED_PLANS`): what the
+    # registered packed op gives through the dispatcher from the same seed, forward and d(qkv)
+    # (bit for bit on the CPU; on a GPU dQ sums in a varying order), with a dense and a
+    # strided upstream gradient; without autograd its forward alone.
+    b, h, n, d, causal, p, padded = case
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    qkv = (0.2 + torch.randn(b, n, 3 * h * d, device=device)).to(dtype)
+    kpm = None
+    if padded:
+        kpm = torch.rand(b, n, device=device) > 0.25
+        kpm[:, 0] = True
+    seed = draw_seeds(device, 2)[1]  # a view 8 bytes into its buffer
+    scale = 1.0 / math.sqrt(d)
+    wide = torch.randn(b, n, 2 * h * d, device=device).to(dtype)
+    tol = 0 if device == "cpu" else 2e-2
+    attn_mod._PACKED_PLANS.plans.clear()
+    for dout in (torch.randn(b, n, h * d, device=device).to(dtype), wide[..., ::2]):
+        results = []
+        for registered in (False, False, True):
+            leaf = qkv.detach().requires_grad_()
+            if registered:
+                qkv5 = leaf.unflatten(-1, (3, h, -1))
+                out = flash_attention_packed_op(qkv5, kpm, seed, causal, scale, p, True)[0]
+                out = out.view(b, n, -1)
+            else:
+                out = attention_packed(
+                    leaf, h, causal=causal, key_padding_mask=kpm, dropout_p=p,
+                    use_triton=True, seed=seed,
+                )  # fmt: skip
+            out.backward(dout)
+            results.append((out, leaf.grad))
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                torch.testing.assert_close(a, want, rtol=tol, atol=tol)
+    assert len(attn_mod._PACKED_PLANS.plans) == 1
+    with torch.no_grad():
+        got = attention_packed(qkv, h, causal=causal, key_padding_mask=kpm, dropout_p=p,
+                               use_triton=True, seed=seed)  # fmt: skip
+    torch.testing.assert_close(got, results[2][0], rtol=tol, atol=tol)
+    assert len(attn_mod._PACKED_PLANS.plans) == 1
+
+
+def test_eager_packed_plan_keeps_the_checks(device):
+    # the packed generic path's errors still come after a plan exists, heads=2.0 included
+    qkv = torch.randn(1, 8, 3 * 2 * 16, device=device)
+    attention_packed(qkv, 2, use_triton=True)
+    with pytest.raises(ValueError, match="3 · heads"):
+        attention_packed(qkv, 2.0, use_triton=True)
+    with pytest.raises(ValueError, match="3 · heads"):
+        attention_packed(qkv, 5, use_triton=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention_packed(qkv, 2, dropout_p=1.0, use_triton=True)
+    with pytest.raises(ValueError, match="qkv must be"):
+        attention_packed(qkv[0], 2, use_triton=True)
+    assert len(attn_mod._PACKED_PLANS.plans) == 1
 
 
 def test_eager_plan_keeps_the_checks(device):

@@ -1871,6 +1871,8 @@ def _attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale) ->
 # q, k, v and the mask, the scalars as given, the module switches), one lookup, then the
 # launches `_fwd_launches` and `_bwd_launches` bound on its first call; as
 # `layernorm._EagerPlan`. The kernels and saved tensors are `flash_attention_op`'s.
+# `attention_packed` calls take plans of the same class keyed by the qkv tensor
+# (`_PACKED_PLANS`), whose backward writes d(qkv) whole.
 
 
 class _EagerPlan:
@@ -1896,11 +1898,15 @@ class _EagerPlan:
         )
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, kpm, seed) -> tuple:
-        """(dq, dk, dv) as `flash_attention_backward_op` returns them."""
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def backward(self, dout, q, k, v, out, lse, kpm, seed, grads=None) -> tuple:
+        """(dq, dk, dv) as `flash_attention_backward_op` returns them; grads: (dq, dk, dv,
+        their base), views of one tensor the kernels write (`attention_packed`'s d(qkv)),
+        else they are allocated here."""
+        if grads is None:
+            grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None)
+        dq, dk, dv, _ = grads
         deterministic = torch.are_deterministic_algorithms_enabled()
-        tensors = (dout, q, k, v, out, lse, kpm, seed, dq, dk, dv, None)
+        tensors = (dout, q, k, v, out, lse, kpm, seed, *grads)
         key = (dout.stride(), dout.dtype, not dout.data_ptr() & 15, deterministic,
                seed is None or not seed.data_ptr() & 15)  # fmt: skip
         bwd = self.bwd.get(key)
@@ -1949,6 +1955,52 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, kpm, seed = ctx.saved_tensors
         dq, dk, dv = ctx.plan.backward(dout, q, k, v, out, lse, kpm, seed)
         return dq, dk, dv, None, None, None
+
+
+# `attention_packed`'s eager calls take `_EagerPlan`s of their own (`_PACKED_PLANS`, keyed by
+# the qkv tensor's layout): the same launches, q, k and v read as views of qkv, the backward
+# writing d(qkv) whole as `flash_attention_packed_backward_op` does.
+_PACKED_PLANS = LaunchPlans()
+
+
+def _eager_packed_plan(qkv, heads, kpm, causal, dropout_p, training, scale):
+    """`_eager_plan` of an `attention_packed` call: None where its generic path runs."""
+    # heads' type too: 2.0 == 2, but only an int passes the checks
+    scalars = (type(heads), heads, causal, dropout_p, training, scale, _switches())
+    key, plan = _PACKED_PLANS.find((qkv, kpm), scalars)
+    if key is None or plan is not None:
+        return plan
+    q, k, v = _check_packed(qkv, heads)
+    _check_inputs(q, k, v, kpm, use_triton=True)
+    p = check_dropout_p(dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
+    if qkv.numel() == 0:
+        return None
+    return _PACKED_PLANS.put(key, _EagerPlan(bool(causal), scale, p))
+
+
+class _EagerPackedAttention(torch.autograd.Function):
+    """`flash_attention_packed_op` and its registered backward for an eager call of a planned
+    layout: returns out, (b, n, h, d)."""
+
+    @staticmethod
+    def forward(ctx, qkv, heads, kpm, seed, plan):
+        q, k, v = _split_packed(qkv.unflatten(-1, (3, heads, -1)))
+        out, lse = plan.forward(q, k, v, kpm, seed, True)
+        ctx.save_for_backward(qkv, out, lse, kpm, seed)
+        ctx.plan, ctx.heads = plan, heads
+        return out
+
+    @staticmethod
+    @first_order_only("attention_packed")
+    def backward(ctx, dout):
+        qkv, out, lse, kpm, seed = ctx.saved_tensors
+        dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+        packed = (3, ctx.heads, -1)
+        q, k, v = _split_packed(qkv.unflatten(-1, packed))
+        grads = (*_split_packed(dqkv.unflatten(-1, packed)), dqkv)
+        ctx.plan.backward(dout, q, k, v, out, lse, kpm, seed, grads)
+        return dqkv, None, None, None, None
 
 
 def attention(
@@ -2029,13 +2081,21 @@ def attention_packed(
     Returns (b, n, h·d), ready for the out-projection (no copy on the Triton path).
     Other arguments as in `attention`.
     """
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
-        raise ValueError(f"qkv must be a (b, n, 3·h·d) tensor, got {getattr(qkv, 'shape', qkv)}")
-    if not isinstance(heads, int) or heads < 1 or qkv.shape[-1] % (3 * heads):
-        raise ValueError(f"qkv's last dim {qkv.shape[-1]} is not 3 · heads ({heads}) · d")
+    if use_triton:
+        kpm = key_padding_mask
+        plan = _eager_packed_plan(qkv, heads, kpm, causal, dropout_p, training, scale)
+        if plan is not None:
+            seed = seed_or_draw(seed, qkv.device) if plan.dropout_p > 0.0 else None
+            b, n, _ = qkv.shape
+            if torch.is_grad_enabled() and qkv.requires_grad:
+                out = _EagerPackedAttention.apply(qkv, heads, kpm, seed, plan)
+            else:
+                q, k, v = _split_packed(qkv.unflatten(-1, (3, heads, -1)))
+                out = plan.forward(q, k, v, kpm, seed, False)[0]
+            return out.view(b, n, -1)
+    q, k, v = _check_packed(qkv, heads)
     b, n, _ = qkv.shape
     qkv5 = qkv.unflatten(-1, (3, heads, -1))  # a view
-    q, k, v = _split_packed(qkv5)
     if not use_triton:
         out = attention(
             q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
@@ -2054,6 +2114,15 @@ def attention_packed(
         op, qkv5, key_padding_mask, seed, causal, scale, dropout_p, _needs_grad(qkv)
     )  # fmt: skip
     return out.view(b, n, -1)
+
+
+def _check_packed(qkv: object, heads: object) -> tuple[torch.Tensor, ...]:
+    """`attention_packed`'s checks of qkv and heads; returns q, k, v, (b, h, n, d) views."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError(f"qkv must be a (b, n, 3·h·d) tensor, got {getattr(qkv, 'shape', qkv)}")
+    if not isinstance(heads, int) or heads < 1 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(f"qkv's last dim {qkv.shape[-1]} is not 3 · heads ({heads}) · d")
+    return _split_packed(qkv.unflatten(-1, (3, heads, -1)))
 
 
 def attention_cached(
