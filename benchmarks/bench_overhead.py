@@ -38,6 +38,7 @@ def cases(ops, use_triton: bool = True) -> dict:
     # 512 queries: where a Hopper GPU's eager backward takes the Gluon kernel (host-made TMA
     # descriptors) instead of the Triton one
     q512 = torch.randn(1, 2, 512, 64, device=dev, dtype=dt, requires_grad=True)
+    qkv = torch.randn(2, 32, 3 * 8 * 64, device=dev, dtype=dt, requires_grad=True)
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
@@ -56,6 +57,10 @@ def cases(ops, use_triton: bool = True) -> dict:
         "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=use_triton),
         "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
         "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=use_triton),
+        # the model's: q, k, v read from one (b, n, 3·h·d) projection, d(qkv) written whole
+        "attention_packed causal": lambda: ops.attention_packed(
+            qkv, 8, causal=True, use_triton=use_triton
+        ),
         "attention causal 512": lambda: ops.attention(
             q512, q512, q512, causal=True, use_triton=use_triton
         ),
@@ -129,7 +134,7 @@ def main() -> None:
         residual_layernorm = rln_mod.residual_layernorm
         linear, bmm = bmm_mod.linear, bmm_mod.bmm
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
-        attention = attention_mod.attention
+        attention, attention_packed = attention_mod.attention, attention_mod.attention_packed
         relu2_mlp = mlp_mod.relu2_mlp
 
     if args.no_gluon:

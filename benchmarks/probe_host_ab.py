@@ -64,6 +64,7 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
         linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
         cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
         attention = mods["attention"].attention
+        attention_packed = mods["attention"].attention_packed
         relu2_mlp = mods["mlp"].relu2_mlp
 
     return bench_overhead.cases(ops, use_triton=use_triton)
