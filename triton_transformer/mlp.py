@@ -23,6 +23,9 @@ torch.compile traces without the TMA kernel.
 relu(pre) = sqrt(h (1 - p)) needs h not to underflow (see `bmm.py`'s "relu² backward"): bf16
 and fp32 only. fp16 runs the two linears, whose relu² saves relu(pre) itself.
 
+Eager calls of a layout seen before take that layout's `_EagerPlan` (the same products,
+bound: `matmul_plan.BoundProducts`).
+
 Ops (torch.library triton_ops, traced by torch.compile, captured by CUDA graphs):
 - `triton_transformer::relu2_mlp(x, w_in, w_out, p, seed, w_in_lp, w_out_lp, w_in_acc,
   w_out_acc)`: (out, h).
