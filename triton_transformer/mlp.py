@@ -165,12 +165,12 @@ class _EagerPlan:
     contiguous weights (what `_eager_plan` admits). The backward's products that read dout
     are bound per layout of dout."""
 
-    __slots__ = ("drop_p", "h_rows", "out_shape", "products", "rows", "x_shape")
+    __slots__ = ("drop_p", "h_rows", "products", "rows", "x_shape")
 
     def __init__(self, x: torch.Tensor, wi: torch.Tensor, p: float) -> None:
         hidden, dim = wi.shape
         rows = x.numel() // dim
-        self.x_shape, self.out_shape = x.shape, x.shape
+        self.x_shape = x.shape  # out's too: D -> H -> D
         self.rows = (rows, dim) if x.dim() != 2 else None  # None: x is 2-D already
         self.h_rows = (rows, hidden)
         self.drop_p = p
@@ -180,7 +180,7 @@ class _EagerPlan:
         """(out (..., D), h (M, H)) as `relu2_mlp_op` computes them."""
         x2 = x if self.rows is None else x.view(self.rows)
         h = torch.empty(self.h_rows, dtype=x.dtype, device=x.device)
-        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(self.x_shape, dtype=x.dtype, device=x.device)
         drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
         self.products.run("h", x2, wi.t(), h, True, drop)
         self.products.run("out", h, wo.t(), out if self.rows is None else out.view(self.rows))
