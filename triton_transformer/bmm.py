@@ -891,11 +891,19 @@ class _EagerPlan:
             self.products.run("dx", dpre, w, dx if self.rows is None else dx.view(self.rows))
         if needs[1]:  # dW = d(pre)^T @ X, in the weight's own dtype
             x2 = x if self.rows is None else x.view(self.rows)
-            if home is not None and _foldable(home, weight_dtype, x2):
-                return dx, weight_grad(home, dpre.t(), x2, weight_dtype)
-            dw = torch.empty(w.shape, dtype=weight_dtype, device=w.device)
-            self.products.run("dw", dpre.t(), x2, dw)
+            dw = bound_weight_grad(self.products, "dw", home, dpre.t(), x2, weight_dtype)
         return dx, dw
+
+
+def bound_weight_grad(products, slot, home, a, b, dtype) -> torch.Tensor:
+    """A weight's gradient a @ b in its dtype for an eager plan's backward (`_EagerPlan`,
+    `mlp._EagerPlan`): added into home.grad where `_foldable` (`weight_grad`), else a fresh
+    tensor through the plan's bound product `slot` (`matmul_plan.BoundProducts`)."""
+    if home is not None and _foldable(home, dtype, b):
+        return weight_grad(home, a, b, dtype)
+    dw = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    products.run(slot, a, b, dw)
+    return dw
 
 
 _EAGER_PLANS = LaunchPlans()

@@ -45,11 +45,11 @@ from triton_transformer.bmm import (
     _check_epilogue_dropout,
     _check_pair,
     _drops,
-    _foldable,
     _grad_home,
     _traced_grad_acc,
     _weight_in,
     bmm_op,
+    bound_weight_grad,
     linear,
     weight_grad,
 )
@@ -203,20 +203,12 @@ class _EagerPlan:
                 products.run("dx", dpre, wi, dx if self.rows is None else dx.view(self.rows))
         # the weight gradients last, as the op's backward (`bmm.accumulate_grads_in_place`)
         if needs[1]:  # dW_in = d(pre)^T @ X
-            dw_in = _weight_grad(products, "dw_in", homes[0], dpre.t(), x2, w_dtypes[0])
+            dw_in = bound_weight_grad(products, "dw_in", homes[0], dpre.t(), x2, w_dtypes[0])
         if needs[2]:  # dW_out = dout^T @ h
-            dw_out = _weight_grad(products, ("dw_out", layout), homes[1], dout2.t(), h, w_dtypes[1])
+            dw_out = bound_weight_grad(
+                products, ("dw_out", layout), homes[1], dout2.t(), h, w_dtypes[1]
+            )
         return dx, dw_in, dw_out
-
-
-def _weight_grad(products, slot, home, a, b, dtype) -> torch.Tensor:
-    """a @ b, a weight's gradient in its dtype: added into home.grad where `bmm._foldable`
-    (`bmm.weight_grad`), else a fresh tensor through the plan's bound product `slot`."""
-    if home is not None and _foldable(home, dtype, b):
-        return weight_grad(home, a, b, dtype)
-    dw = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
-    products.run(slot, a, b, dw)
-    return dw
 
 
 _EAGER_PLANS = LaunchPlans()
