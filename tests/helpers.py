@@ -116,6 +116,23 @@ def check_launches_bound_per_shape(
     assert len(plans) == relaid_plans
 
 
+def check_grads_fold_alike(forward, params: list[torch.Tensor], dys: list[torch.Tensor]) -> None:
+    """Backwards of forward(*leaves) for each upstream gradient in dys, with the parameters as
+    fresh leaves, outside and inside `bmm.accumulate_grads_in_place` (each backward's
+    parameter gradients added into `.grad` in place): the same `.grad` sums."""
+    from triton_transformer.bmm import accumulate_grads_in_place
+
+    grads = {}
+    for in_place in (False, True):
+        leaves = [p.detach().requires_grad_() for p in params]
+        with accumulate_grads_in_place() if in_place else contextlib.nullcontext():
+            for dy in dys:
+                forward(*leaves).backward(dy)
+        grads[in_place] = [leaf.grad for leaf in leaves]
+    for got, want in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
 def record_calls(monkeypatch, module, name: str, record=lambda *args, **kwargs: args[0].shape):
     """Replace `module.name` for the test with a wrapper that appends `record(*args,
     **kwargs)` (by default the first argument's shape) to the returned list, then calls the

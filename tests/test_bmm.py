@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOL, CountAdds, compile_trace_check, pretend_gpu, rel_err
+from helpers import (
+    TOL,
+    CountAdds,
+    check_grads_fold_alike,
+    compile_trace_check,
+    pretend_gpu,
+    rel_err,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import triton_transformer.bmm as bmm_module
@@ -2043,15 +2050,7 @@ def test_eager_linear_plan_without_autograd_under_autocast_and_accumulating(devi
     torch.testing.assert_close(wl.grad, w_lp.grad.float(), rtol=2e-2, atol=1e-2)
 
     dys = [torch.randn(33, 24, device=device) for _ in range(3)]
-    grads = {}
-    for in_place in (False, True):
-        wl = w.detach().requires_grad_()
-        context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
-        with context:
-            for dy in dys:
-                linear(x, wl, "relu_squared", use_triton=True).backward(dy)
-        grads[in_place] = wl.grad
-    torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=1e-5)
+    check_grads_fold_alike(lambda wl: linear(x, wl, "relu_squared", use_triton=True), [w], dys)
 
 
 def test_eager_linear_plan_keeps_the_checks(device):

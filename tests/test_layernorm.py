@@ -7,7 +7,6 @@ or the launch tables (the `tables` fixture: every width takes one configuration,
 few rows, and at model scale in the GPU tests.
 """
 
-import contextlib
 import importlib
 import math
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    check_grads_fold_alike,
     check_launches_bound_per_shape,
     compile_trace_check,
     run_without_interpreter,
@@ -803,16 +803,7 @@ def test_eager_plan_without_autograd_and_with_accumulated_grads(device):
     assert len(ln_mod._EAGER_PLANS.plans) == 1
 
     dys = [torch.randn(33, 40, device=device) for _ in range(3)]
-    grads = {}
-    for in_place in (False, True):
-        wl, bl = w.detach().requires_grad_(), b.detach().requires_grad_()
-        context = bmm.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
-        with context:
-            for dy in dys:
-                layernorm(x, wl, bl, use_triton=True).backward(dy)
-        grads[in_place] = (wl.grad, bl.grad)
-    for got, want in zip(grads[True], grads[False], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    check_grads_fold_alike(lambda wl, bl: layernorm(x, wl, bl, use_triton=True), [w, b], dys)
 
 
 def test_eager_plan_keeps_the_checks(device):

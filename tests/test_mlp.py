@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import TOL, CountAdds, pretend_gpu, rel_err
+from helpers import TOL, CountAdds, check_grads_fold_alike, pretend_gpu, rel_err
 
 import triton_transformer.bmm as bmm_module
 import triton_transformer.matmul_plan as plan_module
@@ -270,7 +270,6 @@ def test_accumulate_grads_in_place(device, monkeypatch):
     # The op's two weight gradients, inside `bmm.accumulate_grads_in_place` (the trainer's
     # micro-batches): each backward after the first adds dW_in and dW_out into the weights'
     # .grad in its product, with no separate add, and the sums equal autograd's own.
-    import triton_transformer.bmm as bmm_module
 
     def run(in_place: bool):
         torch.manual_seed(0)
@@ -353,16 +352,7 @@ def test_eager_plan_without_autograd_and_accumulating(device):
     assert len(mlp_module._EAGER_PLANS.plans) == 1
 
     dys = [torch.randn(33, 40, device=device) for _ in range(3)]
-    grads = {}
-    for in_place in (False, True):
-        wi, wo = w_in.detach().requires_grad_(), w_out.detach().requires_grad_()
-        context = bmm_module.accumulate_grads_in_place() if in_place else contextlib.nullcontext()
-        with context:
-            for dy in dys:
-                relu2_mlp(x, wi, wo, use_triton=True).backward(dy)
-        grads[in_place] = (wi.grad, wo.grad)
-    for got, want in zip(grads[True], grads[False], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    check_grads_fold_alike(lambda wi, wo: relu2_mlp(x, wi, wo, use_triton=True), [w_in, w_out], dys)
 
 
 def test_eager_plan_keeps_the_checks(device):
