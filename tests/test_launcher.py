@@ -177,3 +177,39 @@ def test_bound_launch_replays_in_a_cuda_graph():
     x.copy_(torch.randn(4096, device="cuda"))
     graph.replay()
     torch.testing.assert_close(y, x * 2.0 + 3)
+
+
+@triton.jit
+def _scale_tiles_kernel(X_DESC, Y, n_cols, a, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = a * x, x read through a host-made TMA descriptor in (BLOCK_M, BLOCK_N) tiles."""
+    row = tl.program_id(0) * BLOCK_M
+    x = X_DESC.load([row, 0])
+    rows = row + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(Y + rows[:, None] * n_cols + cols[None, :], x * a)
+
+
+def test_bound_launch_takes_the_tensor_a_descriptor_describes(device):
+    # a host-made descriptor's place takes, per call, the tensor to describe; on the GPU each
+    # address's descriptor is encoded once and reused (`_host_descriptors`): a later call
+    # at a seen address, with new contents, and one at a new address both read right
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host-made TMA descriptors need sm_90")
+    x = torch.randn(64, 32, device=device) + 0.5
+    y = torch.empty_like(x)
+    desc = TensorDescriptor.from_tensor(x, [16, 32])
+    bound = launcher(_scale_tiles_kernel).bind((4,), desc, y, 32, 3.0, BLOCK_M=16, BLOCK_N=32)
+    torch.testing.assert_close(y, 3.0 * x)
+    pair = [torch.randn_like(x) for _ in range(2)]
+    for step in range(5):
+        x2 = pair[step % 2]
+        x2.add_(1.0)  # new contents at an address seen before
+        y2 = torch.empty_like(x)
+        bound(x2, y2)
+        torch.testing.assert_close(y2, 3.0 * x2)
+    assert not _tensors_held(bound)
+    if device == "cuda" and triton.__version__.startswith("3.6"):
+        # the Triton on the H200: its launcher has the form `_host_descriptors` knows
+        assert bound.encodes_descriptors

@@ -108,7 +108,6 @@ from triton_transformer.utils import (
     check_dropout_p,
     check_triton_tensor,
     compile_tma,
-    descriptor_template,
     dropout_threshold,
     first_order_only,
     interpreter_enabled,
@@ -118,7 +117,6 @@ from triton_transformer.utils import (
     next_power_of_2,
     offsets_in,
     opaque_op,
-    rebased,
     seed_or_draw,
     sm_count,
     tma_scratch,
@@ -1501,16 +1499,14 @@ def _triton_bwd(
     bound = _launch_fitting(_attention_bwd_kernel, grid, tuple(args), consts, config)
     if bound is None:
         return None
-    if descs is not None:  # None: a placeholder (q) where no descriptor is asked for
-        descs = [None if isinstance(t, torch.Tensor) else descriptor_template(t) for t in descs]
+    # a placeholder (q) where no descriptor is asked for, else the tensor the descriptor describes
+    described = None if descs is None else [not isinstance(t, torch.Tensor) for t in descs]
 
     def again(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> None:
         per_call = leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
-        if descs is not None:
+        if described is not None:
             bases = (q, k, v, dout.transpose(1, 2), dq_acc)
-            per_call[12:17] = [
-                q if t is None else rebased(t, base) for t, base in zip(descs, bases, strict=True)
-            ]
+            per_call[12:17] = [base if d else q for d, base in zip(described, bases, strict=True)]
         bound(*per_call)
 
     return again

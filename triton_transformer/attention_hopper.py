@@ -78,7 +78,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer._jit_helpers import longest_first
-from triton_transformer.utils import descriptor_template, dropout_threshold, launcher, rebased
+from triton_transformer.utils import dropout_threshold, launcher
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_sm90"]
 
@@ -522,8 +522,8 @@ def launch_bwd_sm90(
     dropout of P, whose mask `seed` (0-dim int64 device tensor) regenerates.
 
     Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, dout,
-    dk, dv, grads_base, lse, delta, dq_acc, seed), as `utils.KernelLauncher.bind`, the
-    descriptors `rebased` per call."""
+    dk, dv, grads_base, lse, delta, dq_acc, seed), as `utils.KernelLauncher.bind` (each
+    descriptor encoded once per address)."""
     dropping = dropout_p > 0.0
     if dropping and seed is None:
         raise ValueError("a backward through dropout needs the forward's seed")
@@ -544,11 +544,10 @@ def launch_bwd_sm90(
         1.0 / (1.0 - dropout_p), HEAD_DIM=d, CAUSAL=causal, DROPOUT=dropping,
         LPT_BYTES=lpt_bytes, **tiles,
     )  # fmt: skip
-    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
-        bases = (q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc)
+        rows = (_aligned_rows(lse), _aligned_rows(delta))
         written = (dk, dv) if grads_base is None else (grads_base, grads_base)
-        bound(*map(rebased, descs, bases), *written, seed if dropping else delta, lse, delta)
+        bound(q, k, v, dout, *rows, dq_acc, *written, seed if dropping else delta, lse, delta)
 
     return again

@@ -77,7 +77,7 @@ from triton_transformer.attention_hopper import (
     _load_step,
     _store_head_rows,
 )
-from triton_transformer.utils import descriptor_template, launcher, rebased
+from triton_transformer.utils import launcher
 
 __all__ = ["HAVE_GLUON", "bwd_tiles", "launch_bwd_ws_sm90", "usable"]
 
@@ -456,7 +456,7 @@ def launch_bwd_ws_sm90(
 
     Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, dout,
     dk, dv, grads_base, lse, delta, dq_acc, seed) (seed unused: `attention_hopper`'s
-    signature), as `utils.KernelLauncher.bind`, the descriptors `rebased` per call."""
+    signature), as `utils.KernelLauncher.bind` (each descriptor encoded once per address)."""
     dk_base, dv_base = (dk, dv) if grads_base is None else (grads_base, grads_base)
     off_dk, off_dv = grad_offsets
     b, h, n_q, d = q.shape
@@ -476,12 +476,10 @@ def launch_bwd_ws_sm90(
         b * h, h, n_q, n_k, qk_scale, sm_scale, HEAD_DIM=d, CAUSAL=causal,
         STORE_TMA=store_tma, LPT_BYTES=lpt_bytes, **tiles, **_launch(consumers),
     )  # fmt: skip
-    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, dout, dk, dv, grads_base, lse, delta, dq_acc, seed) -> None:
         stored = (dk, dv) if store_tma else (q, q)
-        bases = (q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc, *stored)
         written = (dk, dv) if grads_base is None else (grads_base, grads_base)
-        bound(*map(rebased, descs, bases), *written)
+        bound(q, k, v, dout, _aligned_rows(lse), _aligned_rows(delta), dq_acc, *stored, *written)
 
     return again

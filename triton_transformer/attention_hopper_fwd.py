@@ -81,7 +81,7 @@ from triton_transformer._gluon import (
     tma,
 )
 from triton_transformer.attention_hopper import _layouts, _load_head_rows
-from triton_transformer.utils import descriptor_template, launcher, rebased, sm_count
+from triton_transformer.utils import launcher, sm_count
 
 __all__ = ["HAVE_GLUON", "fwd_tiles", "launch_fwd_sm90", "usable"]
 
@@ -624,7 +624,7 @@ def launch_fwd_sm90(
     (`_unit_count`) among them; otherwise one program per unit.
 
     Returns the launch bound for tensors of the same layouts and facts: again(q, k, v, out,
-    lse) (`utils.KernelLauncher.bind`, the descriptors `rebased` per call)."""
+    lse) (`utils.KernelLauncher.bind`: each descriptor encoded once per address)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     tiles = dict(tiles or fwd_tiles(d, causal, n_q))
@@ -638,9 +638,8 @@ def launch_fwd_sm90(
         n_k, qk_scale, HEAD_DIM=d, CAUSAL=causal, GROUP=h // k.shape[1], WRITE_LSE=need_lse,
         **tiles, **_launch(tiles["CONSUMERS"], per_sm),
     )  # fmt: skip
-    descs = tuple(map(descriptor_template, descs))
 
     def again(q, k, v, out, lse) -> None:
-        bound(*map(rebased, descs, (q, k, v, out)), lse if need_lse else q)
+        bound(q, k, v, out, lse if need_lse else q)
 
     return again

@@ -15,6 +15,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from triton_transformer._host_descriptors import (
+    descriptor_launch,
+    descriptor_template,
+    is_descriptor,
+    rebased,
+)
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -540,13 +547,14 @@ class KernelLauncher:
         """Launch once as `self[grid](*args, **kwargs)`, then return a launch of the same
         kernel whose tensor arguments are given per call: `bound(*tensors)` launches with
         those tensors, in the places and order the tensors of `args` take, the rest of `args`
-        and `kwargs` as bound here, and no key computed. Host-made TMA descriptors count as
-        tensors (pass `rebased` copies). For a caller that keys its own cache of bound
-        launches on every fact the kernel's specialisation reads from the tensors (dtype,
-        16-byte alignment), so a hit is the same specialisation (the ops' `LaunchPlans`:
-        `layernorm._PLANS`, attention's `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves
-        the key's pass over every argument. The bound launch holds none of this call's
-        tensors.
+        and `kwargs` as bound here, and no key computed. A host-made TMA descriptor's place
+        takes the tensor it describes (of the bound one's shape, strides, dtype and 16-byte
+        alignment); each address's descriptor is encoded once (`_host_descriptors`). For a
+        caller that keys its own cache of bound launches on every fact the kernel's
+        specialisation reads from the tensors (dtype, 16-byte alignment), so a hit is the
+        same specialisation (the ops' `LaunchPlans`: `layernorm._PLANS`, attention's
+        `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves the key's pass over every
+        argument. The bound launch holds none of this call's tensors.
         Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
         launch hooks set at the call), it launches as `self[grid]` does."""
         slots = [i for i, a in enumerate(args) if _per_call(a)]
@@ -565,6 +573,19 @@ class KernelLauncher:
                     full[i] = t
                 return tuple(full)
 
+        # each descriptor's template, by its place among the per-call arguments
+        descs = [
+            (n, descriptor_template(args[i])) for n, i in enumerate(slots) if is_descriptor(args[i])
+        ]
+        if descs:  # Triton's path takes descriptors: the tensors wrapped per call
+            place_tensors = place
+
+            def place(tensors: tuple) -> tuple:
+                wrapped = list(tensors)
+                for n, desc in descs:
+                    wrapped[n] = rebased(desc, wrapped[n])
+                return place_tensors(wrapped)
+
         self.launch(grid, *args, **kwargs)
         entry = None
         if (
@@ -579,6 +600,7 @@ class KernelLauncher:
         run, function, metadata, tail = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
         runtime, active = self.knobs.runtime, self.driver.active
+        raw = descriptor_launch(run, args, tail, slots) if descs else None
 
         def bound(*tensors: Any) -> None:
             current = active.get_current_device()
@@ -588,13 +610,16 @@ class KernelLauncher:
                 self.launch(grid, *place(tensors), **kwargs)
                 return
             stream = active.get_current_stream(current)
-            if n_lead:
+            if raw is not None:
+                raw(g0, g1, g2, stream, function, metadata, tensors)
+            elif n_lead and not descs:
                 run(g0, g1, g2, stream, function, metadata, None, None, None, *tensors, *fixed,
                     *tail)  # fmt: skip
             else:
                 run(g0, g1, g2, stream, function, metadata, None, None, None, *place(tensors),
                     *tail)  # fmt: skip
 
+        bound.encodes_descriptors = raw is not None  # (tests)
         return bound
 
     def _remember(self, key: tuple, compiled: Any, n_args: int, kwargs: dict) -> None:
@@ -617,25 +642,7 @@ class KernelLauncher:
 
 def _per_call(a: Any) -> bool:
     """Whether `bind` takes `a` per call: a tensor, or a host-made TMA descriptor (it holds one)."""
-    return isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"
-
-
-def descriptor_template(desc: Any) -> Any:
-    """The host-made TMA descriptor `desc` without its tensor: what a bound launch keeps, to
-    pass `rebased` copies per call (the descriptor itself would keep its tensor's memory alive
-    as long as the op's plan)."""
-    return rebased(desc, None)
-
-
-def rebased(desc: Any, base: torch.Tensor | None) -> Any:
-    """A copy of the host-made TMA descriptor `desc` over `base`, a tensor of the shape,
-    strides, dtype and 16-byte alignment of the one `desc` was made for: what a launch bound
-    with `desc` (`KernelLauncher.bind`) takes for a new tensor, without the descriptor's
-    checks (a copy of one that passed them; `copy.copy` costs five times as much)."""
-    new = object.__new__(type(desc))
-    new.__dict__.update(desc.__dict__)
-    new.base = base
-    return new
+    return isinstance(a, torch.Tensor) or is_descriptor(a)
 
 
 @functools.cache

@@ -1,0 +1,126 @@
+"""Host-made TMA descriptors in bound launches (`utils.KernelLauncher.bind`).
+
+A kernel that takes a host-made `TensorDescriptor` gets a CUtensorMap per descriptor at
+each launch, which the CUDA driver encodes from the tensor's address, shape, strides, block
+and swizzle (`cuTensorMapEncodeTiled`). Triton's launcher does that in Python for every
+descriptor of every launch, after walking the whole argument list: an eager attention
+forward + backward at 512 queries takes 13 descriptors. A bound launch knows all but the
+address, so `descriptor_launch` encodes each address once and keeps the result: a training
+loop's caching allocator hands the same few addresses back step after step, and an address
+seen before costs one dict lookup.
+
+This calls Triton's CUDA launcher below its public surface, in the form Triton 3.6 gives
+it: `CudaLauncher.launch` wraps the generated C launcher in a Python step that expands each
+descriptor with `make_tensordesc_arg`. The expansion itself stays Triton's (its function is
+called for each new address). Where that form is not found (another Triton release, a
+kernel with scratch memory), `descriptor_launch` returns None and the bound launch goes
+through Triton's launcher.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+# encodings kept per descriptor argument; past this the dict starts again (a loop cycles
+# through a few addresses; anything else should not grow without bound)
+MAX_ADDRESSES = 64
+
+# what Triton 3.6's launcher passes the C launcher before the kernel's arguments: the grid
+# (3), stream, function, cooperative and PDL flags, two scratch buffers, the packed
+# metadata, the launch metadata and the two launch hooks
+_BASE_ARGS = 13
+
+
+def is_descriptor(a: Any) -> bool:
+    """Whether `a` is a host-made TMA descriptor (Triton's or Gluon's `TensorDescriptor`)."""
+    return type(a).__name__ == "TensorDescriptor"
+
+
+def descriptor_template(desc: Any) -> Any:
+    """The host-made TMA descriptor `desc` without its tensor: what a bound launch keeps, to
+    pass `rebased` copies per call (the descriptor itself would keep its tensor's memory
+    alive as long as the op's plan)."""
+    return rebased(desc, None)
+
+
+def rebased(desc: Any, base: Any) -> Any:
+    """A copy of the host-made TMA descriptor `desc` over `base`, a tensor of the shape,
+    strides, dtype and 16-byte alignment of the one `desc` was made for, without the
+    descriptor's checks (a copy of one that passed them; `copy.copy` costs five times as
+    much)."""
+    new = object.__new__(type(desc))
+    new.__dict__.update(desc.__dict__)
+    new.base = base
+    return new
+
+
+def _launcher_parts(run: Any) -> tuple | None:
+    """(C launcher, the descriptors' argument positions, their metadata, Triton's
+    `make_tensordesc_arg`) of the compiled kernel's launcher `run`, where it has Triton 3.6's
+    form; else None."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return None
+    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
+    wrapper = getattr(run, "launch", None)
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if make_arg is None or code is None or closure is None:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+    if (
+        getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS
+        or len(inspect.signature(make_arg).parameters) != 2
+        or not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys()
+        or getattr(run, "global_scratch_size", 1) != 0
+        or getattr(run, "profile_scratch_size", 1) != 0
+    ):
+        return None
+    positions = sorted(cells["tensordesc_indices"])
+    metas = list(cells["tensordesc_meta"])
+    if len(metas) != len(positions):
+        return None
+    return cells["launcher"], positions, metas, make_arg
+
+
+def descriptor_launch(run: Any, args: tuple, tail: list, slots: list[int]) -> Callable | None:
+    """A launch of the compiled kernel whose launcher is `run`, bound to `args` (positional,
+    host-made descriptors among them) and `tail` (the parameters after them, in signature
+    order): launch(g0, g1, g2, stream, function, metadata, tensors) takes the per-call
+    arguments at `slots` of `args`, a tensor in each descriptor's place. None where Triton's
+    launcher does not have the form this module knows, or its descriptors are not `args`'s."""
+    parts = _launcher_parts(run)
+    if parts is None:
+        return None
+    raw, positions, metas, make_arg = parts
+    if positions != [i for i in slots if is_descriptor(args[i])]:
+        return None
+    fixed = [None if i in slots else a for i, a in enumerate((*args, *tail))]
+    # the last descriptor first: an expansion leaves the positions before it where they are
+    expand = [
+        (i, descriptor_template(args[i]), meta, {})
+        for i, meta in reversed(list(zip(positions, metas, strict=True)))
+    ]
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def launch(g0, g1, g2, stream, function, metadata, tensors) -> None:
+        call = fixed.copy()
+        for i, t in zip(slots, tensors, strict=True):
+            call[i] = t
+        for i, desc, meta, encoded in expand:
+            t = call[i]
+            arg = encoded.get(t.data_ptr())
+            if arg is None:
+                arg = make_arg(rebased(desc, t), meta)
+                # without metadata Triton passes the tensor itself: nothing to keep
+                if meta is not None:
+                    if len(encoded) >= MAX_ADDRESSES:
+                        encoded.clear()
+                    encoded[t.data_ptr()] = arg
+            call[i : i + 1] = arg
+        raw(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None, None,
+            *call)  # fmt: skip
+
+    return launch
