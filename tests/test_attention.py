@@ -767,6 +767,8 @@ def test_gpu_compiled_gradients_match_eager(
     # and test_attention_hopper_bwd_ws cover them)
     monkeypatch.setattr(attention_module.attention_hopper, "ENABLED", False)
     monkeypatch.setattr(attention_module.attention_hopper_bwd_ws, "ENABLED", False)
+    # traced kernels, not the opaque op that launches the single pass as eager code does
+    monkeypatch.setattr(attention_module, "TRACED_OPAQUE", False)
     # the flag is read while the backward is traced: a graph cached by another test (the
     # same function with the other flag) would skip the trace
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)

@@ -1038,9 +1038,10 @@ TMA_LOADS = True
 # kernel made; with the host-made ones (since 2026-11-28) the threshold was not re-measured.
 TMA_LOADS_MIN_QUERIES = 513
 
-# Whether a traced backward (torch.compile) may take the single pass (its dQ reductions go
-# through a device-side TMA descriptor, its tiles through pointer loads); False keeps the
-# two-program kernel there. Read when the backward is traced: a compiled graph keeps the
+# Whether a traced backward (torch.compile with TRACED_OPAQUE off: on, the single pass is
+# launched eagerly in an opaque op, `_traced_backward_op`) may take the single pass (its dQ
+# reductions go through a device-side TMA descriptor, its tiles through pointer loads); False
+# keeps the two-program kernel there. Read when the backward is traced: a compiled graph keeps the
 # kernel it was traced with, and so do inductor's FX-graph and AOTAutograd caches, on disk
 # across processes (turn them off, or clear them, after changing it). The compiled enwik8
 # step trains with it (H200, 2026-11-26: 7.67 against 7.83 GPU ms per step,
@@ -1560,15 +1561,20 @@ def _capped_forward(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
 
 def _traced_backward_op(op, opaque_op, dout, qkv, kpm, ctx):
     """`opaque_op` where an eager backward would take `attention_hopper`'s kernel, which traced
-    code cannot launch. qkv: (q, k, v), or the packed (b, n, 3, h, d) tensor (split only
-    when traced: eager calls pay nothing)."""
+    code cannot launch, or the Triton single pass on Hopper. qkv: (q, k, v), or the packed
+    (b, n, 3, h, d) tensor (split only when traced: eager calls pay nothing)."""
     if not (TRACED_OPAQUE and is_traced(qkv[0] if isinstance(qkv, tuple) else qkv)):
         return op
     q, k, v = qkv if isinstance(qkv, tuple) else _split_packed(qkv)
     deterministic = torch.are_deterministic_algorithms_enabled()
     dropping = ctx.dropout_p > 0.0
     gluon = _takes_gluon(dout, q, k, v, kpm is not None, ctx.causal, dropping, deterministic)
-    return opaque_op if gluon else op
+    # The single pass adds dQ through a TMA descriptor: made on the host by an eager launch,
+    # in the kernel when traced, which then needs Triton's scratch allocator set in whichever
+    # thread runs the graph. Inductor's launcher sets it; other backends (aot_eager, export,
+    # opcheck's aot_dispatch test on an H200, 2026-11-28) do not, and the kernel raised.
+    single = _has_tma(q.device) and _single_pass(ctx.causal, deterministic, True, False)
+    return opaque_op if gluon or single else op
 
 
 def _flash_attention_impl(
