@@ -213,3 +213,85 @@ def test_bound_launch_takes_the_tensor_a_descriptor_describes(device):
     if device == "cuda" and triton.__version__.startswith("3.6"):
         # the Triton on the H200: its launcher has the form `_host_descriptors` knows
         assert bound.encodes_descriptors
+
+
+class _StandInLauncher:
+    """What `_host_descriptors` reads of a compiled kernel's launcher in Triton 3.6: `launch`,
+    the Python step over the C launcher (its closure names them), and the launch flags."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, c_launcher, positions: set, metas: list) -> None:
+        def wrapper(launcher, tensordesc_indices, tensordesc_meta):
+            def inner(*args):  # Triton's own step: the direct path never calls it
+                raise AssertionError((launcher, tensordesc_indices, tensordesc_meta))
+
+            return inner
+
+        self.launch = wrapper(c_launcher, positions, metas)
+
+
+def test_descriptor_launch_expands_each_address_once(monkeypatch):
+    # the direct path against a stand-in of Triton 3.6's launcher (CPU: the real one runs on
+    # the GPU tests): the C launcher gets the arguments in signature order, each descriptor
+    # expanded by Triton's `make_tensordesc_arg`, called once per address where it encodes
+    # (metadata given) and at every call where it passes the tensor itself (no metadata)
+    from triton.backends.nvidia import driver as nvidia
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from triton_transformer import _host_descriptors
+
+    expanded = []
+
+    def make_arg(desc, meta):
+        expanded.append((desc.base.data_ptr(), meta is None))
+        if meta is None:
+            return [desc.base, *desc.shape]
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", make_arg)
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    monkeypatch.setattr(_host_descriptors, "MAX_ADDRESSES", 2)
+    calls = []
+    run = _StandInLauncher(lambda *a: calls.append(a), {1, 3}, [{"swizzle": 128}, None])
+
+    def desc(t):
+        return TensorDescriptor.from_tensor(t, [4, 8])
+
+    first = [torch.zeros(16, 8) for _ in range(4)]
+    args = (first[0], desc(first[1]), 7, desc(first[2]), first[3])
+    launch = _host_descriptors.descriptor_launch(run, args, [5, "C"], [0, 1, 3, 4])
+    assert launch is not None
+
+    u, a, b, w = (torch.zeros(16, 8) for _ in range(4))
+    launch(1, 2, 3, "stream", "fn", "meta", (u, a, b, w))
+    want = [
+        1, 2, 3, "stream", "fn", False, False, None, None, "meta", None, None, None,
+        u, ("map", a.data_ptr(), 128), 16, 8, 8, 1, 7, b, 16, 8, w, 5, "C",
+    ]  # fmt: skip
+    (got,) = calls
+    assert len(got) == len(want)
+    for g, x in zip(got, want, strict=True):
+        assert g is x if isinstance(x, torch.Tensor) else g == x
+    assert sorted(expanded) == sorted([(a.data_ptr(), False), (b.data_ptr(), True)])
+
+    # a seen address: no new encoding for the descriptor with metadata
+    expanded.clear()
+    launch(1, 2, 3, "stream", "fn", "meta", (u, a, b, w))
+    assert expanded == [(b.data_ptr(), True)]
+    # at most MAX_ADDRESSES kept: a, a2, then a3 starts the dict again, so a is new once more
+    a2, a3 = torch.zeros(16, 8), torch.zeros(16, 8)
+    for t in (a2, a3, a):
+        launch(1, 2, 3, "stream", "fn", "meta", (u, t, b, w))
+    assert [p for p, plain in expanded if not plain] == [a2.data_ptr(), a3.data_ptr(), a.data_ptr()]
+    assert calls[-1][14] == ("map", a.data_ptr(), 128)
+
+    # anything else: None, and the bound launch takes Triton's launcher
+    other = _StandInLauncher(lambda *a: None, {1}, [{"swizzle": 128}])  # not args' descriptors
+    assert _host_descriptors.descriptor_launch(other, args, [5, "C"], [0, 1, 3, 4]) is None
+    scratch = _StandInLauncher(lambda *a: None, {1, 3}, [{"swizzle": 128}, None])
+    scratch.global_scratch_size = 128
+    assert _host_descriptors.descriptor_launch(scratch, args, [5, "C"], [0, 1, 3, 4]) is None
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 14)  # another launcher protocol
+    assert _host_descriptors.descriptor_launch(run, args, [5, "C"], [0, 1, 3, 4]) is None
