@@ -69,7 +69,10 @@ def _launcher_parts(run: Any) -> tuple | None:
     code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
     if make_arg is None or code is None or closure is None:
         return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+    try:
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+    except ValueError:  # an empty cell: not the form known here
+        return None
     if (
         getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS
         or len(inspect.signature(make_arg).parameters) != 2
