@@ -1038,14 +1038,14 @@ TMA_LOADS = True
 # kernel made; with the host-made ones (since 2026-11-28) the threshold was not re-measured.
 TMA_LOADS_MIN_QUERIES = 513
 
-# Whether a traced backward (torch.compile with TRACED_OPAQUE off: on, the single pass is
-# launched eagerly in an opaque op, `_traced_backward_op`) may take the single pass (its dQ
-# reductions go through a device-side TMA descriptor, its tiles through pointer loads); False
-# keeps the two-program kernel there. Read when the backward is traced: a compiled graph keeps the
-# kernel it was traced with, and so do inductor's FX-graph and AOTAutograd caches, on disk
-# across processes (turn them off, or clear them, after changing it). The compiled enwik8
-# step trains with it (H200, 2026-11-26: 7.67 against 7.83 GPU ms per step,
-# `benchmarks/probe_compile.py`).
+# Whether a traced backward may take the single pass (its dQ reductions go through a
+# device-side TMA descriptor, its tiles through pointer loads); False keeps the two-program
+# kernel there. Only with TRACED_OPAQUE off: on, traced code launches the single pass
+# eagerly inside the opaque op (`_traced_backward_op`). Read when the backward is traced: a
+# compiled graph keeps the kernel it was traced with, and so do inductor's FX-graph and
+# AOTAutograd caches, on disk across processes (turn them off, or clear them, after changing
+# it). The compiled enwik8 step trained with it (H200, 2026-11-26: 7.67 against 7.83 GPU ms
+# per step, `benchmarks/probe_compile.py`).
 TRACED_SINGLE_PASS = True
 
 
