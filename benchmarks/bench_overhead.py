@@ -44,6 +44,8 @@ def cases(ops, use_triton: bool = True) -> dict:
     return {
         "layernorm": lambda: ops.layernorm(x, w, use_triton=use_triton),
         "rmsnorm": lambda: ops.rmsnorm(x, w, use_triton=use_triton),
+        # (h_new, y) of x + branch; y alone timed (PyTorch: the add, then the composed rmsnorm)
+        "residual_rmsnorm": lambda: ops.residual_rmsnorm(x, branch, w, use_triton=use_triton)[1],
         # (h_new, y) of x + branch; y alone timed (PyTorch: the add, then F.layer_norm)
         "residual_layernorm": lambda: ops.residual_layernorm(x, branch, w, use_triton=use_triton)[
             1
@@ -131,6 +133,7 @@ def main() -> None:
     class ops:
         layernorm, softmax = ln_mod.layernorm, softmax_mod.softmax
         rmsnorm = rmsnorm_mod.rmsnorm
+        residual_rmsnorm = rmsnorm_mod.residual_rmsnorm
         residual_layernorm = rln_mod.residual_layernorm
         linear, bmm = bmm_mod.linear, bmm_mod.bmm
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout

@@ -60,6 +60,7 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
     class ops:
         layernorm, softmax = mods["layernorm"].layernorm, mods["softmax"].softmax
         rmsnorm = mods["rmsnorm"].rmsnorm
+        residual_rmsnorm = mods["rmsnorm"].residual_rmsnorm
         residual_layernorm = mods["residual_layernorm"].residual_layernorm
         linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
         cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
