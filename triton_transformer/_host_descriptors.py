@@ -23,8 +23,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-# encodings kept per descriptor argument; past this the dict starts again (a loop cycles
-# through a few addresses; anything else should not grow without bound)
+# encodings kept per descriptor argument, about half a KiB each; past this the dict starts
+# again. A model's layers share one plan per layout, so a step cycles through a few
+# addresses per layer (each layer's saved activations): 64 covers a few dozen layers.
 MAX_ADDRESSES = 64
 
 # what Triton 3.6's launcher passes the C launcher before the kernel's arguments: the grid
