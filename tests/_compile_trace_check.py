@@ -324,6 +324,10 @@ OPAQUE_ROUTES = [
      ["flash_attention_packed_backward_opaque"]),
     ("attention gluon forward", at, [(at, "_fwd_takes_gluon")], attention_case(),
      ["flash_attention_opaque"], []),
+    # the Triton single pass on Hopper: traced, its dQ descriptor would be made in the kernel,
+    # which needs Triton's allocator in the thread that runs the graph
+    ("attention single pass", at, [(at, "_has_tma")], attention_case(), [],
+     ["flash_attention_backward_opaque"]),
     ("cross_entropy inplace", ce, [(ceh, "takes_strides")], GROUPS["rows"]["cross_entropy inplace"],
      ["cross_entropy_inplace_opaque"], []),
     ("linear_cross_entropy", lce, [(ceh, "takes_rows")],
@@ -336,7 +340,8 @@ def opaque_route_cases() -> bool:
     """Where an eager call launches what inductor cannot (made to, on the CPU: an attention
     forward capping its registers, Gluon kernels of the attention backward and the losses),
     the traced graphs call the opaque `*_opaque` ops, unless the module's `TRACED_OPAQUE` is
-    off: then the triton_ops, traced into their kernels' launches."""
+    off: then the triton_ops, traced into their kernels' launches. Also the attention
+    backward's single pass on a Hopper GPU (made to be one)."""
     ok = True
     for name, module, patches, fn, want_fwd, want_bwd in OPAQUE_ROUTES:
         for enabled in (True, False):
