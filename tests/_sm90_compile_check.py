@@ -6,6 +6,8 @@ torch.compile (an fp64 scale promoting an fp32 accumulator, for one) fails here 
 line per kernel; exits non-zero on the first failure.
 """
 
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -56,7 +58,7 @@ compile_sm90(
 )  # fmt: skip
 print("attention forward: ok")
 bwd_ptrs = dict(Q=bf16, K=bf16, V=bf16, DO=bf16, DQ=bf16, DK=bf16, DV=bf16, LSE="*fp32",
-                DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32")  # fmt: skip
+                DELTA="*fp32", KPM=bf16, SEED="*i64", DQ_ACC="*fp32", OUT=bf16)  # fmt: skip
 
 
 def bwd_pointers(tma: bool, dq_host_desc: bool) -> dict:
@@ -72,23 +74,27 @@ def bwd_pointers(tma: bool, dq_host_desc: bool) -> dict:
 # (Hopper) and by per-element atomics (the interpreter's path), tile loads through pointers or
 # host-made TMA descriptors; dQ, dK, dV in one packed tensor or three. (True, True, False,
 # False, True) is the single pass as torch.compile traces the model's packed attention (TMA
-# reductions through a descriptor the kernel makes, pointer loads).
-for atomic, dq_tma, dq_host, tma, packed in (
-    (False, False, False, False, False), (False, False, False, True, True),
-    (True, True, True, True, True), (True, True, True, False, False),
-    (True, False, False, False, False), (True, True, False, False, True),
+# reductions through a descriptor the kernel makes, pointer loads). The last two: the one-launch
+# backward of short heads (dQ stored whole, no reductions), with pointer and TMA tile loads.
+for atomic, dq_tma, dq_host, tma, packed, direct in (
+    (False, False, False, False, False, False), (False, False, False, True, True, False),
+    (True, True, True, True, True, False), (True, True, True, False, False, False),
+    (True, False, False, False, False, False), (True, True, False, False, True, False),
+    (False, False, False, False, True, True), (False, False, False, True, False, True),
 ):  # fmt: skip
     ptx = compile_sm90(
         attn._attention_bwd_kernel, bwd_pointers(tma, dq_host),
         {"qk_scale", "sm_scale", "drop_scale"},
         dict(common, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, ATOMIC_DQ=atomic,
-             DQ_TMA=dq_tma, DQ_HOST_DESC=dq_host, TMA=tma, PACKED_GRADS=packed),
+             DQ_TMA=dq_tma, DQ_HOST_DESC=dq_host, TMA=tma, PACKED_GRADS=packed,
+             DQ_DIRECT=direct),
     ).asm["ptx"]  # fmt: skip
     # tiles by 4-D TMA copies, dQ by 3-D bulk reductions; a descriptor made in the kernel
-    # (tensormap.replace) only where the launch is traced
+    # (tensormap.replace) only where the launch is traced; atomics only in the single pass
     assert ("cp.async.bulk.tensor.4d" in ptx) == tma
     assert ("cp.reduce.async.bulk.tensor.3d" in ptx) == dq_tma
     assert ("tensormap.replace" in ptx) == (dq_tma and not dq_host)
+    assert bool(re.search(r"\b(atom|red)\.global", ptx)) == (atomic and not dq_tma)
 compile_sm90(
     attn._attention_bwd_dq_kernel, dict(DQ_ACC="*fp32", DQ=bf16), {"sm_scale"},
     dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=64),
@@ -139,13 +145,14 @@ compile_sm90(
     dict(gqa, DROPOUT=False, BLOCK_M=16, BLOCK_N=128, WRITE_LSE=False, FOLD_SCALE=True,
          HAS_KV_LEN=True, SPLIT_K=True),
 )  # fmt: skip
-for atomic, tma in ((False, False), (False, True), (True, True)):
+for atomic, tma, direct in ((False, False, False), (False, True, False), (True, True, False),
+                           (False, False, True)):  # fmt: skip
     compile_sm90(
         attn._attention_bwd_kernel, bwd_pointers(tma, atomic),
         {"qk_scale", "sm_scale", "drop_scale"},
         dict(gqa, HAS_KPM=True, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32,
              ATOMIC_DQ=atomic, DQ_TMA=atomic, DQ_HOST_DESC=atomic, TMA=tma,
-             PACKED_GRADS=False),
+             PACKED_GRADS=False, DQ_DIRECT=direct),
     )  # fmt: skip
 print("grouped-query attention: ok")
 

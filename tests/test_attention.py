@@ -601,6 +601,114 @@ def test_single_pass_and_deterministic_backward_agree(device):
     check_backward_kernels_agree(*make_qkv(2, 3, 70, 70, 32, torch.float32, device))
 
 
+# --- heads of one key block: the backward in one launch ----------------------------------
+
+
+def one_launch_block(d: int, dtype: torch.dtype, causal: bool, dropout: bool) -> int:
+    """The most keys a head may have for its backward to take one launch: one key block of
+    the two-program tiles (the interpreter's fixed ones on the CPU)."""
+    if attn_mod.interpreter_enabled():
+        return attn_mod._INTERP_BWD["BLOCK_N1"]
+    return attn_mod._attention_bwd_config(d, dtype, causal, dropout)["BLOCK_N1"]
+
+
+def backward_kernels(monkeypatch, run) -> list[str]:
+    """Names of the kernels `run()` launches, bound afresh (launch plans cleared first)."""
+    clear_launch_plans()
+    names = []
+    real = attn_mod.launcher
+
+    def spy(kernel):
+        names.append(kernel.fn.__name__)
+        return real(kernel)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(attn_mod, "launcher", spy)
+        run()
+    return names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_heads_take_one_backward_launch(causal, monkeypatch, device):
+    # keys that fit one key block: one program per head computes Δ, dQ, dK and dV (no Δ
+    # launch, no dQ programs or fp32 dQ sum); one key more: the launches of longer heads
+    d, dtype = 32, torch.float32
+    block = one_launch_block(d, dtype, causal, False)
+    for n_k, one in ((block, True), (block + 1, False)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, 20, n_k, d, dtype, device))
+        out = attention(q, k, v, causal=causal, use_triton=True)
+        names = backward_kernels(monkeypatch, lambda o=out: o.backward(torch.ones_like(o)))
+        assert (names == ["_attention_bwd_kernel"]) == one, names
+        assert "_attention_bwd_delta_kernel" in names or one
+
+
+ONE_LAUNCH_OPTIONS = [
+    (d, causal, dropout, padded)
+    for d in (16, 48, 128)
+    for causal in (False, True)
+    for dropout in (False, True)
+    for padded in (False, True)
+]
+
+
+@pytest.mark.parametrize("d, causal, dropout, padded", ONE_LAUNCH_OPTIONS)
+def test_one_launch_every_option(d, causal, dropout, padded, device):
+    # 29 queries and keys: one key block of the interpreter's 32 (so one launch), two of its
+    # 16-query blocks, the causal diagonal crossing both; fp32 and fp16 as `test_every_option`
+    dtype = torch.float32 if d % 32 else torch.float16
+    check_option(2, 2, 29, d, causal, dropout, padded, False, dtype, device)
+
+
+# (b, h, h_kv, n_q, n_k, causal, dropout p, padded, packed): more queries than keys with a causal
+# mask (the first n_q - n_k rows see no key: zero gradients, stored by the one launch too),
+# key padding, grouped-query heads summing dK and dV over their group, the packed op's d(qkv)
+ONE_LAUNCH_CASES = [
+    pytest.param((2, 2, 2, 70, 30, True, 0.0, False, False), id="causal-rows-without-keys"),
+    pytest.param((2, 3, 3, 29, 29, False, 0.0, True, False), id="padded"),
+    pytest.param((1, 4, 2, 24, 24, True, 0.2, False, False), id="gqa-dropout"),
+    pytest.param((2, 4, 1, 9, 31, False, 0.0, True, False), id="mqa-padded"),
+    pytest.param((2, 2, 2, 25, 25, True, 0.1, False, True), id="packed-dropout"),
+]
+
+
+@pytest.mark.parametrize("case", ONE_LAUNCH_CASES)
+def test_one_launch_agrees_with_the_longer_heads_launches(case, monkeypatch, device):
+    # the one-launch backward against the launches a longer head takes (single pass or two
+    # programs, tested against float64 elsewhere), on the same inputs and dropout seed;
+    # one writer per output element: bit-identical across two runs, on the GPU too
+    b, h, h_kv, n_q, n_k, causal, p, padded, packed = case
+    q, k, v = make_qkv(b, h, n_q, n_k, 32, torch.float32, device)
+    k, v = k[:, :h_kv].contiguous(), v[:, :h_kv].contiguous()
+    kpm = torch.rand(b, n_k, device=device) > 0.3 if padded else None
+    seed = draw_seed(device)
+    dout = (0.7 + torch.randn(b, n_q, h, 32, device=device)).transpose(1, 2)
+
+    def grads() -> list[torch.Tensor]:
+        if packed:
+            qkv = torch.cat([t.transpose(1, 2) for t in (q, k, v)], 2).flatten(2)
+            qkv.requires_grad_()
+            out = attention_packed(qkv, h, causal=causal, dropout_p=p, seed=seed, use_triton=True)
+            out.backward(dout.transpose(1, 2).flatten(2))
+            return [out.detach(), qkv.grad]
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, causal=causal, key_padding_mask=kpm, dropout_p=p, seed=seed,
+                        use_triton=True)  # fmt: skip
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    runs = []  # [outputs and gradients] per run
+    names = backward_kernels(monkeypatch, lambda: runs.append(grads()))
+    assert names == ["_attention_fwd_kernel", "_attention_bwd_kernel"], names
+    runs.append(grads())
+    for first, again in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(first, again)
+    monkeypatch.setattr(attn_mod, "ONE_LAUNCH_MAX_QUERIES", 0)
+    names = backward_kernels(monkeypatch, lambda: runs.append(grads()))
+    assert "_attention_bwd_delta_kernel" in names, names
+    for got, want in zip(runs[0], runs[2], strict=True):
+        assert rel_err(got, want) < 1e-5
+
+
 def check_backward_kernels_agree(q, k, v):
     """The single-pass and the deterministic backward give q, k, v the same gradients (to
     fp32 rounding), causal, for fp32 inputs."""
@@ -922,6 +1030,16 @@ def test_gpu_every_option(d, causal, dropout, padded, dtype, deterministic, devi
     # the whole matrix of supported options at seq 2048, each launched on the GPU with the
     # tiles the tables give it (a configuration that cannot fit must pick smaller ones)
     check_option(1, 2, 2048, d, causal, dropout, padded, deterministic, dtype, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d, causal, dropout, padded", OPTION_MATRIX)
+def test_gpu_one_launch_every_option(d, causal, dropout, padded, dtype, device):
+    # the same matrix for heads of one key block (61 keys: the one-launch backward at every
+    # head dim's tiles), 3 x 5 heads
+    assert one_launch_block(d, dtype, causal, dropout) >= 61
+    check_option(3, 5, 61, d, causal, dropout, padded, False, dtype, device)
 
 
 @pytest.mark.gpu

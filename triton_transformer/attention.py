@@ -489,12 +489,13 @@ def _head_tile(desc, b, h, row):
 @triton.jit
 def _bwd_dkdv_block(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_acc, key_real, b, h, bh,
-    sqn, sqd, sdon, sdod,
-    n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
+    sqn, sqd, sdon, sdod, son, sdqn, sdqd,
+    n0, offs_n, offs_d, lo, hi, N_Q, N_K, causal_off, qk_scale, sm_scale, seed, threshold,
+    drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DROP_INT64: tl.constexpr,
     INT64_ROWS: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
-    DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, TMA: tl.constexpr, DQ_DIRECT: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block over query blocks [lo, hi), in transposed (key, query) tiles.
     MASKED: apply the causal diagonal. Rows >= n_q load lse = +inf, hence p = 0.
@@ -503,8 +504,11 @@ def _bwd_dkdv_block(
     ATOMIC_DQ: also add this key block's share of dQ, dSᵀᵀ K (unscaled), to the fp32
     (b·h, n_q, HEAD_DIM) sum: with DQ_TMA `dq_acc` is its descriptor, whose bulk reduce (one
     TMA instruction per tile) adds it in L2 at head bh, else the pointer to head bh's rows,
-    added element by element with atomics. Padded keys (key_real 0) get p = 0 here: their dS
-    must not reach dQ."""
+    added element by element with atomics.
+    DQ_DIRECT (the head's only key block): this block's dS K is all of dQ, stored scaled
+    through `dq_acc`, head (b, h)'s dQ (row stride sdqn, column stride sdqd), and Δ is summed
+    here from O (`delta_base`: head (b, h) of the output, row stride son) and dO.
+    Either way padded keys (key_real 0) get p = 0 here: their dS must not reach dQ."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if INT64_ROWS:  # noqa: SIM108
@@ -524,12 +528,17 @@ def _bwd_dkdv_block(
             )
         do = do.to(q.dtype)
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        if DQ_DIRECT:  # Δ_i = Σ_d O[i, d] · dO[i, d], as `_attention_bwd_delta_kernel` sums it
+            o_ptrs = delta_base + rows_m[:, None] * son + offs_d[None, :]
+            o = tl.load(o_ptrs, mask=mask, other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         qkT = _mm(k, tl.trans(q), None, IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT - lse[None, :])
         if MASKED:
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_off, pT, 0.0)
-        if ATOMIC_DQ and HAS_KPM:
+        if (ATOMIC_DQ or DQ_DIRECT) and HAS_KPM:
             pT = tl.where(key_real[:, None] != 0, pT, 0.0)
         dpT = _mm(v, tl.trans(do), None, IEEE)  # (dO Vᵀ)ᵀ
         if DROPOUT:
@@ -551,6 +560,10 @@ def _bwd_dkdv_block(
             else:
                 dq_ptrs = dq_acc + rows_m[:, None] * HEAD_DIM + offs_d[None, :]
                 tl.atomic_add(dq_ptrs, dq, mask=mask, sem="relaxed")
+        if DQ_DIRECT:
+            dq = _mm(tl.trans(dsT), k, None, IEEE) * sm_scale
+            dq_ptrs = dq_acc + rows_m[:, None] * sdqn + offs_d[None, :] * sdqd
+            tl.store(dq_ptrs, dq.to(dq_acc.dtype.element_ty), mask=mask)
     return dk, dv
 
 
@@ -601,31 +614,35 @@ def _bwd_dq_block(
 @triton.jit
 def _bwd_dkdv_head(
     dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_src, kpm_base, b, h, bh,
-    sqn, sqd, sdon, sdod, skpm_n,
-    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
+    sqn, sqd, sdon, sdod, son, sdqn, sdqd, skpm_n,
+    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, sm_scale, seed, threshold, drop_scale,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_KPM: tl.constexpr,
-    DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, TMA: tl.constexpr, DQ_DIRECT: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of the key block at n0 over every query block of one query head (b, h), batch·head
     bh: its q and dO (TMA: the (b, h, n_q, HEAD_DIM) descriptors; else pointers to the head),
     lse and Δ at the given bases, added to dk, dv; with ATOMIC_DQ also that head's dQ share
-    (dq_src: DQ_TMA the sum's (b·h, n_q, HEAD_DIM) descriptor, else its pointer). A key-block
-    program calls it once (multi-head) or once per query head of its group (grouped-query
-    attention)."""
+    (dq_src: DQ_TMA the sum's (b·h, n_q, HEAD_DIM) descriptor, else its pointer); with
+    DQ_DIRECT the head's dQ itself (dq_src: the head's dQ, delta_base: the head's output O;
+    see `_bwd_dkdv_block`). A key-block program calls it once (multi-head) or once per query
+    head of its group (grouped-query attention)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     dq_acc = dq_src
-    if not DQ_TMA:
+    if ATOMIC_DQ and not DQ_TMA:
         dq_acc = dq_src + bh.to(tl.int64) * N_Q * HEAD_DIM  # this head's dQ sum
     key_real = 1
     if HAS_KPM:
         key_real = tl.load(kpm_base + offs_n * skpm_n, mask=offs_n < N_K, other=0)
     if CAUSAL:
         # rows i >= n0 - causal_off see some key of the block; rows
-        # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them
+        # i >= n0 + BLOCK_N1 - 1 - causal_off see all of them. DQ_DIRECT walks every row
+        # (under the mask) instead: each row's dQ, zero where it sees no key, is stored here.
         lo = (tl.maximum(n0 - causal_off, 0) // BLOCK_M1) * BLOCK_M1
+        if DQ_DIRECT:
+            lo = 0
         full_lo = tl.maximum(n0 + BLOCK_N1 - 1 - causal_off, 0)
         full_lo = tl.minimum(
             tl.cdiv(full_lo, BLOCK_M1) * BLOCK_M1, tl.cdiv(N_Q, BLOCK_M1) * BLOCK_M1
@@ -633,29 +650,29 @@ def _bwd_dkdv_head(
         full_lo = tl.maximum(full_lo, lo)
         dk, dv = _bwd_dkdv_block(
             dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real, b, h, bh,
-            sqn, sqd, sdon, sdod,
-            n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-            drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT, DROP_INT64,
-            INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+            sqn, sqd, sdon, sdod, son, sdqn, sdqd,
+            n0, offs_n, offs_d, lo, full_lo, N_Q, N_K, causal_off, qk_scale, sm_scale, seed,
+            threshold, drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, True, DROPOUT,
+            DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA, DQ_DIRECT,
         )  # fmt: skip
     else:
         full_lo = 0
     dk, dv = _bwd_dkdv_block(
         dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_acc, key_real, b, h, bh,
-        sqn, sqd, sdon, sdod,
-        n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, seed, threshold,
-        drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT, DROP_INT64,
-        INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+        sqn, sqd, sdon, sdod, son, sdqn, sdqd,
+        n0, offs_n, offs_d, full_lo, N_Q, N_Q, N_K, causal_off, qk_scale, sm_scale, seed,
+        threshold, drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, PAD_D, False, DROPOUT,
+        DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA, DQ_DIRECT,
     )  # fmt: skip
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["BH", "H", "N_Q", "N_K"])
 def _attention_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC,
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, DQ_ACC, OUT,
     Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, off_dq, off_dk, off_dv,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
-    sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, sob, soh, son,
     skpm_b, skpm_n,
     BH, H, N_Q, N_K, qk_scale, sm_scale, threshold, drop_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -663,7 +680,7 @@ def _attention_bwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
     DROP_INT64: tl.constexpr, INT64_ROWS: tl.constexpr,
     IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
-    DQ_HOST_DESC: tl.constexpr, TMA: tl.constexpr,
+    DQ_HOST_DESC: tl.constexpr, TMA: tl.constexpr, DQ_DIRECT: tl.constexpr,
     GROUP: tl.constexpr, PACKED_GRADS: tl.constexpr, LPT_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, cdiv(n_k, BLOCK_N1)) compute dK, dV of one key block; the rest dQ of one
@@ -681,6 +698,12 @@ def _attention_bwd_kernel(
     adds its share of dQ into DQ_ACC (fp32, (b·h, n_q, HEAD_DIM)) with atomics;
     `_attention_bwd_dq_kernel` then scales and casts it into DQ. P is computed once per
     (query, key) tile instead of twice: 5 tile products instead of 7.
+
+    DQ_DIRECT (heads of one key block: n_k <= BLOCK_N1): only the key-block programs run,
+    one per head, and each stores its head's dQ whole, with Δ summed from OUT, the forward's
+    (b, n_q, h, d) output (strides sob, soh, son; unit stride along d), instead of read from
+    DELTA: one launch for
+    the whole backward, no fp32 sum, and still one writer per output element.
 
     TMA descriptors, made on the host and passed as launch parameters (made in the kernel,
     each program paid a global write, a fence and a barrier per descriptor, per head of its
@@ -718,12 +741,16 @@ def _attention_bwd_kernel(
                 DQ_ACC, [BH, N_Q, HEAD_DIM], [tl.cast(N_Q, tl.int64) * HEAD_DIM, HEAD_DIM, 1],
                 [1, BLOCK_M1, BLOCK_D],
             )  # fmt: skip
+    if DQ_DIRECT:  # each head's own dQ and O (see `_bwd_dkdv_block`)
+        dq_src = DQ + off_dq + b * sdqb + h * sdqh
     q_base = Q + b * sqb + h * sqh
     k_base = K + b * skb + h_kv * skh
     v_base = V + b * svb + h_kv * svh
     do_base = DO + b * sdob + h * sdoh
     lse_base = LSE + bh.to(tl.int64) * N_Q
     delta_base = DELTA + bh.to(tl.int64) * N_Q
+    if DQ_DIRECT:
+        delta_base = OUT + b * sob + h * soh
     kpm_base = KPM + b * skpm_b
     seed = 0
     if DROPOUT:
@@ -756,10 +783,10 @@ def _attention_bwd_kernel(
                 q_src, do_src = Q_DESC, DO_DESC
             dk, dv = _bwd_dkdv_head(
                 dk, dv, k, v, q_src, do_src, lse_base, delta_base, dq_src, kpm_base, b, h, bh,
-                sqn, sqd, sdon, sdod, skpm_n,
-                n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed, threshold, drop_scale,
-                BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64,
-                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+                sqn, sqd, sdon, sdod, son, sdqn, sdqd, skpm_n,
+                n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, sm_scale, seed, threshold,
+                drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT, DROP_INT64,
+                INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA, DQ_DIRECT,
             )  # fmt: skip
         else:
             # sum over the group's query heads, h_kv·GROUP + g, in a fixed order (none for a
@@ -774,13 +801,16 @@ def _attention_bwd_kernel(
                 q_src, do_src = Q + b * sqb + h_g * sqh, DO + b * sdob + h_g * sdoh
                 if TMA:
                     q_src, do_src = Q_DESC, DO_DESC
+                delta_g, dq_g = DELTA + bh_g.to(tl.int64) * N_Q, dq_src
+                if DQ_DIRECT:
+                    delta_g, dq_g = OUT + b * sob + h_g * soh, DQ + off_dq + b * sdqb + h_g * sdqh
                 dk, dv = _bwd_dkdv_head(
-                    dk, dv, k, v, q_src, do_src, LSE + bh_g.to(tl.int64) * N_Q,
-                    DELTA + bh_g.to(tl.int64) * N_Q, dq_src, kpm_base, b, h_g, bh_g,
-                    sqn, sqd, sdon, sdod, skpm_n,
-                    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, seed_g, threshold,
-                    drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL, DROPOUT,
-                    DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+                    dk, dv, k, v, q_src, do_src, LSE + bh_g.to(tl.int64) * N_Q, delta_g, dq_g,
+                    kpm_base, b, h_g, bh_g, sqn, sqd, sdon, sdod, son, sdqn, sdqd, skpm_n,
+                    n0, offs_n, offs_d, N_Q, N_K, causal_off, qk_scale, sm_scale, seed_g,
+                    threshold, drop_scale, BLOCK_M1, BLOCK_N1, HEAD_DIM, BLOCK_D, CAUSAL,
+                    DROPOUT, DROP_INT64, INT64_ROWS, IEEE, ATOMIC_DQ, HAS_KPM, DQ_TMA, TMA,
+                    DQ_DIRECT,
                 )  # fmt: skip
         dk = dk * sm_scale
         if HAS_KPM:  # a padded key has p = 0 in every row: no gradient
@@ -941,6 +971,30 @@ def _single_pass(causal: bool, deterministic: bool, dq_tma: bool, interpret: boo
     if deterministic:
         return False
     return interpret or (dq_tma and causal)
+
+
+# Heads of at most this many queries whose keys fit one key-block program take the
+# one-launch backward (`_one_launch`); longer ones spread their query blocks over programs.
+ONE_LAUNCH_MAX_QUERIES = 128
+
+
+def _one_launch(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, dropping: bool, config: dict | None,
+    interpret: bool,
+) -> bool:  # fmt: skip
+    """Whether a Triton backward (not Gluon's) of these (b, h, n, d) views takes one launch
+    (`_attention_bwd_kernel`'s DQ_DIRECT): every key of a head fits one key block of the
+    two-program tiles, and at most ONE_LAUNCH_MAX_QUERIES queries. Then a head's one
+    key-block program sees every (query, key) pair, so it can sum Δ itself and store dQ
+    whole: no Δ launch, no dQ programs or fp32 sum, and, with one writer per element,
+    deterministic as the two-program kernel is. Short heads are launch-bound: the kernels
+    saved are most of their time."""
+    if q.shape[2] > ONE_LAUNCH_MAX_QUERIES:
+        return False
+    if config is None:
+        d = int(q.shape[3])
+        config = _INTERP_BWD if interpret else _attention_bwd_config(d, q.dtype, causal, dropping)
+    return k.shape[2] <= config["BLOCK_N1"]
 
 
 # Interpreter: fixed small tiles, deliberately unequal (so tile edges, the causal diagonal and
@@ -1107,7 +1161,8 @@ def _switches() -> tuple:
     """The module switches and tables the launches read, which benchmarks change between
     calls: part of every plan's key."""
     return (
-        TMA_LOADS, TMA_LOADS_MIN_QUERIES, LONGEST_FIRST_BYTES, _attention_fwd_config,
+        TMA_LOADS, TMA_LOADS_MIN_QUERIES, LONGEST_FIRST_BYTES, ONE_LAUNCH_MAX_QUERIES,
+        _attention_fwd_config,
         _attention_bwd_config, attention_hopper, attention_hopper.ENABLED,
         attention_hopper_bwd_ws.ENABLED, attention_hopper_fwd.ENABLED,
     )  # fmt: skip
@@ -1373,11 +1428,16 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
     gluon = None
     if not traced:
         gluon = _takes_gluon(dout, q, k, v, has_kpm, causal, dropping, deterministic)
-    atomic = gluon is not None or _single_pass(causal, deterministic, dq_tma, interpret)
+    one_launch = gluon is None and _one_launch(q, k, causal, dropping, config, interpret)
+    atomic = not one_launch and (
+        gluon is not None or _single_pass(causal, deterministic, dq_tma, interpret)
+    )
     gy, gz = meta["grid_bh"]
     block_d = meta["BLOCK_D"]
 
     def buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if one_launch:  # Δ summed in the kernel, dQ stored whole: q stands in for both
+            return q, q
         delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
         # the single pass's fp32 dQ sum; the delta kernel zeroes it
         shape = (b * h, n_q, d) if atomic else (0,)
@@ -1386,11 +1446,13 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
     delta, dq_acc = buffers(q)
     bm = 64 if not interpret else 32
     grid_rows = (-(-n_q // bm), gy, gz)
-    delta_launch = launcher(_attention_bwd_delta_kernel).bind(
-        grid_rows, out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
-        dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, ZERO_DQ=atomic,
-    )  # fmt: skip
+    delta_launch = None
+    if not one_launch:
+        delta_launch = launcher(_attention_bwd_delta_kernel).bind(
+            grid_rows, out, dout, delta, dq_acc, out.stride(0), out.stride(2), out.stride(1),
+            dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3), b * h, h, n_q,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, ZERO_DQ=atomic,
+        )  # fmt: skip
     offsets = (0, 0, 0) if grads_base is None else offsets_in(grads_base, dq, dk, dv)
 
     def written(q, dq, dk, dv, grads_base) -> tuple:
@@ -1413,7 +1475,7 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
     else:
         main = _triton_bwd(
             tensors, (dout, q, k, v), grads, delta, dq_acc, offsets, config, meta, causal,
-            scale, dropout_p, atomic, dq_tma, traced,
+            scale, dropout_p, atomic, dq_tma, traced, one_launch,
         )  # fmt: skip
     dq_launch = None
     if atomic:
@@ -1426,12 +1488,13 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
         if interpret:
             dout, q, k, v = widened_for_interpreter(dout, q, k, v)
         delta, dq_acc = buffers(q)
-        delta_launch(out, dout, delta, dq_acc)
+        if delta_launch is not None:
+            delta_launch(out, dout, delta, dq_acc)
         grads = written(q, dq, dk, dv, grads_base)
         if gluon:
             main(q, k, v, dout.transpose(1, 2), dk, dv, grads_base, lse, delta, dq_acc, seed)
         else:
-            main(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
+            main(dout, q, k, v, out, grads, lse, delta, dq_acc, kpm, seed)
         if dq_launch is not None:
             dq_launch(dq_acc, grads[0])
 
@@ -1440,12 +1503,12 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
 
 def _triton_bwd(
     tensors, widened, grads, delta, dq_acc, offsets, config, meta, causal, scale, dropout_p,
-    atomic, dq_tma, traced,
+    atomic, dq_tma, traced, one_launch,
 ):  # fmt: skip
     """Launch `_attention_bwd_kernel` for `_bwd_launches` (widened: its dout, q, k, v as the
-    kernel reads them); returns it bound: again(dout, q, k, v, grads, lse, delta, dq_acc, kpm,
-    seed), or None when traced."""
-    _, _, _, _, _, lse, kpm, seed, dq, dk, dv, grads_base = tensors
+    kernel reads them); returns it bound: again(dout, q, k, v, out, grads, lse, delta, dq_acc,
+    kpm, seed), or None when traced. one_launch: `_one_launch` (the kernel's DQ_DIRECT)."""
+    _, _, _, _, out, lse, kpm, seed, dq, dk, dv, grads_base = tensors
     dout, q, k, v = widened
     d = q.shape[3]
     b, h, n_q, _ = q.shape
@@ -1453,17 +1516,18 @@ def _triton_bwd(
     has_kpm = kpm is not None
     dropping = dropout_p > 0.0
 
-    def leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> list:
+    def leading(dout, q, k, v, out, grads, lse, delta, dq_acc, kpm, seed) -> list:
         return [
             q, k, v, dout, *grads, lse, delta, kpm.view(torch.uint8) if has_kpm else q,
-            seed if dropping else q, dq_acc if atomic else delta, *[q] * 5,
+            seed if dropping else q, dq_acc if atomic else delta, out if one_launch else q,
+            *[q] * 5,
         ]  # fmt: skip
 
     args = [
-        *leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed), *offsets,
+        *leading(dout, q, k, v, out, grads, lse, delta, dq_acc, kpm, seed), *offsets,
         *q.stride(), *k.stride(), *v.stride(),
         dout.stride(0), dout.stride(2), dout.stride(1), dout.stride(3),
-        *dq.stride(), *dk.stride(), *dv.stride(),
+        *dq.stride(), *dk.stride(), *dv.stride(), out.stride(0), out.stride(2), out.stride(1),
         kpm.stride(0) if has_kpm else 0, kpm.stride(1) if has_kpm else 0,
         b * h, h, n_q, n_k, scale * LOG2E, scale, dropout_threshold(dropout_p),
         1.0 / (1.0 - dropout_p),
@@ -1473,6 +1537,7 @@ def _triton_bwd(
         DROPOUT=dropping, DROP_INT64=meta["DROP_INT64"],
         INT64_ROWS=meta["INT64_ROWS"], IEEE=meta["IEEE"], ATOMIC_DQ=atomic,
         DQ_TMA=atomic and dq_tma, DQ_HOST_DESC=atomic and dq_tma and not traced,
+        DQ_DIRECT=one_launch,
         TMA=causal and d <= 64 and (dropping or n_q >= TMA_LOADS_MIN_QUERIES)
         and _tma_loads(q, k, v, dout),
         GROUP=_group(q, k), PACKED_GRADS=grads_base is not None,
@@ -1485,7 +1550,7 @@ def _triton_bwd(
     # a key/value head's key blocks are shared among its query heads' grid rows
     key_blocks = -(-n_k // config["BLOCK_N1"])
     n_prog = -(-key_blocks // consts["GROUP"])
-    if not atomic:
+    if not (atomic or one_launch):
         n_prog += -(-n_q // config["BLOCK_M2"])
     descs = None
     if consts["TMA"] or consts["DQ_HOST_DESC"]:  # (eager launches only: `_tma_loads`)
@@ -1493,7 +1558,7 @@ def _triton_bwd(
             q, k, v, dout.transpose(1, 2), dq_acc, config, meta["BLOCK_D"], consts["TMA"],
             consts["DQ_HOST_DESC"],
         )  # fmt: skip
-        args[12:17] = descs
+        args[13:18] = descs
     elif consts["DQ_TMA"]:  # traced: the kernel makes dQ's descriptor itself
         triton.set_allocator(tma_scratch)  # a context variable: set it in this thread
     grid = (n_prog, *meta["grid_bh"])
@@ -1503,11 +1568,11 @@ def _triton_bwd(
     # a placeholder (q) where no descriptor is asked for, else the tensor the descriptor describes
     described = None if descs is None else [not isinstance(t, torch.Tensor) for t in descs]
 
-    def again(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed) -> None:
-        per_call = leading(dout, q, k, v, grads, lse, delta, dq_acc, kpm, seed)
+    def again(dout, q, k, v, out, grads, lse, delta, dq_acc, kpm, seed) -> None:
+        per_call = leading(dout, q, k, v, out, grads, lse, delta, dq_acc, kpm, seed)
         if described is not None:
             bases = (q, k, v, dout.transpose(1, 2), dq_acc)
-            per_call[12:17] = [base if d else q for d, base in zip(described, bases, strict=True)]
+            per_call[13:18] = [base if d else q for d, base in zip(described, bases, strict=True)]
         bound(*per_call)
 
     return again
