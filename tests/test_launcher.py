@@ -105,6 +105,9 @@ def test_bound_launch_takes_new_tensors(device):
         x2, y2 = torch.randn_like(x), torch.empty_like(x)
         bound(x2, y2)
         torch.testing.assert_close(y2, x2 * 4.0 + 3)
+    if device == "cuda" and triton.__version__.startswith("3.6"):
+        # the Triton on the H200: the bound launch calls its C launcher (`plain_launch`)
+        assert bound.calls_c_launcher
 
 
 @triton.jit
@@ -131,6 +134,8 @@ def test_bound_launch_takes_tensors_after_scalars(device):
         bound(x2, y2, torch.tensor(shift, device=device))
         torch.testing.assert_close(y2, x2 * 4.0 + 3 + shift)
     assert not _tensors_held(bound)
+    if device == "cuda" and triton.__version__.startswith("3.6"):
+        assert bound.calls_c_launcher
 
 
 def _tensors_held(fn, depth: int = 4) -> bool:
@@ -229,7 +234,48 @@ class _StandInLauncher:
 
             return inner
 
-        self.launch = wrapper(c_launcher, positions, metas)
+        # the C launcher itself for a kernel without descriptors, as 3.6 keeps it
+        self.launch = wrapper(c_launcher, positions, metas) if positions else c_launcher
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # 3.6's signature
+        raise AssertionError("the direct paths call the C launcher")
+
+
+class _CLauncher:
+    """A stand-in of the generated C launcher (not a Python function): records its calls."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def test_plain_launch_finds_the_c_launcher(monkeypatch):
+    # a kernel without descriptors: `plain_launch` hands back 3.6's C launcher and the launch
+    # flags, and None for any other form (a Python step in `launch`, scratch memory, another
+    # argument protocol, another `__call__` signature)
+    from triton.backends.nvidia import driver as nvidia
+
+    from triton_transformer._host_descriptors import plain_launch
+
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    c_launcher = _CLauncher()
+    run = _StandInLauncher(c_launcher, set(), [])
+    run.launch_pdl = True
+    assert plain_launch(run) == (c_launcher, False, True)
+    assert plain_launch(_StandInLauncher(c_launcher, {1}, [None])) is None  # Python step
+    scratch = _StandInLauncher(c_launcher, set(), [])
+    scratch.profile_scratch_size = 64
+    assert plain_launch(scratch) is None
+
+    class Newer(_StandInLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+            raise AssertionError
+
+    assert plain_launch(Newer(c_launcher, set(), [])) is None
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 14)
+    assert plain_launch(run) is None
 
 
 def test_descriptor_launch_expands_each_address_once(monkeypatch):

@@ -1,4 +1,5 @@
-"""Host-made TMA descriptors in bound launches (`utils.KernelLauncher.bind`).
+"""Bound launches (`utils.KernelLauncher.bind`) through Triton 3.6's launcher: host-made TMA
+descriptors encoded once per address, and the C launcher called directly.
 
 A kernel that takes a host-made `TensorDescriptor` gets a CUtensorMap per descriptor at
 each launch, which the CUDA driver encodes from the tensor's address, shape, strides, block
@@ -15,6 +16,10 @@ descriptor with `make_tensordesc_arg`. The expansion itself stays Triton's (its 
 called for each new address). Where that form is not found (another Triton release, a
 kernel with scratch memory), `descriptor_launch` returns None and the bound launch goes
 through Triton's launcher.
+
+A kernel without descriptors has the C launcher itself as `CudaLauncher.launch`, behind
+`CudaLauncher.__call__`'s Python step (scratch checks); `plain_launch` hands a bound launch
+that C launcher, under the same condition.
 """
 
 from __future__ import annotations
@@ -57,6 +62,37 @@ def rebased(desc: Any, base: Any) -> Any:
     return new
 
 
+def _has_36_form(run: Any) -> bool:
+    """Whether the compiled kernel's launcher `run` has Triton 3.6's form (its `__call__`
+    takes the grid, stream and function, then passes the rest on: `_BASE_ARGS` before the
+    kernel's arguments) and asks for no scratch memory."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return False
+    call = getattr(vars(type(run)).get("__call__"), "__code__", None)
+    return (
+        getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None) == _BASE_ARGS
+        and call is not None
+        and call.co_argcount == 6
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+    )
+
+
+def plain_launch(run: Any) -> tuple | None:
+    """(C launcher, cooperative-grid flag, PDL flag) of a compiled kernel that takes no
+    host-made descriptor, where its launcher `run` has Triton 3.6's form: there `run.launch`
+    is the generated C launcher itself, which a bound launch calls as `run(...)` would
+    (`_BASE_ARGS` first: the grid, stream, function, the two flags, no scratch, the packed
+    metadata, no launch metadata or hooks), skipping its Python step (about a µs: a
+    closure and two scratch checks per launch). None elsewhere."""
+    launch = getattr(run, "launch", None)
+    if launch is None or inspect.isfunction(launch) or not _has_36_form(run):
+        return None  # (a Python function: the step that expands descriptors)
+    return launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def _launcher_parts(run: Any) -> tuple | None:
     """(C launcher, the descriptors' argument positions, their metadata, Triton's
     `make_tensordesc_arg`) of the compiled kernel's launcher `run`, where it has Triton 3.6's
@@ -75,11 +111,9 @@ def _launcher_parts(run: Any) -> tuple | None:
     except ValueError:  # an empty cell: not the form known here
         return None
     if (
-        getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS
+        not _has_36_form(run)
         or len(inspect.signature(make_arg).parameters) != 2
         or not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys()
-        or getattr(run, "global_scratch_size", 1) != 0
-        or getattr(run, "profile_scratch_size", 1) != 0
     ):
         return None
     positions = sorted(cells["tensordesc_indices"])

@@ -19,6 +19,7 @@ from triton_transformer._host_descriptors import (
     descriptor_launch,
     descriptor_template,
     is_descriptor,
+    plain_launch,
     rebased,
 )
 
@@ -599,19 +600,30 @@ class KernelLauncher:
             return lambda *tensors: self.launch(grid, *place(tensors), **kwargs)
         run, function, metadata, tail = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
-        runtime, active = self.knobs.runtime, self.driver.active
+        runtime = self.knobs.runtime
+        # torch's current device and stream, looked up once here (through the driver's lazy
+        # proxy each attribute costs a Python step)
+        get_device = self.driver.active.get_current_device
+        get_stream = self.driver.active.get_current_stream
         raw = descriptor_launch(run, args, tail, slots) if descs else None
+        c_launch, coop, pdl = (None, None, None) if descs else (plain_launch(run) or (None,) * 3)
 
         def bound(*tensors: Any) -> None:
-            current = active.get_current_device()
+            current = get_device()
             # a profiler's hooks (Triton's path calls them), or another device (the function
             # handle is the bound device's): the keyed launch
             if current != device or not _no_launch_hooks(runtime):
                 self.launch(grid, *place(tensors), **kwargs)
                 return
-            stream = active.get_current_stream(current)
+            stream = get_stream(current)
             if raw is not None:
                 raw(g0, g1, g2, stream, function, metadata, tensors)
+            elif c_launch is not None and n_lead:  # Triton 3.6's C launcher, tensors first
+                c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None,
+                         None, None, *tensors, *fixed, *tail)  # fmt: skip
+            elif c_launch is not None:
+                c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None,
+                         None, None, *place(tensors), *tail)  # fmt: skip
             elif n_lead and not descs:
                 run(g0, g1, g2, stream, function, metadata, None, None, None, *tensors, *fixed,
                     *tail)  # fmt: skip
@@ -620,6 +632,7 @@ class KernelLauncher:
                     *tail)  # fmt: skip
 
         bound.encodes_descriptors = raw is not None  # (tests)
+        bound.calls_c_launcher = raw is not None or c_launch is not None  # (tests)
         return bound
 
     def _remember(self, key: tuple, compiled: Any, n_args: int, kwargs: dict) -> None:
