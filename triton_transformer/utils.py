@@ -538,11 +538,16 @@ class KernelLauncher:
             if key is not None and entry is None and compiled is not None:
                 self._remember(key, compiled, len(args), kwargs)
             return
-        run, function, metadata, tail = entry
+        run, function, metadata, tail, c_launch = entry
         stream = driver.active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
+        if c_launch is not None:  # Triton 3.6's C launcher (`_host_descriptors.plain_launch`)
+            launch, coop, pdl = c_launch
+            launch(grid[0], g1, g2, stream, function, coop, pdl, None, None, metadata, None,
+                   None, None, *args, *tail)  # fmt: skip
+        else:
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args, *tail)
 
     def bind(self, grid: tuple, *args: Any, **kwargs: Any) -> Callable[..., None]:
         """Launch once as `self[grid](*args, **kwargs)`, then return a launch of the same
@@ -598,7 +603,7 @@ class KernelLauncher:
             entry = None if key is None else self.compiled.get(key)
         if entry is None:
             return lambda *tensors: self.launch(grid, *place(tensors), **kwargs)
-        run, function, metadata, tail = entry
+        run, function, metadata, tail, plain = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
         runtime = self.knobs.runtime
         # torch's current device and stream, looked up once here (through the driver's lazy
@@ -606,7 +611,7 @@ class KernelLauncher:
         get_device = self.driver.active.get_current_device
         get_stream = self.driver.active.get_current_stream
         raw = descriptor_launch(run, args, tail, slots) if descs else None
-        c_launch, coop, pdl = (None, None, None) if descs else (plain_launch(run) or (None,) * 3)
+        c_launch, coop, pdl = (None, None, None) if descs or plain is None else plain
 
         def bound(*tensors: Any) -> None:
             current = get_device()
@@ -636,9 +641,11 @@ class KernelLauncher:
         return bound
 
     def _remember(self, key: tuple, compiled: Any, n_args: int, kwargs: dict) -> None:
-        """Cache what a hit needs: the launcher, the function handle, the metadata, and the
+        """Cache what a hit needs: the launcher, the function handle, the metadata, the
         parameters after the positional ones in signature order (keywords or defaults: all
-        of them part of the key, so fixed for it)."""
+        of them part of the key, so fixed for it), and the C launcher where Triton 3.6's can
+        be called directly (`_host_descriptors.plain_launch`: a kernel without host-made
+        descriptors; None otherwise)."""
         if any(isinstance(v, torch.Tensor) or not isinstance(v, (*_KEYABLE, _tl_dtype()))
                for v in kwargs.values()):  # fmt: skip
             return
@@ -650,7 +657,9 @@ class KernelLauncher:
                 return  # a parameter Triton bound some other way: leave it to Triton
             else:
                 tail.append(default)
-        self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        run = compiled.run
+        self.compiled[key] = (run, compiled.function, compiled.packed_metadata, tail,
+                              plain_launch(run))  # fmt: skip
 
 
 def _per_call(a: Any) -> bool:
