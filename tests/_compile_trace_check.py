@@ -69,13 +69,17 @@ kpm = torch.ones(2, 32, dtype=torch.bool)
 kpm[1, 20:] = False
 
 
-def attention_case(heads_kv: int = 2, dtype: torch.dtype = torch.float32, **kwargs):
-    """(128, 64) -> q (2, 2, 32, 64) and k, v with heads_kv heads, causal attention."""
+def attention_case(
+    heads_kv: int = 2, dtype: torch.dtype = torch.float32, batch: int = 2, **kwargs
+):  # fmt: skip
+    """(128, 64) -> q (batch, 2, 64 / batch, 64) and k, v with heads_kv heads, causal
+    attention. 32 keys fit one of the interpreter's key blocks (the one-launch backward), 64
+    take two (the launches of longer heads)."""
 
     def case(h):
         h = h.to(dtype)
-        q = h.sin().view(2, 2, 32, 64)
-        k, v = h.cos().view(2, 2, 32, 64), h.view(2, 2, 32, 64)
+        shape = (batch, 2, 64 // batch, 64)
+        q, k, v = h.sin().view(shape), h.cos().view(shape), h.view(shape)
         k, v = k[:, :heads_kv], v[:, :heads_kv]
         return at.attention(q, k, v, causal=True, use_triton=True, **kwargs).cos().sum()
 
@@ -114,6 +118,7 @@ GROUPS = {
             dropout_p=0.1, key_padding_mask=kpm, seed=torch.tensor(3)
         ),
         "attention grouped-query": attention_case(heads_kv=1),
+        "attention two key blocks": attention_case(batch=1),
         # bf16 takes the GPU table's causal d64 tiles, whose register cap (maxnreg) a traced
         # launch leaves out (`attention._launch_fitting`)
         "attention bf16": attention_case(dtype=torch.bfloat16),

@@ -811,6 +811,35 @@ def test_gpu_cuda_graph_capture(device):
     assert not torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_compiled_short_heads_match_eager(causal, monkeypatch, device):
+    # the one-launch backward of short heads, traced (TRACED_OPAQUE off: the Triton kernels
+    # themselves, not the opaque op) and eager: the same gradients, one backward kernel each
+    torch._dynamo.reset()
+    monkeypatch.setattr(attn_mod, "TRACED_OPAQUE", False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    q, k, v = make_qkv(2, 4, 48, 48, 64, torch.bfloat16, device)
+    dout = torch.randn_like(q)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=causal, use_triton=True)
+
+    want, got = grads(f), []
+    kernels = backward_kernels(monkeypatch, lambda: got.extend(grads(torch.compile(f))))
+    assert kernels.count("_attention_bwd_kernel") == 1, kernels  # (traced launches)
+    assert "_attention_bwd_delta_kernel" not in kernels, kernels
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 2e-2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
 def test_compile_traces_and_kernel_analysis_cpu():
     # Dynamo (fullgraph) and AOTAutograd's joint trace of attention (causal; dropout with key
@@ -819,7 +848,7 @@ def test_compile_traces_and_kernel_analysis_cpu():
     # writes required to succeed. A subprocess: the kernels must be JITFunctions
     # (TRITON_INTERPRET=0); no kernel runs.
     passed, cases, output = compile_trace_check("attention")
-    assert passed and cases == 10, output
+    assert passed and cases == 12, output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile for real")
