@@ -702,8 +702,8 @@ def _attention_bwd_kernel(
     DQ_DIRECT (heads of one key block: n_k <= BLOCK_N1): only the key-block programs run,
     one per head, and each stores its head's dQ whole, with Δ summed from OUT, the forward's
     (b, n_q, h, d) output (strides sob, soh, son; unit stride along d), instead of read from
-    DELTA: one launch for
-    the whole backward, no fp32 sum, and still one writer per output element.
+    DELTA: one launch for the whole backward, no fp32 sum, and still one writer per output
+    element.
 
     TMA descriptors, made on the host and passed as launch parameters (made in the kernel,
     each program paid a global write, a fence and a barrier per descriptor, per head of its
@@ -1162,9 +1162,8 @@ def _switches() -> tuple:
     calls: part of every plan's key."""
     return (
         TMA_LOADS, TMA_LOADS_MIN_QUERIES, LONGEST_FIRST_BYTES, ONE_LAUNCH_MAX_QUERIES,
-        _attention_fwd_config,
-        _attention_bwd_config, attention_hopper, attention_hopper.ENABLED,
-        attention_hopper_bwd_ws.ENABLED, attention_hopper_fwd.ENABLED,
+        _attention_fwd_config, _attention_bwd_config, attention_hopper,
+        attention_hopper.ENABLED, attention_hopper_bwd_ws.ENABLED, attention_hopper_fwd.ENABLED,
     )  # fmt: skip
 
 
