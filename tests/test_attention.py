@@ -76,6 +76,15 @@ def ref_attention(q, k, v, causal=False, key_padding_mask=None, scale=None, keep
     return w @ v
 
 
+def out_and_grads(fn, inputs, dout) -> list[torch.Tensor]:
+    """fn's output (detached), then the gradients under `dout` of fresh leaf copies of
+    `inputs`."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
 def check_attention(q, k, v, **kwargs):
     """Triton forward and dq/dk/dv vs float64; the PyTorch branch vs float64 as well."""
     dtype = q.dtype
@@ -686,15 +695,16 @@ def test_one_launch_agrees_with_the_longer_heads_launches(case, monkeypatch, dev
     def grads() -> list[torch.Tensor]:
         if packed:
             qkv = torch.cat([t.transpose(1, 2) for t in (q, k, v)], 2).flatten(2)
-            qkv.requires_grad_()
-            out = attention_packed(qkv, h, causal=causal, dropout_p=p, seed=seed, use_triton=True)
-            out.backward(dout.transpose(1, 2).flatten(2))
-            return [out.detach(), qkv.grad]
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = attention(*leaves, causal=causal, key_padding_mask=kpm, dropout_p=p, seed=seed,
-                        use_triton=True)  # fmt: skip
-        out.backward(dout)
-        return [out.detach()] + [t.grad for t in leaves]
+            return out_and_grads(
+                lambda x: attention_packed(x, h, causal=causal, dropout_p=p, seed=seed,
+                                           use_triton=True),
+                (qkv,), dout.transpose(1, 2).flatten(2),
+            )  # fmt: skip
+        return out_and_grads(
+            lambda *t: attention(*t, causal=causal, key_padding_mask=kpm, dropout_p=p, seed=seed,
+                                 use_triton=True),
+            (q, k, v), dout,
+        )  # fmt: skip
 
     runs = []  # [outputs and gradients] per run
     names = backward_kernels(monkeypatch, lambda: runs.append(grads()))
@@ -820,20 +830,16 @@ def test_gpu_compiled_short_heads_match_eager(causal, monkeypatch, device):
     monkeypatch.setattr(attn_mod, "TRACED_OPAQUE", False)
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    q, k, v = make_qkv(2, 4, 48, 48, 64, torch.bfloat16, device)
-    dout = torch.randn_like(q)
-
-    def grads(fn):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout)
-        return [out.detach()] + [t.grad for t in leaves]
+    qkv = make_qkv(2, 4, 48, 48, 64, torch.bfloat16, device)
+    dout = torch.randn_like(qkv[0])
 
     def f(q, k, v):
         return attention(q, k, v, causal=causal, use_triton=True)
 
-    want, got = grads(f), []
-    kernels = backward_kernels(monkeypatch, lambda: got.extend(grads(torch.compile(f))))
+    want, got = out_and_grads(f, qkv, dout), []
+    kernels = backward_kernels(
+        monkeypatch, lambda: got.extend(out_and_grads(torch.compile(f), qkv, dout))
+    )
     assert kernels.count("_attention_bwd_kernel") == 1, kernels  # (traced launches)
     assert "_attention_bwd_delta_kernel" not in kernels, kernels
     for g, w in zip(got, want, strict=True):
@@ -923,17 +929,11 @@ def test_gpu_compiled_gradients_match_eager(
     k, v = k[:, :kv_heads].contiguous(), v[:, :kv_heads].contiguous()
     dout = torch.randn_like(q)
 
-    def grads(fn):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout)
-        return [out.detach()] + [t.grad for t in leaves]
-
     def f(q, k, v):
         return attention(q, k, v, causal=causal, use_triton=True)
 
-    want = grads(f)
-    got = grads(torch.compile(f))
+    want = out_and_grads(f, (q, k, v), dout)
+    got = out_and_grads(torch.compile(f), (q, k, v), dout)
     assert len(passes) == 2  # one eager launch, one traced
     assert passes[0] == causal  # eager: the single pass where causal
     assert passes[-1] == (causal and traced_single_pass and compile_tma())
