@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compile_trace_check, deterministic_algorithms, kernel_analysis_failures
+from helpers import (
+    compile_trace_check,
+    deterministic_algorithms,
+    kernel_analysis_failures,
+    record_calls,
+)
 
 import triton_transformer.attention as attn_mod
 from triton_transformer.attention import (
@@ -624,15 +629,8 @@ def one_launch_block(d: int, dtype: torch.dtype, causal: bool, dropout: bool) ->
 def backward_kernels(monkeypatch, run) -> list[str]:
     """Names of the kernels `run()` launches, bound afresh (launch plans cleared first)."""
     clear_launch_plans()
-    names = []
-    real = attn_mod.launcher
-
-    def spy(kernel):
-        names.append(kernel.fn.__name__)
-        return real(kernel)
-
     with monkeypatch.context() as patch:
-        patch.setattr(attn_mod, "launcher", spy)
+        names = record_calls(patch, attn_mod, "launcher", record=lambda kernel: kernel.fn.__name__)
         run()
     return names
 
