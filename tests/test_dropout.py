@@ -20,7 +20,7 @@ from triton_transformer.dropout import (
     dropout,
     dropout_op,
 )
-from triton_transformer.utils import call_op, draw_seed, draw_seeds
+from triton_transformer.utils import SEED_BOUND, call_op, draw_seed, draw_seeds, host_seed
 
 # Relative error of x * (1 / (1 - p)) after rounding to the dtype (plus the fp32 scale).
 RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -352,6 +352,70 @@ def test_explicit_seed(device):
         dropout(x, 0.3, use_triton=True, seed=seeds)  # not 0-dim
     with pytest.raises(TypeError, match="seed"):
         dropout(x, 0.3, use_triton=True, seed=seeds[0].int())
+
+
+def test_eager_call_takes_a_host_seed(device):
+    # An eager call given no seed takes a host int from torch's generator (`host_seed`): the
+    # mask of the device tensor of that value, forward and backward, the generator advanced
+    # as the draw advances it. The plan binds one launch per kind of seed.
+    import triton_transformer.dropout as dropout_mod
+
+    x = make_x((7, 130), device=device)
+    torch.manual_seed(11)
+    value = host_seed(torch.device(device))
+    after = dropout(x, 0.3, use_triton=True)  # the generator's next seed
+    torch.manual_seed(11)
+    xl = x.clone().requires_grad_()
+    out = dropout(xl, 0.3, use_triton=True)
+    seed = torch.tensor(value, device=device)
+    assert torch.equal(out, dropout_op(x, 0.3, seed))
+    assert torch.equal(dropout(x, 0.3, use_triton=True), after)
+    dy = make_x(x.shape, device=device)
+    out.backward(dy)
+    assert torch.equal(xl.grad, dropout_op(dy, 0.3, seed))
+    (plan,) = dropout_mod._EAGER_PLANS.plans.values()
+    dropout(x, 0.3, use_triton=True, seed=seed)
+    assert len(plan.bound) == 2  # x's layout (dy's too) with a host seed, with a device seed
+
+
+def test_checkpoint_replays_the_mask(device):
+    # torch.utils.checkpoint restores the generator's state before recomputing the forward,
+    # so the recomputed dropout draws the forward's seed and the gradient uses its mask
+    from torch.utils.checkpoint import checkpoint
+
+    def f(x):
+        return dropout(x.sin(), 0.5, use_triton=True).cos()
+
+    x = make_x((33, 70), device=device)
+    grads = []
+    for use_checkpoint in (False, True):
+        xl = x.clone().requires_grad_()
+        torch.manual_seed(5)
+        y = checkpoint(f, xl, use_reentrant=False) if use_checkpoint else f(xl)
+        torch.manual_seed(6)  # the generator moved on before the backward
+        y.backward(torch.ones_like(y))
+        grads.append((y.detach(), xl.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.gpu
+def test_gpu_host_seed(device):
+    # From the CUDA generator's (seed, offset): replayed by torch.cuda.manual_seed, one
+    # Philox call's offset per seed, within [0, SEED_BOUND); None while capturing
+    dev = torch.device(device)
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    torch.cuda.manual_seed(3)
+    seeds = [host_seed(dev) for _ in range(64)]
+    assert generator.get_offset() == 4 * 64
+    torch.cuda.manual_seed(3)
+    assert [host_seed(dev) for _ in range(64)] == seeds
+    assert len(set(seeds)) == 64 and all(0 <= s < SEED_BOUND for s in seeds)
+    torch.cuda.manual_seed(4)
+    assert host_seed(dev) not in seeds
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert host_seed(dev) is None
 
 
 def test_eager_launch_bound_per_shape(device):

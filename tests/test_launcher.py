@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_transformer.utils import _specialization, launcher
+from triton_transformer.utils import PerCall, _specialization, launcher
 
 
 @triton.jit
@@ -137,6 +137,33 @@ def test_bound_launch_takes_tensors_after_scalars(device):
         x2, y2 = torch.randn_like(x), torch.empty_like(x)
         bound(x2, y2, torch.tensor(shift, device=device))
         torch.testing.assert_close(y2, x2 * 4.0 + 3 + shift)
+    assert not _tensors_held(bound)
+    if device == "cuda" and triton.__version__.startswith("3.6"):
+        assert bound.calls_c_launcher
+
+
+@triton.jit(do_not_specialize=["b"])
+def _axpb_per_call_kernel(X, b, Y, n, a, BLOCK: tl.constexpr = 128):
+    """y = x * a + b, b an int the bound launch takes per call."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask).to(tl.float32)
+    tl.store(Y + offs, (x * a + b).to(Y.dtype.element_ty), mask=mask)
+
+
+@pytest.mark.parametrize("first", [7, 16, 1])
+def test_bound_launch_takes_per_call_scalars(device, first):
+    # a `PerCall` scalar takes its place per call as a tensor does (values of every class
+    # Triton would specialise on: the parameter is in do_not_specialize); the other scalars
+    # stay bound
+    x = torch.randn(1000, device=device) + 0.5
+    y = torch.empty_like(x)
+    bound = launcher(_axpb_per_call_kernel).bind((8,), x, PerCall(first), y, 1000, 2.0)
+    torch.testing.assert_close(y, x * 2.0 + first)
+    for b in (first, 1, 16, 12345, 0):
+        x2, y2 = torch.randn_like(x), torch.empty_like(x)
+        bound(x2, b, y2)
+        torch.testing.assert_close(y2, x2 * 2.0 + b)
     assert not _tensors_held(bound)
     if device == "cuda" and triton.__version__.startswith("3.6"):
         assert bound.calls_c_launcher

@@ -63,6 +63,18 @@ def lse_from_stats(m, s):
 
 
 @triton.jit
+def load_seed(SEED):
+    """A kernel's Philox seed as int64: SEED is a host int (an eager launch's, `utils.host_seed`)
+    or points at a 0-dim int64 device tensor (`utils.draw_seed`; captured and traced launches).
+    The two give one mask for one value. (A compile-time branch: the argument's type picks it.)"""
+    if SEED.dtype.is_ptr():  # noqa: SIM108 (a compile-time branch)
+        seed = tl.load(SEED).to(tl.int64)
+    else:
+        seed = SEED.to(tl.int64)
+    return seed
+
+
+@triton.jit
 def dropout_keep_tile(seed, rows, start_col, n_cols, threshold, BLOCK_N: tl.constexpr,
                       INT64: tl.constexpr):  # fmt: skip
     """Dropout keep mask of one tile of a (rows, n_cols) matrix: rows (BLOCK_M,) by columns

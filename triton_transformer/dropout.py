@@ -17,7 +17,11 @@ loaded inside the kernel; nothing is read back on the host. So:
 - `torch.manual_seed` makes runs reproducible;
 - torch.compile traces the op without a graph break (it is a `torch.library.triton_op`).
 The op saves the seed tensor for backward, which regenerates the same mask: no mask tensor is
-kept, only 8 bytes.
+kept, only 8 bytes. An eager call that is given no seed outside stream capture takes a host
+int instead (`utils.host_seed`, from the same generator's state, as F.dropout's eager kernel
+takes its own): the device tensor's draw is a launch and an allocation of its own, a quarter
+of the call's host time. The kernel takes either (`_jit_helpers.load_seed`), with one mask
+for one value.
 
 The mask follows the row-major (logical) element order and the output is contiguous. A
 non-contiguous input, or upstream gradient (e.g. the expanded gradient of a `.sum()`), is read
@@ -35,14 +39,17 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from triton_transformer._jit_helpers import dropout_keep_tile
+from triton_transformer._jit_helpers import dropout_keep_tile, load_seed
 from triton_transformer.utils import (
     LaunchPlans,
+    PerCall,
     call_op,
     cdiv,
     check_triton_tensor,
+    draw_seed,
     dropout_threshold,
     first_order_only,
+    host_seed,
     is_traced,
     launcher,
     seed_or_draw,
@@ -69,7 +76,8 @@ def _strided_offsets(idx, size1, size2, size3, stride0, stride1, stride2, stride
     return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
 
 
-@triton.jit
+# (SEED: a host int varies per call, `utils.PerCall`)
+@triton.jit(do_not_specialize=["SEED"])
 def _dropout_kernel(
     X, SEED, Y, n_elements, threshold, scale, size1, size2, size3,
     stride0, stride1, stride2, stride3,
@@ -84,7 +92,7 @@ def _dropout_kernel(
         pid = pid.to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    keep = dropout_keep_tile(tl.load(SEED), rows, 0, BLOCK_N, threshold, BLOCK_N, INT64)
+    keep = dropout_keep_tile(load_seed(SEED), rows, 0, BLOCK_N, threshold, BLOCK_N, INT64)
     mask = offs < n_elements
     src = offs
     if STRIDED:
@@ -138,9 +146,10 @@ def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 _PLANS = LaunchPlans()
 
 
-def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor, bind: bool):
+def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor | int, bind: bool):
     """`dropout_op`'s output, and (bind) a function of (x, seed) that does the same for
-    another call with x's shape, strides and tensor facts."""
+    another call with x's shape, strides and tensor facts, and a seed of this one's kind (a
+    device tensor of its alignment, or a host int)."""
     layout = None if x.is_contiguous() else _strided_layout(x)
     copy = layout is None and not x.is_contiguous()
     if copy:
@@ -160,10 +169,11 @@ def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor, bind: bool):
         if n:
             launcher(_dropout_kernel)[grid](x, seed, out, *args, **flags)
         return out, None
-    bound = launcher(_dropout_kernel).bind(grid, x, seed, out, *args, **flags) if n else None
+    seed_arg = PerCall(seed) if type(seed) is int else seed
+    bound = launcher(_dropout_kernel).bind(grid, x, seed_arg, out, *args, **flags) if n else None
     shape, dtype = out.shape, out.dtype
 
-    def plan(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    def plan(x: torch.Tensor, seed: torch.Tensor | int) -> torch.Tensor:
         if copy:
             x = x.contiguous()
         out = torch.empty(shape, dtype=dtype, device=x.device)
@@ -198,7 +208,7 @@ dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup_con
 class _EagerPlan:
     """The launches of eager dropout calls of one layout of x and one p: `_dropout_plan`'s
     bound launches, one per layout of the tensor masked (x forward, the upstream gradient
-    backward) and of the seed."""
+    backward) and kind of seed (a device tensor and its alignment, or a host int)."""
 
     __slots__ = ("bound", "device", "p")
 
@@ -206,9 +216,11 @@ class _EagerPlan:
         self.device, self.p = x.device, p
         self.bound: dict[tuple, object] = {}
 
-    def __call__(self, t: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-        """`dropout_op(t, p, seed)` for t of the plan's shape."""
-        key = (t.stride(), t.dtype, not t.data_ptr() & 15, not seed.data_ptr() & 15)
+    def __call__(self, t: torch.Tensor, seed: torch.Tensor | int) -> torch.Tensor:
+        """`dropout_op(t, p, seed)` for t of the plan's shape (a host int seed as the device
+        tensor of its value)."""
+        kind = None if type(seed) is int else not seed.data_ptr() & 15
+        key = (t.stride(), t.dtype, not t.data_ptr() & 15, kind)
         bound = self.bound.get(key)
         if bound is not None:
             return bound(t, seed)
@@ -235,19 +247,18 @@ def _eager_plan(x: torch.Tensor, p: float) -> _EagerPlan | None:
 
 
 class _EagerDropout(torch.autograd.Function):
-    """`dropout_op` and its registered backward for an eager call of a planned layout."""
+    """`dropout_op` and its registered backward for an eager call of a planned layout. The
+    seed (a device tensor or a host int) is kept on ctx for the backward's mask."""
 
     @staticmethod
     def forward(ctx, x, seed, plan):
-        ctx.save_for_backward(seed)
-        ctx.plan = plan
+        ctx.seed, ctx.plan = seed, plan
         return plan(x, seed)
 
     @staticmethod
     @first_order_only("dropout")
     def backward(ctx, dy):
-        (seed,) = ctx.saved_tensors
-        return ctx.plan(dy, seed), None, None
+        return ctx.plan(dy, ctx.seed), None, None
 
 
 def dropout(
@@ -267,7 +278,9 @@ def dropout(
         training: dropout is applied only in training mode.
         use_triton: run the seeded Triton kernel instead of `F.dropout`.
         seed: Triton only: the 0-dim int64 device tensor the mask is drawn from (e.g. a view
-            of `utils.draw_seeds`); None draws one (`utils.draw_seed`). `F.dropout` ignores it.
+            of `utils.draw_seeds`); None draws one from torch's generator (`utils.host_seed`
+            for an eager call outside stream capture, else `utils.draw_seed`). `F.dropout`
+            ignores it.
 
     Returns:
         Tensor shaped like `x`, in its dtype. `x` itself (no copy, no kernel) when p == 0 or
@@ -281,7 +294,11 @@ def dropout(
     if use_triton and training:
         plan = _eager_plan(x, p)
         if plan is not None:
-            seed = seed_or_draw(seed, plan.device)
+            if seed is None:  # a host int, but a device tensor during stream capture
+                drawn = host_seed(plan.device)
+                seed = draw_seed(plan.device) if drawn is None else drawn
+            else:
+                seed = seed_or_draw(seed, plan.device)
             if x.requires_grad and torch.is_grad_enabled():
                 return _EagerDropout.apply(x, seed, plan)
             return plan(x, seed)

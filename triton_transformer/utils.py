@@ -61,15 +61,21 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Seeds are drawn in [0, SEED_BOUND): Triton passes such an int as an int32 argument, so a
+# host seed never changes a kernel's signature.
+SEED_BOUND = 2**31 - 1
+_MASK64 = 2**64 - 1
+
+
 def draw_seed(device: torch.device | str) -> torch.Tensor:
-    """A Philox seed for one dropout mask: a 0-dim int64 tensor on `device`, in [0, 2**31 - 1).
+    """A Philox seed for one dropout mask: a 0-dim int64 tensor on `device`, in [0, SEED_BOUND).
 
     Drawn from torch's generator of that device (CUDA's for CUDA tensors), never read on the
     host: kernels `tl.load` it. So a captured CUDA graph draws a fresh seed on every replay,
     `torch.manual_seed` makes runs reproducible, and torch.compile sees no `.item()`. Ops save
     the tensor for backward, which regenerates the same mask from it.
     """
-    return torch.randint(0, 2**31 - 1, (), device=device, dtype=torch.int64)
+    return torch.randint(0, SEED_BOUND, (), device=device, dtype=torch.int64)
 
 
 def check_dropout_p(p: object) -> float:
@@ -95,7 +101,7 @@ def draw_seeds(device: torch.device | str, count: int) -> torch.Tensor:
     """`count` seeds as one (count,) tensor, with one launch: `seeds[i]` (a 0-dim view) is
     a seed for one op. A model draws all of a forward's dropout seeds this way instead of
     paying one tiny random-number kernel per op."""
-    return torch.randint(0, 2**31 - 1, (count,), device=device, dtype=torch.int64)
+    return torch.randint(0, SEED_BOUND, (count,), device=device, dtype=torch.int64)
 
 
 def seed_or_draw(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -107,6 +113,33 @@ def seed_or_draw(seed: torch.Tensor | None, device: torch.device) -> torch.Tenso
     if seed.device != device:
         raise ValueError(f"seed is on {seed.device} but the input is on {device}")
     return seed
+
+
+def host_seed(device: torch.device) -> int | None:
+    """A Philox seed for one dropout mask of an eager launch, drawn on the host as F.dropout's
+    CUDA kernel takes its own: from the state of torch's generator of `device`, which it
+    advances. None during CUDA stream capture, where a replay would reuse a host value: the
+    caller then draws a device tensor (`draw_seed`).
+
+    The seed is a function of the generator's (seed, Philox offset), so `torch.manual_seed`
+    and `torch.cuda.manual_seed` make it reproducible, and `torch.utils.checkpoint`, which
+    restores the generator's state, replays it. Taking it costs no launch and no allocation
+    (the device tensor's draw costs both). On the CPU (Triton's interpreter), whose generator
+    has no offset, it is drawn from the generator with `torch.randint`."""
+    if device.type != "cuda":
+        return int(torch.randint(0, SEED_BOUND, ()))
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    offset = generator.get_offset()
+    generator.set_offset(offset + 4)  # one Philox call's worth, as torch's own draws advance
+    # SplitMix64's output function at state seed + (offset + 1)·γ: distinct offsets give
+    # unrelated 31-bit keys
+    z = (generator.initial_seed() + (offset + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % SEED_BOUND
 
 
 def describe(t: object) -> str:
@@ -560,10 +593,14 @@ class KernelLauncher:
         specialisation reads from the tensors (dtype, 16-byte alignment), so a hit is the
         same specialisation (the ops' `LaunchPlans`: `layernorm._PLANS`, attention's
         `_FWD_PLANS` / `_BWD_PLANS`, ...): per call it saves the key's pass over every
-        argument. The bound launch holds none of this call's tensors.
+        argument. The bound launch holds none of this call's tensors. A `PerCall` scalar
+        takes its place among the per-call arguments as a tensor does.
         Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
         launch hooks set at the call), it launches as `self[grid]` does."""
         slots = [i for i, a in enumerate(args) if _per_call(a)]
+        scalars = any(type(a) is PerCall for a in args)
+        if scalars:
+            args = tuple([a.value if type(a) is PerCall else a for a in args])
         n_lead = len(slots) if slots == list(range(len(slots))) else 0
         fixed = args[n_lead:] if n_lead else ()  # (held: never one of this call's tensors)
         if n_lead:  # the common layout, tensors first: no argument list to fill per call
@@ -571,7 +608,7 @@ class KernelLauncher:
             def place(tensors: tuple) -> tuple:
                 return (*tensors, *fixed)
         else:  # a tensor after a scalar (a seed after the sizes): filled into its slot
-            template = [None if _per_call(a) else a for a in args]
+            template = [None if i in slots else a for i, a in enumerate(args)]
 
             def place(tensors: tuple) -> tuple:
                 full = template.copy()
@@ -601,8 +638,17 @@ class KernelLauncher:
             device = self.driver.active.get_current_device()
             key = _specialization(device, args, kwargs)
             entry = None if key is None else self.compiled.get(key)
+        if scalars:  # Triton's own launch: keyed, a per-call value would add a key per value
+
+            def relaunch(tensors: tuple) -> None:
+                self.kernel[grid](*place(tensors), **kwargs)
+        else:
+
+            def relaunch(tensors: tuple) -> None:
+                self.launch(grid, *place(tensors), **kwargs)
+
         if entry is None:
-            return lambda *tensors: self.launch(grid, *place(tensors), **kwargs)
+            return lambda *tensors: relaunch(tensors)
         run, function, metadata, tail, plain = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
         runtime = self.knobs.runtime
@@ -618,7 +664,7 @@ class KernelLauncher:
             # a profiler's hooks (Triton's path calls them), or another device (the function
             # handle is the bound device's): the keyed launch
             if current != device or not _no_launch_hooks(runtime):
-                self.launch(grid, *place(tensors), **kwargs)
+                relaunch(tensors)
                 return
             stream = get_stream(current)
             if raw is not None:
@@ -662,9 +708,22 @@ class KernelLauncher:
                               plain_launch(run))  # fmt: skip
 
 
+class PerCall:
+    """An argument of `KernelLauncher.bind` that the bound launch takes per call, as it takes
+    tensors: a scalar that changes from call to call (a host seed, `host_seed`). Its kernel
+    parameter must be in the kernel's `do_not_specialize`, since the bound launch runs the
+    specialisation compiled for the value bound here with every value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def _per_call(a: Any) -> bool:
-    """Whether `bind` takes `a` per call: a tensor, or a host-made TMA descriptor (it holds one)."""
-    return isinstance(a, torch.Tensor) or is_descriptor(a)
+    """Whether `bind` takes `a` per call: a tensor, a host-made TMA descriptor (it holds one)
+    or a `PerCall` scalar."""
+    return isinstance(a, torch.Tensor) or is_descriptor(a) or type(a) is PerCall
 
 
 @functools.cache
