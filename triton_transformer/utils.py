@@ -8,6 +8,7 @@ import inspect
 import math
 import numbers
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -65,6 +66,7 @@ def sm_count(device: torch.device) -> int:
 # host seed never changes a kernel's signature.
 SEED_BOUND = 2**31 - 1
 _MASK64 = 2**64 - 1
+_HOST_SEED_LOCK = threading.Lock()
 
 
 def draw_seed(device: torch.device | str) -> torch.Tensor:
@@ -132,8 +134,9 @@ def host_seed(device: torch.device) -> int | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     generator = torch.cuda.default_generators[index]
-    offset = generator.get_offset()
-    generator.set_offset(offset + 4)  # one Philox call's worth, as torch's own draws advance
+    with _HOST_SEED_LOCK:  # two threads must not read one offset (torch locks its own draws)
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)  # one Philox call's worth, as torch's draws advance
     # SplitMix64's output function at state seed + (offset + 1)·γ: distinct offsets give
     # unrelated 31-bit keys
     z = (generator.initial_seed() + (offset + 1) * 0x9E3779B97F4A7C15) & _MASK64
