@@ -71,20 +71,26 @@ def cases(ops, use_triton: bool = True) -> dict:
 
 def liger_cases() -> dict:
     """The same calls through Liger-Kernel's functions, for the ops it has (layernorm with a
-    bias, as Liger's takes one; softmax without a causal mask; cross-entropy; relu² after
-    torch's matmul)."""
+    bias, as Liger's takes one; rmsnorm and its fused residual add, out of place; softmax
+    without a causal mask; cross-entropy; relu² after torch's matmul)."""
     from liger_kernel.transformers import functional as lf
 
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     w = torch.randn(512, device=dev, dtype=dt, requires_grad=True)
     b = torch.zeros(512, device=dev, dtype=dt, requires_grad=True)
+    branch = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
     s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
         "layernorm": lambda: lf.liger_layer_norm(x, w, b, 1e-5),
+        "rmsnorm": lambda: lf.liger_rms_norm(x, w, 1e-6, in_place=False),
+        # (y, h_new) of branch + x, y alone timed as ours
+        "residual_rmsnorm": lambda: lf.liger_fused_add_rms_norm(branch, x, w, 1e-6, in_place=False)[
+            0
+        ],
         "softmax causal": lambda: lf.liger_softmax(s),  # Liger's has no causal mask
         "linear relu²": lambda: lf.liger_relu_squared(x @ wl.t()),
         "cross_entropy": lambda: lf.liger_cross_entropy(logits, labels),
