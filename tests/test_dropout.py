@@ -374,8 +374,22 @@ def test_eager_call_takes_a_host_seed(device):
     out.backward(dy)
     assert torch.equal(xl.grad, dropout_op(dy, 0.3, seed))
     (plan,) = dropout_mod._EAGER_PLANS.plans.values()
+    assert [key[-1] for key in plan.bound] == [None]  # bound for a host seed only
     dropout(x, 0.3, use_triton=True, seed=seed)
     assert len(plan.bound) == 2  # x's layout (dy's too) with a host seed, with a device seed
+
+
+def test_seed_changed_in_place_raises(device):
+    # a seed tensor changed before the backward would give the backward another mask:
+    # autograd refuses it, on the eager plan's path as on the registered op's
+    x = make_x((8, 40), device=device).requires_grad_()
+    eager = lambda s: dropout(x, 0.5, use_triton=True, seed=s)
+    for call in (eager, lambda s: dropout_op(x, 0.5, s)):
+        seed = torch.tensor(5, device=device)
+        out = call(seed)
+        seed.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
 
 
 def test_checkpoint_replays_the_mask(device):

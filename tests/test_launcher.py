@@ -151,20 +151,42 @@ def _axpb_per_call_kernel(X, b, Y, n, a, BLOCK: tl.constexpr = 128):
     tl.store(Y + offs, (x * a + b).to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["b"])
+def _axpb_late_per_call_kernel(X, n, Y, a, b, BLOCK: tl.constexpr = 128):
+    """`_axpb_per_call_kernel` with the per-call int after scalars (bind's template path)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask).to(tl.float32)
+    tl.store(Y + offs, (x * a + b).to(Y.dtype.element_ty), mask=mask)
+
+
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("first", [7, 16, 1])
-def test_bound_launch_takes_per_call_scalars(device, first):
+def test_bound_launch_takes_per_call_scalars(device, first, late):
     # a `PerCall` scalar takes its place per call as a tensor does (values of every class
-    # Triton would specialise on: the parameter is in do_not_specialize); the other scalars
-    # stay bound
+    # Triton would specialise on: the parameter is in do_not_specialize), first among the
+    # arguments or after scalars; the other scalars stay bound. Binding again with another
+    # value adds no entry to the launcher's cache (keyed by value, it would grow per bind).
+    kernel = _axpb_late_per_call_kernel if late else _axpb_per_call_kernel
+
+    def bind(x, b, y):
+        args = (x, 1000, y, 2.0, PerCall(b)) if late else (x, PerCall(b), y, 1000, 2.0)
+        return launcher(kernel).bind((8,), *args)
+
     x = torch.randn(1000, device=device) + 0.5
     y = torch.empty_like(x)
-    bound = launcher(_axpb_per_call_kernel).bind((8,), x, PerCall(first), y, 1000, 2.0)
+    bound = bind(x, first, y)
     torch.testing.assert_close(y, x * 2.0 + first)
     for b in (first, 1, 16, 12345, 0):
         x2, y2 = torch.randn_like(x), torch.empty_like(x)
-        bound(x2, b, y2)
+        bound(*((x2, y2, b) if late else (x2, b, y2)))
         torch.testing.assert_close(y2, x2 * 2.0 + b)
     assert not _tensors_held(bound)
+    cached = len(launcher(kernel).compiled)
+    for b in (first + 3, 2**20 + 5):
+        bind(x, b, y)
+        torch.testing.assert_close(y, x * 2.0 + b)
+    assert len(launcher(kernel).compiled) == cached
     if device == "cuda" and triton.__version__.startswith("3.6"):
         assert bound.calls_c_launcher
 

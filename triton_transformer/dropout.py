@@ -247,18 +247,24 @@ def _eager_plan(x: torch.Tensor, p: float) -> _EagerPlan | None:
 
 
 class _EagerDropout(torch.autograd.Function):
-    """`dropout_op` and its registered backward for an eager call of a planned layout. The
-    seed (a device tensor or a host int) is kept on ctx for the backward's mask."""
+    """`dropout_op` and its registered backward for an eager call of a planned layout. A host
+    int seed is kept on ctx; a seed tensor is saved (autograd then refuses one changed in
+    place before the backward, as the registered op's does)."""
 
     @staticmethod
     def forward(ctx, x, seed, plan):
-        ctx.seed, ctx.plan = seed, plan
+        host = type(seed) is int
+        ctx.host_seed, ctx.plan = seed if host else None, plan
+        ctx.save_for_backward(None if host else seed)
         return plan(x, seed)
 
     @staticmethod
     @first_order_only("dropout")
     def backward(ctx, dy):
-        return ctx.plan(dy, ctx.seed), None, None
+        seed = ctx.host_seed
+        if seed is None:
+            (seed,) = ctx.saved_tensors
+        return ctx.plan(dy, seed), None, None
 
 
 def dropout(

@@ -134,7 +134,10 @@ def host_seed(device: torch.device) -> int | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     generator = torch.cuda.default_generators[index]
-    with _HOST_SEED_LOCK:  # two threads must not read one offset (torch locks its own draws)
+    # two of these calls must not read one offset. torch's own draws lock the generator in
+    # C++, which this cannot take: a draw of torch's on another thread between the read and
+    # the advance could have its own advance undone (no thread of the package draws there)
+    with _HOST_SEED_LOCK:
         offset = generator.get_offset()
         generator.set_offset(offset + 4)  # one Philox call's worth, as torch's draws advance
     # SplitMix64's output function at state seed + (offset + 1)·γ: distinct offsets give
@@ -601,7 +604,7 @@ class KernelLauncher:
         Where the direct path cannot run (Triton's interpreter, an argument it cannot key,
         launch hooks set at the call), it launches as `self[grid]` does."""
         slots = [i for i, a in enumerate(args) if _per_call(a)]
-        scalars = any(type(a) is PerCall for a in args)
+        scalars = [i for i, a in enumerate(args) if type(a) is PerCall]
         if scalars:
             args = tuple([a.value if type(a) is PerCall else a for a in args])
         n_lead = len(slots) if slots == list(range(len(slots))) else 0
@@ -632,15 +635,26 @@ class KernelLauncher:
                     wrapped[n] = rebased(desc, wrapped[n])
                 return place_tensors(wrapped)
 
-        self.launch(grid, *args, **kwargs)
+        compiled = None
+        if scalars and not is_traced(args[0]):
+            # Triton's own launch: `launch` keys an int by its value, so a per-call value
+            # would add a cache entry per bind; the entry goes under a stand-in value below
+            # (the parameter is not specialised on: one compiled kernel serves every value)
+            compiled = self.kernel[grid](*args, **kwargs)
+        else:
+            self.launch(grid, *args, **kwargs)
         entry = None
         if (
             self.direct and type(grid) is tuple and args and len(args) <= self.n_keyable
             and not is_traced(args[0])  # traced: `launch` recorded it, nothing to bind
         ):  # fmt: skip
             device = self.driver.active.get_current_device()
-            key = _specialization(device, args, kwargs)
+            keyed = tuple([0 if i in scalars else a for i, a in enumerate(args)])
+            key = _specialization(device, keyed, kwargs)
             entry = None if key is None else self.compiled.get(key)
+            if entry is None and compiled is not None and key is not None:
+                self._remember(key, compiled, len(args), kwargs)
+                entry = self.compiled.get(key)
         if scalars:  # Triton's own launch: keyed, a per-call value would add a key per value
 
             def relaunch(tensors: tuple) -> None:
