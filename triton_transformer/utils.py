@@ -635,14 +635,11 @@ class KernelLauncher:
                     wrapped[n] = rebased(desc, wrapped[n])
                 return place_tensors(wrapped)
 
-        compiled = None
-        if scalars and not is_traced(args[0]):
-            # Triton's own launch: `launch` keys an int by its value, so a per-call value
-            # would add a cache entry per bind; the entry goes under a stand-in value below
-            # (the parameter is not specialised on: one compiled kernel serves every value)
-            compiled = self.kernel[grid](*args, **kwargs)
-        else:
-            self.launch(grid, *args, **kwargs)
+        # With a per-call scalar, Triton's own launch: `launch` keys an int by its value, so
+        # each value would file a cache entry of its own; the compiled kernel is filed below
+        # under a stand-in value (the parameter is not specialised on: one kernel serves all)
+        unbound = self.kernel[grid] if scalars else functools.partial(self.launch, grid)
+        compiled = unbound(*args, **kwargs)  # (`launch` returns None)
         entry = None
         if (
             self.direct and type(grid) is tuple and args and len(args) <= self.n_keyable
@@ -655,14 +652,9 @@ class KernelLauncher:
             if entry is None and compiled is not None and key is not None:
                 self._remember(key, compiled, len(args), kwargs)
                 entry = self.compiled.get(key)
-        if scalars:  # Triton's own launch: keyed, a per-call value would add a key per value
 
-            def relaunch(tensors: tuple) -> None:
-                self.kernel[grid](*place(tensors), **kwargs)
-        else:
-
-            def relaunch(tensors: tuple) -> None:
-                self.launch(grid, *place(tensors), **kwargs)
+        def relaunch(tensors: tuple) -> None:
+            unbound(*place(tensors), **kwargs)
 
         if entry is None:
             return lambda *tensors: relaunch(tensors)
