@@ -144,7 +144,7 @@ def table(rows: list[dict], env: dict, ceil: dict) -> str:
         lines += ["", f"## M {M}, K {K}, V {V}", ""]
         lines.append(
             "| provider | kernel ms | event ms | wall µs | TFLOP/s | of mm | peak MiB | "
-            "ours / it (kernel) | loss err | dx err | dW err |"
+            "its time / ours (kernel) | loss err | dx err | dW err |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in mine:
