@@ -16,7 +16,8 @@ Providers, for x (M, K), a weight (V, K) and labels (M,), all bf16 but the label
   liger-fp32    the same with accum_dtype=torch.float32 (dW accumulated in fp32, as ours)
 
 Shapes (M, K, V): GPT-2's loss (16384, 768, 50304), Llama 3.2 1B's (8192, 2048, 128256) and
-Llama 3 8B's (8192, 4096, 128256); --quick: the first two.
+Llama 3 8B's (8192, 4096, 128256), the last also with 4096 tokens (where one chunk holds less
+memory than several: `linear_cross_entropy.single_chunk_lighter`); --quick: the first two.
 
 Columns: kernel ms (`common.kernel_ms`: kernels summed by torch.profiler, L2 flushed),
 event ms (do_bench's median), wall µs per call in a synchronised loop, TFLOP/s over the three
@@ -45,7 +46,7 @@ from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.linear_cross_entropy import linear_cross_entropy
 
-SHAPES = ((16384, 768, 50304), (8192, 2048, 128256), (8192, 4096, 128256))
+SHAPES = ((16384, 768, 50304), (8192, 2048, 128256), (8192, 4096, 128256), (4096, 4096, 128256))
 
 
 def providers() -> dict:

@@ -24,6 +24,7 @@ from triton_transformer.linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_op,
     linear_cross_entropy_scale_op,
+    single_chunk_lighter,
 )
 
 lce_mod = importlib.import_module("triton_transformer.linear_cross_entropy")
@@ -243,6 +244,57 @@ def test_default_chunking_splits_rows(device, monkeypatch):
     check(x, w, labels, -100)
 
 
+def test_single_chunk_lighter():
+    # bf16 (e = 2): one chunk holds (M + K)·V·e, chunks 4·V·K + max(rows, K)·V·e
+    V = 128256
+    assert single_chunk_lighter(4096, V, 4096, 2, 2048)  # 16384·V against 24576·V bytes
+    assert single_chunk_lighter(8192, V, 4096, 2, 2048)  # Llama 3 8B's head: equal
+    assert not single_chunk_lighter(8193, V, 4096, 2, 2048)
+    assert not single_chunk_lighter(8192, V, 2048, 2, 2048)  # Llama 3.2 1B's: 20480 vs 12288
+    assert not single_chunk_lighter(16384, 50304, 768, 2, 4096)  # GPT-2's
+
+
+def _forward_launches(monkeypatch) -> list:
+    """Counts the loss kernel's launches: one per chunk."""
+    calls = []
+    launch = lce_mod.launch_cross_entropy_fwd
+    monkeypatch.setattr(
+        lce_mod, "launch_cross_entropy_fwd", lambda *a, **k: calls.append(1) or launch(*a, **k)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("K, chunks", [(200, 1), (16, 3)], ids=["one-chunk", "chunks"])
+def test_bf16_weight_takes_one_chunk_where_lighter(K, chunks, device, monkeypatch):
+    # 300 rows, 37 classes, default chunks shrunk to 128 rows: with K = 200 one chunk holds
+    # (300 + 200)·37·2 = 37,000 bytes against chunks' 4·37·200 + 200·37·2 = 44,400, so it
+    # takes one (dW in bf16 from one product); with K = 16 the chunks are lighter
+    monkeypatch.setattr(lce_mod, "CHUNK_BYTES", 1)
+    calls = _forward_launches(monkeypatch)
+    x, w, labels = make_inputs(300, K, 37, torch.bfloat16, device, ignore_index=-100)
+    check(x, w, labels, -100)
+    assert len(calls) == chunks
+
+
+def test_bf16_weight_gradient_from_one_product(device, monkeypatch):
+    # one chunk and a bf16 weight: dW is written in bf16 by its product (no fp32 buffer, no
+    # cast); with an fp32 weight under autocast, or several chunks, it stays fp32
+    x, w, labels = make_inputs(40, 24, 37, torch.bfloat16, device, ignore_index=-100)
+    _, dx, dw, _ = linear_cross_entropy_op(x, w, labels, -100, 64, True, True, True)
+    assert dw.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16
+    _, ref_dx, ref_dw = reference(x, w, labels, -100, dloss=1.0)
+    assert rel_err(dw, ref_dw) <= 1e-2 and rel_err(dx, ref_dx) <= 1e-2
+    seen = []
+    impl = lce_mod._linear_cross_entropy_impl
+    monkeypatch.setattr(
+        lce_mod, "_linear_cross_entropy_impl", lambda *a: seen.append(a[-1]) or impl(*a)
+    )
+    monkeypatch.setattr(lce_mod, "_forward_op", lambda *a: lce_mod._linear_cross_entropy_impl)
+    for chunk_rows, want in ((None, True), (40, True), (16, False)):
+        run(x, w, labels, -100, chunk_rows=chunk_rows)
+        assert seen.pop() is want, chunk_rows
+
+
 # ---- autograd contract, errors, registration ---------------------------------------------------
 
 
@@ -308,9 +360,13 @@ def test_registered_custom_ops(device):
     # without an ignore_index every label must be in range (a -100 poisons the loss with NaN,
     # which opcheck's eager-vs-traced comparison counts as a mismatch)
     in_range = labels.clamp(min=0)
-    for args in ((x, w, labels, -100, 4, True, True), (x, w, in_range, None, 16, False, False)):
+    for args in (
+        (x, w, labels, -100, 4, True, True, False),
+        (x, w, in_range, None, 16, False, False, False),
+        (x.bfloat16(), w.bfloat16(), labels, -100, 7, True, True, True),  # dW in bf16
+    ):
         torch.library.opcheck(linear_cross_entropy_op, args, test_utils=tests)
-    _, dx, dw, n_valid = linear_cross_entropy_op(x, w, labels, -100, 4, True, True)
+    _, dx, dw, n_valid = linear_cross_entropy_op(x, w, labels, -100, 4, True, True, False)
     dloss = torch.tensor(1.3, device=device)
     for divide in (False, True):
         torch.library.opcheck(
@@ -511,6 +567,25 @@ def test_gpu_gpt2_shape_matches_unfused_with_less_memory(rows, device):
     saved = peak_unfused - peak_fused
     print(f"rows {rows}: peak fused {peak_fused / 1e9:.3f} GB, unfused {peak_unfused / 1e9:.3f}")
     assert saved >= 0.9 * (logits_bytes - chunk_bytes), (peak_fused, peak_unfused)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weight_one_chunk_holds_less(device, monkeypatch):
+    # A bf16 weight with K = tokens: default chunks shrunk to 1024 rows would hold dW's fp32
+    # accumulator (512 MiB) beside a chunk's logits, then the accumulator beside its bf16 cast
+    # (768 MiB); one chunk holds the logits and dW in bf16 (512 MiB), so the default takes it
+    M, K, V = 4096, 4096, 32768
+    monkeypatch.setattr(lce_mod, "CHUNK_BYTES", 2**26)
+    x, w, labels = make_inputs(M, K, V, torch.bfloat16, device, ignore_index=-100)
+    for chunk_rows in (None, 1024):  # warm-up
+        _step_peak(x, w, labels, True, chunk_rows)
+    peak_one, got = _step_peak(x, w, labels, True)
+    peak_chunks, ref = _step_peak(x, w, labels, True, 1024)
+    assert got[2].dtype == torch.bfloat16
+    assert abs(got[0].item() - ref[0].item()) <= 1e-3 * ref[0].item()
+    assert rel_err(got[1], ref[1]) <= 1e-2 and rel_err(got[2], ref[2]) <= 1e-2
+    print(f"peak one chunk {peak_one / 2**20:.0f} MiB, chunks {peak_chunks / 2**20:.0f} MiB")
+    assert peak_chunks - peak_one >= 0.8 * 256 * 2**20, (peak_one, peak_chunks)
 
 
 @pytest.mark.gpu

@@ -26,13 +26,18 @@ its gradient is accumulated and returned in fp32 (the model's case: the accumula
 the weight's gradient). fp16 logits: as in `cross_entropy`, the chunks hold softmax - onehot
 unnormalised (1/n_valid would underflow fp16 before a GradScaler's factor reaches it), and
 backward applies dloss / n_valid to dx and dW in fp32. A bf16 or fp16 weight gets its fp32
-gradient cast in backward. That accumulator is twice the weight's size and
-the cast adds the weight's size again, which at a large K·V outweighs the logits saved. At
-Llama 3 8B's head (8192 tokens, K = 4096, V = 128,256, bf16 weight; H200, 2026-11-29,
-`bench_linear_cross_entropy.py`) the fused and the unfused call both peak at 3,070 MiB.
-Liger-Kernel's fused loss, which accumulates dW in bf16 by default, peaks at 1,129 MiB and
-runs 1.31x slower. Each chunk after the first also reads and writes the fp32 accumulator. At
-that shape the fused call runs at 0.94x the unfused one's speed.
+gradient cast in backward.
+
+A bf16 weight (no fp32 master) in one chunk gets dW from one product written in bf16 (fp32
+accumulation inside it, as the unfused path's). Over several chunks its fp32 accumulator is
+twice the weight's size and the cast adds the weight's size again, which at a large K·V
+outweighs the logits saved; each chunk after the first also reads and writes the
+accumulator. So where one chunk holds no more memory (`single_chunk_lighter`: about K >=
+tokens / 2), the default takes one. Llama 3 8B's head (K = 4096, V = 128,256; H200,
+2026-11-29): with 4096 tokens one chunk runs 18.4 ms and peaks at 2,036 MiB, against 20.5 ms
+and 3,038 MiB in chunks of 2048 rows; with 8192 tokens 40.3 ms against 41.7, both at 3,070
+MiB, as the unfused call. Liger-Kernel's fused loss accumulates dW in bf16 by default. At
+8192 tokens it peaks at 1,129 MiB and runs 1.40x slower (`bench_linear_cross_entropy.py`).
 
 Without autograd (evaluation under no_grad) the chunks only compute the loss: no gradient is
 written and no dx/dW is allocated. Callers that need logits (generation) use `bmm.linear`.
@@ -69,7 +74,7 @@ from triton_transformer.utils import (
     tracing,
 )
 
-__all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy", "single_chunk_lighter"]
 
 # Largest size of one chunk's logits; the rows are then split into equal chunks of a multiple
 # of 128 rows (`default_chunk_rows`). Each chunk costs an fp32 (V, K) read and write for the dW
@@ -96,6 +101,18 @@ def default_chunk_rows(M: int, V: int, itemsize: int) -> int:
     return max(128, cdiv(cdiv(M, chunks), 128) * 128)
 
 
+def single_chunk_lighter(M: int, V: int, K: int, itemsize: int, rows: int) -> bool:
+    """Whether one chunk of all M rows, with dW (V, K) written in the weight's 16-bit dtype by
+    one product, holds at most the memory of chunks of `rows` rows with dW accumulated in fp32
+    and cast at the end (e: bytes per element):
+
+        one chunk:  M·V·e (the logits) + V·K·e (dW)
+        chunks:     4·V·K (the accumulator) + max(rows·V·e (a chunk's logits), V·K·e (its cast))
+    """
+    one = (M + K) * V * itemsize
+    return one <= 4 * V * K + max(rows, K) * V * itemsize
+
+
 def _linear_cross_entropy_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -104,12 +121,14 @@ def _linear_cross_entropy_impl(
     chunk_rows: int,
     grad_x: bool,
     grad_weight: bool,
+    dw_in_x_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked forward: x (M, K), weight (V, K) in x's dtype, labels (M,) int64, any strides.
 
     Returns (loss 0-d fp32, dx (M, K) in x's dtype, dW (V, K) fp32, n_valid 0-d fp32): the
     gradients for an upstream gradient of 1 (fp16: without the 1 / n_valid factor), or (0, 0)
-    placeholders when not asked for (then no gradient is written at all)."""
+    placeholders when not asked for (then no gradient is written at all). dw_in_x_dtype: dW
+    in x's dtype instead (callers pass it for one chunk only: chunks would accumulate in it)."""
     M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
     V = int(weight.shape[0])
     device = x.device
@@ -120,7 +139,8 @@ def _linear_cross_entropy_impl(
     n_valid = empty_scalar(device)
     loss = empty_scalar(device)
     dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
-    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=torch.float32, device=device)
+    dw_dtype = x.dtype if dw_in_x_dtype else torch.float32
+    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=dw_dtype, device=device)
     # n_valid over all rows first: each chunk's gradient is divided by the global count.
     launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, False, True)
     rows = max(1, min(chunk_rows, M))
@@ -163,11 +183,12 @@ linear_cross_entropy_opaque_op = opaque_op("linear_cross_entropy", _linear_cross
 
 
 @linear_cross_entropy_opaque_op.register_fake
-def _(x, weight, labels, ignore_index, chunk_rows, grad_x, grad_weight):
+def _(x, weight, labels, ignore_index, chunk_rows, grad_x, grad_weight, dw_in_x_dtype):
     M, K = x.shape
     loss, n_valid = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
     dx = x.new_empty((M, K) if grad_x else (0, 0))
-    dw = x.new_empty((weight.shape[0], K) if grad_weight else (0, 0), dtype=torch.float32)
+    dw_dtype = x.dtype if dw_in_x_dtype else torch.float32
+    dw = x.new_empty((weight.shape[0], K) if grad_weight else (0, 0), dtype=dw_dtype)
     return loss, dx, dw, n_valid
 
 
@@ -204,13 +225,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     Dynamo traces it without a graph break (as `cross_entropy`'s in-place function)."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_lp, labels, ignore_index, chunk_rows, grad_x, grad_weight):
+    def forward(
+        ctx, x, weight, weight_lp, labels, ignore_index, chunk_rows, grad_x, grad_weight,
+        dw_in_x_dtype,
+    ):  # fmt: skip
         # weight_lp: the weight's copy in x's dtype, or None (Dynamo refuses a tensor passed
         # twice to apply)
         w = weight if weight_lp is None else weight_lp
         op = _forward_op(x, w.shape[0], chunk_rows)
         loss, dx, dw, n_valid = call_op(
-            op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight
+            op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight, dw_in_x_dtype
         )
         ctx.save_for_backward(dx, dw, n_valid)
         ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
@@ -231,7 +255,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         dweight = None
         if ctx.grad_weight:
             dweight = dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)
-        return dx if ctx.grad_x else None, dweight, None, None, None, None, None, None
+        return dx if ctx.grad_x else None, dweight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -254,7 +278,8 @@ def linear_cross_entropy(
         ignore_index: label value left out of the mean; None ignores nothing.
         use_triton: the chunked Triton path; False: `F.linear` then `cross_entropy`'s PyTorch
             reference (the full logits).
-        chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`.
+        chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`, or all rows in one
+            chunk for a bf16 weight where that holds no more memory (`single_chunk_lighter`).
         check_labels: check on the host that labels are in range (one device sync; refused
             during CUDA stream capture). Pass False inside a training step (the Triton path
             then returns NaN for a bad label).
@@ -314,19 +339,25 @@ def linear_cross_entropy(
         logits = F.linear(x, weight)
         return cross_entropy(logits, labels, ignore_index, use_triton=False, check_labels=False)
 
-    M = labels.numel()
-    x2 = x.reshape(M, x.shape[-1])  # a view unless x's leading dims cannot merge
+    M, K = labels.numel(), x.shape[-1]
+    x2 = x.reshape(M, K)  # a view unless x's leading dims cannot merge
     labels1 = labels.reshape(M)
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(M, V, x.element_size())
     weight_lp = _weight_in(weight, x.dtype)  # a copy in x's dtype, or None when weight is
     grad_x = x2.requires_grad
     grad_weight = weight.requires_grad
+    # a bf16 weight's gradient straight from one product, where one chunk is not heavier
+    bf16_dw = grad_weight and weight_lp is None and weight.dtype == torch.bfloat16
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(M, V, x.element_size())
+        if bf16_dw and chunk_rows < M and single_chunk_lighter(M, V, K, 2, chunk_rows):
+            chunk_rows = M
+    dw_in_x_dtype = bf16_dw and chunk_rows >= M
     if torch.is_grad_enabled() and (grad_x or grad_weight):
         return _LinearCrossEntropyFunction.apply(
-            x2, weight, weight_lp, labels1, ignore_index, chunk_rows, grad_x, grad_weight
-        )
+            x2, weight, weight_lp, labels1, ignore_index, chunk_rows, grad_x, grad_weight,
+            dw_in_x_dtype,
+        )  # fmt: skip
     # (no autograd recorded: the op's body runs directly, without custom-op dispatch)
     w = weight if weight_lp is None else weight_lp
-    args = (x2, w, labels1, ignore_index, chunk_rows, False, False)
+    args = (x2, w, labels1, ignore_index, chunk_rows, False, False, False)
     return call_op(linear_cross_entropy_op, *args)[0]
