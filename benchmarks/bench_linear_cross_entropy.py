@@ -7,7 +7,9 @@ FusedLinearCrossEntropy, in one run.
 
 Providers, for x (M, K), a weight (V, K) and labels (M,), all bf16 but the labels:
   ours          `linear_cross_entropy(x, w, y, use_triton=True)`: chunks of rows, each chunk's
-                logits, loss and gradient in place, then dx and dW (fp32, accumulated)
+                logits, loss and gradient in place, then dx and dW (fp32, accumulated); or,
+                where that holds no more memory (`single_chunk_lighter`), one chunk whose dW
+                one product writes in bf16
   ours-unfused  `bmm.linear` then `cross_entropy(..., inplace_backward=True)`: the full logits
   torch         F.cross_entropy(F.linear(x, w), y), eager
   compile       the same through torch.compile

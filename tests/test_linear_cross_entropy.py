@@ -276,6 +276,20 @@ def test_bf16_weight_takes_one_chunk_where_lighter(K, chunks, device, monkeypatc
     assert len(calls) == chunks
 
 
+def test_bf16_weight_without_autograd_keeps_its_chunks(device, monkeypatch):
+    # no gradient is written under no_grad, so one chunk would save nothing: evaluation keeps
+    # the default chunks (three of 128 rows here) even for a weight that requires grad
+    monkeypatch.setattr(lce_mod, "CHUNK_BYTES", 1)
+    calls = _forward_launches(monkeypatch)
+    x, w, labels = make_inputs(300, 200, 37, torch.bfloat16, device, ignore_index=-100)
+    w.requires_grad_()
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, labels, -100, use_triton=True)
+    assert len(calls) == 3
+    ref_loss = reference(x, w, labels, -100)[0]
+    assert abs(loss.item() - ref_loss.item()) <= LOSS_TOL[torch.bfloat16] * abs(ref_loss.item())
+
+
 def test_bf16_weight_gradient_from_one_product(device, monkeypatch):
     # one chunk and a bf16 weight: dW is written in bf16 by its product (no fp32 buffer, no
     # cast); with an fp32 weight under autocast, or several chunks, it stays fp32
@@ -284,6 +298,8 @@ def test_bf16_weight_gradient_from_one_product(device, monkeypatch):
     assert dw.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16
     _, ref_dx, ref_dw = reference(x, w, labels, -100, dloss=1.0)
     assert rel_err(dw, ref_dw) <= 1e-2 and rel_err(dx, ref_dx) <= 1e-2
+    with pytest.raises(ValueError, match="one chunk"):  # chunks would accumulate in bf16
+        linear_cross_entropy_op(x, w, labels, -100, 16, True, True, True)
     seen = []
     impl = lce_mod._linear_cross_entropy_impl
     monkeypatch.setattr(
@@ -395,24 +411,30 @@ _TRACE_SCRIPT = textwrap.dedent(
 
     backend = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
     w = torch.randn(300, 64, requires_grad=True)
+    w16 = torch.randn(300, 64).bfloat16().requires_grad_()
     labels = torch.randint(300, (128,))
     labels[::7] = -100
 
-    def fused(h, ignore, autocast):
+    def fused(h, ignore, autocast, bf16):
+        # bf16: a bf16 weight in the default one chunk, its dW written in bf16 (the op's
+        # dw_in_x_dtype); else chunks of 48 rows, dW accumulated in fp32
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return lce.linear_cross_entropy(
-                h.sin(), w, labels.clamp(min=0) if ignore is None else labels, ignore,
-                use_triton=True, check_labels=False, chunk_rows=48,
+                h.sin(), w16 if bf16 else w, labels.clamp(min=0) if ignore is None else labels,
+                ignore, use_triton=True, check_labels=False, chunk_rows=None if bf16 else 48,
             )
 
     ok = True
     for dynamic in (False, True):
-        for ignore, autocast in ((-100, False), (None, False), (-100, True)):
+        for ignore, autocast, bf16 in (
+            (-100, False, False), (None, False, False), (-100, True, False), (-100, False, True)
+        ):
             torch._dynamo.reset()
-            h = torch.randn(128, 64, requires_grad=True)
-            name = f"ignore={ignore} autocast={autocast} dynamic={dynamic}"
+            h = torch.randn(128, 64, dtype=torch.bfloat16 if bf16 else torch.float32)
+            h.requires_grad_()
+            name = f"ignore={ignore} autocast={autocast} bf16={bf16} dynamic={dynamic}"
             try:
-                fn = lambda h: fused(h, ignore, autocast)
+                fn = lambda h: fused(h, ignore, autocast, bf16)
                 torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(h)
                 print(f"FAIL {name}: the partitioner was not reached")
                 ok = False
@@ -440,7 +462,7 @@ def test_compile_traces_without_graph_breaks_cpu():
         timeout=600,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
-    assert proc.returncode == 0 and len(lines) == 6, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(lines) == 8, proc.stdout + proc.stderr[-3000:]
 
 
 # ---- in the model ------------------------------------------------------------------------------

@@ -131,6 +131,8 @@ def _linear_cross_entropy_impl(
     in x's dtype instead (callers pass it for one chunk only: chunks would accumulate in it)."""
     M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
     V = int(weight.shape[0])
+    if dw_in_x_dtype and grad_weight and chunk_rows < M:
+        raise ValueError(f"dW in x's dtype takes one chunk: chunk_rows {chunk_rows} < {M} rows")
     device = x.device
     write_grad = grad_x or grad_weight
     normalize = x.dtype != torch.float16
@@ -346,7 +348,13 @@ def linear_cross_entropy(
     grad_x = x2.requires_grad
     grad_weight = weight.requires_grad
     # a bf16 weight's gradient straight from one product, where one chunk is not heavier
-    bf16_dw = grad_weight and weight_lp is None and weight.dtype == torch.bfloat16
+    # (without autograd no gradient is written: the chunks stay)
+    bf16_dw = (
+        torch.is_grad_enabled()
+        and grad_weight
+        and weight_lp is None
+        and weight.dtype == torch.bfloat16
+    )
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(M, V, x.element_size())
         if bf16_dw and chunk_rows < M and single_chunk_lighter(M, V, K, 2, chunk_rows):
