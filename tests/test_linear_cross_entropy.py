@@ -309,6 +309,9 @@ def test_bf16_weight_gradient_from_one_product(device, monkeypatch):
     for chunk_rows, want in ((None, True), (40, True), (16, False)):
         run(x, w, labels, -100, chunk_rows=chunk_rows)
         assert seen.pop() is want, chunk_rows
+    with torch.autocast(device, dtype=torch.bfloat16):  # an fp32 weight read through a copy
+        run(x.float(), w.float(), labels, -100)
+    assert seen.pop() is False
 
 
 # ---- autograd contract, errors, registration ---------------------------------------------------
