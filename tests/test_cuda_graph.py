@@ -59,8 +59,11 @@ def test_replays_draw_fresh_dropout_masks(use_triton):
 def test_optimizer_copies_train_as_casts():
     """The Triton step reads the bf16 weight copies its AdamW wrote in the last update
     (`AdamW.cast_copies`): graphed, its losses equal a step that casts the weights itself
-    at every forward. A copy one update behind would change the losses from the second step
-    on by far more than the tolerance."""
+    at every forward. A forward with the weights one update behind changes the losses from
+    the second step on by 1.3e-4 to 3.2e-3 relative (this model and data, the PyTorch path on
+    the CPU, 2026-11-29): 4x to 100x the tolerance. The two steps are not bit-identical: on an
+    H200 their fifth losses differ by 1.09e-5 relative under Triton 3.9, by less than 1e-5
+    under Triton 3.6."""
     from triton_transformer.adamw import AdamW
     from triton_transformer.bmm import reuse_weight_casts
 
@@ -84,4 +87,4 @@ def test_optimizer_copies_train_as_casts():
         opt.step()
         ref.append(loss.item())
     assert step.captured
-    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses, ref, rtol=3e-5, atol=0)
