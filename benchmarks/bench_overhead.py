@@ -22,6 +22,7 @@ from pathlib import Path
 
 import common  # benchmarks/ is the script's directory, first on sys.path
 import torch
+import torch.nn.functional as F
 
 
 def cases(ops, use_triton: bool = True) -> dict:
@@ -56,7 +57,12 @@ def cases(ops, use_triton: bool = True) -> dict:
         # the relu² feed-forward (PyTorch: its two linears, F.relu and the square between)
         "relu2_mlp": lambda: ops.relu2_mlp(x, w_in, w_out, use_triton=use_triton),
         "bmm": lambda: ops.bmm(s, q, use_triton=use_triton),
-        "cross_entropy": lambda: ops.cross_entropy(logits, labels, use_triton=use_triton),
+        # PyTorch's own: F.cross_entropy (the PyTorch branch of ours checks the labels first)
+        "cross_entropy": (
+            (lambda: ops.cross_entropy(logits, labels, use_triton=True))
+            if use_triton
+            else (lambda: F.cross_entropy(logits, labels))
+        ),
         "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
         "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=use_triton),
         # the model's: q, k, v read from one (b, n, 3·h·d) projection, d(qkv) written whole

@@ -20,6 +20,7 @@ from triton_transformer.cross_entropy import (
     cross_entropy_inplace_op,
     cross_entropy_op,
 )
+from triton_transformer.utils import call_op
 
 ce_mod = importlib.import_module("triton_transformer.cross_entropy")
 
@@ -576,19 +577,115 @@ def test_compile_traces_without_graph_breaks_cpu():
 
 @pytest.mark.parametrize("ignore_index", [None, -100])
 def test_eager_launches_bound_per_shape(ignore_index, device):
-    # an eager call's first launch of a shape binds the forward's two launches and the
-    # backward's one (`_PLANS`); later calls of that shape take them
-    # (`helpers.check_launches_bound_per_shape`). Another dtype or layout (a transposed view
-    # of the logits) binds its own.
+    # an eager call of the op without a plan of the public function's (`_EagerPlan`) binds
+    # the forward's two launches and the backward's one on a shape's first call (`_PLANS`);
+    # later calls of that shape take them (`helpers.check_launches_bound_per_shape`). Another
+    # dtype or layout (a transposed view of the logits) binds its own.
     V = 300
     logits = make_logits((3, 7, V), device=device)
     labels = make_labels((3, 7), V, ignore_index, device=device)
 
     def run(logits):
         leaf = logits.detach().requires_grad_()
-        loss = cross_entropy(leaf, labels, ignore_index, use_triton=True)
+        loss = call_op(cross_entropy_op, leaf, labels, ignore_index)[0]
         loss.backward()
         return loss, leaf.grad
 
     transposed = torch.empty(7, 3, V, device=device).transpose(0, 1)  # strides (V, 3V, 1)
     check_launches_bound_per_shape(ce_mod._PLANS.plans, run, logits, transposed, 6)
+
+
+def _through_registered_op(logits, labels, ignore_index):
+    """cross_entropy's Triton path through torch.library's dispatch and registered autograd:
+    the generic path an eager plan (`_EagerPlan`) must agree with."""
+    return cross_entropy_op(*ce_mod._as_rows_3d(logits, labels), ignore_index)[0]
+
+
+@pytest.mark.parametrize("ignore_index", [None, -100])
+@pytest.mark.parametrize(
+    "shape, dtype, sliced",
+    [((3, 7, 300), torch.float32, False), ((37, 50), torch.bfloat16, False),
+     ((2, 9, 64), torch.float16, True), ((64,), torch.float32, False)],
+)  # fmt: skip
+def test_eager_plan_matches_registered_op(shape, dtype, sliced, ignore_index, device):
+    # An eager call takes its layout's plan (made on the first call, its launches bound then,
+    # taken by every later call). Both calls give, bit for bit, what the registered op gives
+    # through the dispatcher: the loss and the logits' gradient, for upstream gradients of 1,
+    # of 1.7 and of an unaligned view. sliced: a language model's shifted logits[:, :-1]
+    # (rows of a wider batch, a view `_as_rows_3d` keeps).
+    full = make_logits((*shape[:-2], shape[-2] + 1, shape[-1]) if sliced else shape, dtype, device)
+    logits = full[..., :-1, :] if sliced else full
+    labels = make_labels(logits.shape[:-1], shape[-1], ignore_index, device=device)
+    buffer = torch.tensor([0.0, 1.7, 0.5], device=device)
+    for dloss in (None, buffer[1], buffer[1:].view(2)[1]):  # the last one 4-byte aligned only
+        results = []
+        for fn in (cross_entropy, cross_entropy, _through_registered_op):
+            leaf = logits.detach().requires_grad_()
+            if fn is cross_entropy:
+                loss = cross_entropy(leaf, labels, ignore_index, use_triton=True)
+            else:
+                loss = fn(leaf, labels, ignore_index)
+            loss.backward(dloss)
+            results.append((loss, leaf.grad))
+        assert len(ce_mod._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+        assert results[0][1].shape == logits.shape and results[0][1].dtype == dtype
+    with torch.no_grad():  # no autograd recorded: the plan's forward alone
+        assert torch.equal(cross_entropy(logits, labels, ignore_index, use_triton=True),
+                           results[2][0])  # fmt: skip
+    assert len(ce_mod._EAGER_PLANS.plans) == 1
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is keyed on every fact its checks read: a call that differs in one of them (the
+    # labels' dtype, ignore_index's type, the device's shapes) is checked as the first call
+    # was, and raises the same errors; rows that need a copy (the vocabulary dim not of unit
+    # stride) run the generic path without a plan.
+    logits = make_logits((4, 37), device=device)
+    labels = make_labels((4,), 37, device=device)
+    cross_entropy(logits, labels, use_triton=True)
+    assert len(ce_mod._EAGER_PLANS.plans) == 1
+    with pytest.raises(TypeError, match="int64"):
+        cross_entropy(logits, labels.int(), use_triton=True)
+    with pytest.raises(TypeError, match="ignore_index"):
+        cross_entropy(logits, labels, ignore_index=True, use_triton=True)
+    with pytest.raises(ValueError, match="labels shape"):
+        cross_entropy(logits, labels[:3], use_triton=True)
+    columns = make_logits((37, 4), device=device).t()  # (4, 37) of strides (1, 4)
+    loss = cross_entropy(columns, labels, use_triton=True)
+    assert len(ce_mod._EAGER_PLANS.plans) == 1
+    ref = cross_entropy(columns.double(), labels)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_label_check_after_the_kernels(inplace, monkeypatch, device):
+    # The default check of an eager Triton call reads the loss after the kernels and checks
+    # the labels only when it is NaN (`check_labels_after`): a bad label raises, on the
+    # planned call and on the generic (in-place) one, without or with autograd recording;
+    # NaN logits with good labels return their NaN loss; good labels run no check kernel.
+    logits = make_logits((4, 37), device=device)
+    labels = make_labels((4,), 37, device=device)
+    bad = labels.clone()
+    bad[1] = 37
+    for requires_grad in (False, True):
+        leaf = logits.clone().requires_grad_(requires_grad)
+        with pytest.raises(ValueError, match="found label 37"):
+            cross_entropy(leaf, bad, use_triton=True, inplace_backward=inplace)
+    nan = logits.clone()
+    nan[2, 5] = float("nan")
+    assert torch.isnan(cross_entropy(nan.requires_grad_(), labels, use_triton=True,
+                                     inplace_backward=inplace))  # fmt: skip
+    checks = []
+    original = ce_mod._check_labels_in_range
+    monkeypatch.setattr(
+        ce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
+    )
+    leaf = logits.clone().requires_grad_()
+    cross_entropy(leaf, labels, use_triton=True, inplace_backward=inplace)
+    assert not checks
+    with pytest.raises(ValueError, match="found label 37"):
+        cross_entropy(logits.clone(), bad, use_triton=True, inplace_backward=inplace)
+    assert len(checks) == 1

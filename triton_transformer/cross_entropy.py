@@ -27,10 +27,14 @@ Two modes:
   (the buffer is scaled in place; `retain_graph` reuse raises).
 
 Labels. A label outside [0, V) that is not `ignore_index` is an error. With
-`check_labels=True` (the default, for library users) both branches check on the host (one
-sync), and raise a clear error if called during CUDA stream capture. With `check_labels=False`
-(inside a training step) nothing syncs: the Triton kernels make that row's loss and gradient
-NaN, so the mean is NaN. `torch.autograd.set_detect_anomaly(True)` turns the check back on.
+`check_labels=True` (the default, for library users) a call raises a clear error for one, at
+the cost of one sync, and refuses CUDA stream capture. The Triton kernels make a bad label's
+row loss and gradient NaN, so an eager Triton call checks after its kernels: it reads the loss
+and runs the label check only when that is NaN (`check_labels_after`; no launch of its own
+otherwise). The reference checks first (F.cross_entropy would stop at a device-side assert),
+and so do traced calls. With `check_labels=False` (inside a training step) nothing syncs and
+a bad label gives a NaN loss. `torch.autograd.set_detect_anomaly(True)` turns the check back
+on.
 
 All positions ignored (or no positions at all): the loss is 0 and its gradient is 0 (torch's
 mean reduction would give NaN = 0/0).
@@ -39,6 +43,8 @@ mean reduction would give NaN = 0/0).
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -378,6 +384,50 @@ def launch_cross_entropy_fwd_reduce(
     )  # fmt: skip
 
 
+def _forward_launches(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None):
+    """Run the forward's two launches (per-row losses and log-sum-exps, then the mean) into
+    fresh outputs and bind them: ((loss, lse, n_valid), again), again(logits, labels) running
+    them again for new tensors of the same layouts into fresh outputs."""
+    n_rows = logits.shape[0] * logits.shape[1]
+
+    def outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
+        rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+        lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+        return rows, lse, empty_scalar(device), empty_scalar(device)
+
+    loss_rows, lse, n_valid, loss = outputs(logits.device)
+    rows = launch_cross_entropy_fwd(
+        logits, labels, ignore_index, n_valid, loss_rows, lse, False, False
+    )
+    mean = launch_cross_entropy_fwd_reduce(
+        loss_rows, labels, ignore_index, n_valid, loss, True, True
+    )
+
+    def again(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss_rows, lse, n_valid, loss = outputs(logits.device)
+        rows(logits, labels, n_valid, loss_rows, lse)
+        mean(loss_rows, labels, n_valid, loss)
+        return loss, lse, n_valid
+
+    return (loss, lse, n_valid), again
+
+
+def _backward_launch(tensors: tuple, ignore_index: int | None):
+    """Run the backward's launch on tensors = (logits, labels, lse, n_valid, dloss, dx) and
+    bind it: again(*tensors) for new tensors of the same layouts."""
+    logits = tensors[0]
+    n_outer, n_inner, n_cols = logits.shape
+    n_rows = n_outer * n_inner
+    block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
+    return launcher(_cross_entropy_bwd_kernel).bind(
+        (cdiv(n_rows, block_m),), *tensors,
+        *_strides_2level(logits), *_strides_2level(tensors[1]), n_cols,
+        n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
+        HAS_IGNORE=ignore_index is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
 @triton_op("triton_transformer::cross_entropy", mutates_args=())
 def cross_entropy_op(
     logits: torch.Tensor,
@@ -394,30 +444,10 @@ def cross_entropy_op(
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(logits, labels)
-    n_outer, n_inner, _ = logits.shape
-
-    def outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
-        rows = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-        lse = torch.empty(n_outer * n_inner, dtype=torch.float32, device=device)
-        return rows, lse, empty_scalar(device), empty_scalar(device)
-
-    loss_rows, lse, n_valid, loss = outputs(logits.device)
-    rows = launch_cross_entropy_fwd(
-        logits, labels, ignore_index, n_valid, loss_rows, lse, False, False
-    )
-    mean = launch_cross_entropy_fwd_reduce(
-        loss_rows, labels, ignore_index, n_valid, loss, True, True
-    )
-
-    def plan(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss_rows, lse, n_valid, loss = outputs(logits.device)
-        rows(logits, labels, n_valid, loss_rows, lse)
-        mean(loss_rows, labels, n_valid, loss)
-        return loss, lse, n_valid
-
+    out, plan = _forward_launches(logits, labels, ignore_index)
     if key is not None:
         _PLANS.put(key, plan)
-    return loss, lse, n_valid
+    return out
 
 
 @triton_op("triton_transformer::cross_entropy_backward", mutates_args=())
@@ -440,16 +470,7 @@ def cross_entropy_backward_op(
         if bound is not None:
             bound(*tensors)
             return dx
-    n_outer, n_inner, n_cols = logits.shape
-    n_rows = n_outer * n_inner
-    block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
-    bound = launcher(_cross_entropy_bwd_kernel).bind(
-        (cdiv(n_rows, block_m),), *tensors,
-        *_strides_2level(logits), *_strides_2level(labels), n_cols,
-        n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
-        HAS_IGNORE=ignore_index is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps,
-    )  # fmt: skip
+    bound = _backward_launch(tensors, ignore_index)
     if key is not None:
         _PLANS.put(key, bound)
     return dx
@@ -565,17 +586,111 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
         return grad, None, None
 
 
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`, as
+# `layernorm`'s do: one key of every fact the checks and the kernels read
+# (`utils.eager_plan_key`: logits, labels, ignore_index, the module's switches), one lookup,
+# then the launches bound for it. It skips the checks, `_as_rows_3d`, `call_op`, the op's
+# autograd wrapper and a plan key of every launch's tensors. Kernels, saved tensors and
+# gradients are `cross_entropy_op`'s. (`inplace_backward` with autograd recording keeps the
+# generic path: its op mutates the logits, which the dispatcher records.)
+
+
+class _EagerPlan:
+    """The launches of eager cross_entropy calls of one layout: at least one position, V > 0,
+    logits and labels that `_as_rows_3d` views without a copy (what `_eager_plan` admits).
+    `fwd` and the `bwd` entries are the bound launches a plan's first call makes."""
+
+    __slots__ = ("bwd", "fwd", "ignore_index", "labels_shape", "logits_shape", "rows_shape")
+
+    def __init__(self, logits: torch.Tensor, logits3: torch.Tensor, labels2: torch.Tensor,
+                 ignore_index: int | None) -> None:  # fmt: skip
+        self.logits_shape = logits.shape
+        self.rows_shape, self.labels_shape = logits3.shape, labels2.shape
+        self.ignore_index = ignore_index
+        self.fwd: Callable[..., tuple] | None = None
+        self.bwd: dict[tuple, Callable[..., None]] = {}
+
+    def views(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """logits (outer, inner, V) and labels (outer, inner): `_as_rows_3d`'s views."""
+        return logits.view(self.rows_shape), labels.view(self.labels_shape)
+
+    def forward(self, logits3: torch.Tensor, labels2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(loss, lse, n_valid), as `cross_entropy_op` returns them."""
+        if self.fwd is not None:
+            return self.fwd(logits3, labels2)
+        out, self.fwd = _forward_launches(logits3, labels2, self.ignore_index)
+        return out
+
+    def backward(self, dloss, logits3, labels2, lse, n_valid) -> torch.Tensor:
+        """d(dloss · loss)/d(logits), (outer, inner, V) contiguous, as
+        `cross_entropy_backward_op` returns it; dloss's dtype and alignment pick the launch."""
+        dx = torch.empty(self.rows_shape, dtype=logits3.dtype, device=logits3.device)
+        tensors = (logits3, labels2, lse, n_valid, dloss, dx)
+        key = (dloss.dtype, not dloss.data_ptr() & 15)
+        bwd = self.bwd.get(key)
+        if bwd is not None:
+            bwd(*tensors)
+        else:
+            self.bwd[key] = _backward_launch(tensors, self.ignore_index)
+        return dx
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(logits, labels, ignore_index) -> _EagerPlan | None:
+    """The plan of this eager call's layout, made on its first call; None where the generic
+    path must run: traced tensors, anything the checks would refuse, no position, or rows
+    that need a copy."""
+    scalars = (ignore_index, type(ignore_index), *_switches())  # (True == 1: the type too)
+    key, plan = _EAGER_PLANS.find((logits, labels), scalars)
+    if key is None or plan is not None:
+        return plan
+    _check_args(logits, labels, ignore_index, True)
+    if labels.numel() == 0:
+        return None
+    logits3, labels2 = _as_rows_3d(logits, labels)
+    views = all(
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        for a, b in ((logits3, logits), (labels2, labels))
+    )
+    if not views:
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(logits, logits3, labels2, ignore_index))
+
+
+class _EagerCrossEntropy(torch.autograd.Function):
+    """`cross_entropy_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, plan):
+        logits3, labels2 = plan.views(logits, labels)
+        loss, lse, n_valid = plan.forward(logits3, labels2)
+        ctx.save_for_backward(logits3, labels2, lse, n_valid)
+        ctx.plan = plan
+        return loss
+
+    @staticmethod
+    @first_order_only("cross_entropy")
+    def backward(ctx, dloss):
+        logits3, labels2, lse, n_valid = ctx.saved_tensors
+        dx = ctx.plan.backward(dloss, logits3, labels2, lse, n_valid)
+        return dx.view(ctx.plan.logits_shape), None, None
+
+
 # --------------------------------------------------------------------------------------------
 # PyTorch reference and public function
 # --------------------------------------------------------------------------------------------
 
 
+_LABEL_CHECK = "cross_entropy's label range check (pass check_labels=False inside a captured step)"
+
+
 def _check_labels_in_range(labels: torch.Tensor, V: int, ignore_index: int | None) -> None:
     """Raise ValueError if a non-ignored label is outside [0, V). Syncs with a CUDA device, so
     it refuses to run during CUDA stream capture."""
-    check_not_capturing(
-        "cross_entropy's label range check (pass check_labels=False inside a captured step)"
-    )
+    check_not_capturing(_LABEL_CHECK)
     bad = (labels < 0) | (labels >= V)
     if ignore_index is not None:
         bad &= labels != ignore_index
@@ -585,6 +700,19 @@ def _check_labels_in_range(labels: torch.Tensor, V: int, ignore_index: int | Non
             f"labels must lie in [0, {V}) (the vocabulary size) or equal ignore_index="
             f"{ignore_index}; found label {first}"
         )
+
+
+def check_labels_after(
+    loss: torch.Tensor, labels: torch.Tensor, V: int, ignore_index: int | None
+) -> None:
+    """The label check of an eager Triton call, made after its kernels ran (the caller has
+    refused stream capture before launching them). A bad label makes the kernels' loss NaN,
+    so one read of the loss (the call's one sync, no launch) clears the common case; only a
+    NaN loss runs `_check_labels_in_range`, which raises for a bad label (a NaN from the
+    logits themselves is returned as it is). Checking first would cost its five launches and
+    the same sync on every call."""
+    if math.isnan(loss.item()):
+        _check_labels_in_range(labels, V, ignore_index)
 
 
 def _cross_entropy_reference(
@@ -651,9 +779,10 @@ def cross_entropy(
         ignore_index: label value whose positions are left out of the mean; None ignores
             nothing.
         use_triton: run the fused Triton kernels instead of the PyTorch reference.
-        check_labels: check on the host that every label is in range (one device sync;
-            refused during CUDA stream capture). Pass False inside a training step: the
-            Triton branch then returns NaN for a bad label instead of raising.
+        check_labels: raise for a label out of range (one device sync: the Triton branch
+            reads its loss, checking the labels only when that is NaN; refused during CUDA
+            stream capture). Pass False inside a training step: the Triton branch then returns
+            NaN for a bad label instead of raising.
         inplace_backward: (Triton branch, when logits require grad) overwrite `logits` with
             the gradient during forward, so backward needs no logits-sized buffer. Use it only
             when nothing reads the logits afterwards (a model's loss path); one backward per
@@ -671,6 +800,49 @@ def cross_entropy(
             ignore_index.
         RuntimeError: the label check during CUDA stream capture.
     """
+    records = torch.is_grad_enabled() and getattr(logits, "requires_grad", False)
+    if use_triton and not (inplace_backward and records):
+        plan = _eager_plan(logits, labels, ignore_index)
+        if plan is not None:
+            check = check_labels or torch.is_anomaly_enabled()
+            if check:
+                check_not_capturing(_LABEL_CHECK)
+            if records:
+                loss = _EagerCrossEntropy.apply(logits, labels, plan)
+            else:
+                loss = plan.forward(*plan.views(logits, labels))[0]
+            if check:
+                check_labels_after(loss, labels, logits.shape[-1], ignore_index)
+            return loss
+    _check_args(logits, labels, ignore_index, use_triton)
+    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
+    check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
+    # an eager Triton call checks after its kernels (`check_labels_after`); the reference
+    # first (F.cross_entropy would stop at a device-side assert), and so do traced calls
+    after = (
+        check and use_triton and labels.numel() > 0 and not torch.compiler.is_compiling()
+        and not is_traced(logits)
+    )  # fmt: skip
+    if after:
+        check_not_capturing(_LABEL_CHECK)
+    elif check:
+        _check_labels_in_range(labels, logits.shape[-1], ignore_index)
+    # No positions: the reference already gives 0 connected to the graph; nothing to launch.
+    if not use_triton or labels.numel() == 0:
+        return _cross_entropy_reference(logits, labels, ignore_index)
+
+    logits3, labels2 = _as_rows_3d(logits, labels)
+    if inplace_backward and logits.requires_grad and torch.is_grad_enabled():
+        loss = _CrossEntropyInplaceFunction.apply(logits3, labels2, ignore_index)
+    else:
+        loss = call_op(cross_entropy_op, logits3, labels2, ignore_index)[0]
+    if after:
+        check_labels_after(loss, labels, logits.shape[-1], ignore_index)
+    return loss
+
+
+def _check_args(logits, labels, ignore_index, use_triton: bool) -> None:
+    """`cross_entropy`'s argument checks (not the labels' values)."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be torch.Tensors")
     if not logits.is_floating_point():
@@ -693,14 +865,3 @@ def cross_entropy(
 
     if use_triton:
         check_triton_tensor(logits, "logits")
-    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
-    if check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled()):
-        _check_labels_in_range(labels, logits.shape[-1], ignore_index)
-    # No positions: the reference already gives 0 connected to the graph; nothing to launch.
-    if not use_triton or labels.numel() == 0:
-        return _cross_entropy_reference(logits, labels, ignore_index)
-
-    logits3, labels2 = _as_rows_3d(logits, labels)
-    if inplace_backward and logits.requires_grad and torch.is_grad_enabled():
-        return _CrossEntropyInplaceFunction.apply(logits3, labels2, ignore_index)
-    return call_op(cross_entropy_op, logits3, labels2, ignore_index)[0]

@@ -54,9 +54,11 @@ from torch.library import triton_op
 from triton_transformer import cross_entropy_hopper
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
+    _LABEL_CHECK,
     _check_labels_in_range,
     _cross_entropy_bwd_config,
     _cross_entropy_bwd_scale_kernel,
+    check_labels_after,
     cross_entropy,
     launch_cross_entropy_fwd,
     launch_cross_entropy_fwd_reduce,
@@ -65,9 +67,11 @@ from triton_transformer.matmul_plan import _mm2d_into, accumulate_mm
 from triton_transformer.utils import (
     call_op,
     cdiv,
+    check_not_capturing,
     check_triton_tensor,
     empty_scalar,
     first_order_only,
+    is_traced,
     launcher,
     opaque_op,
     refuse_second_backward,
@@ -282,9 +286,10 @@ def linear_cross_entropy(
             reference (the full logits).
         chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`, or all rows in one
             chunk for a bf16 weight where that holds no more memory (`single_chunk_lighter`).
-        check_labels: check on the host that labels are in range (one device sync; refused
-            during CUDA stream capture). Pass False inside a training step (the Triton path
-            then returns NaN for a bad label).
+        check_labels: raise for a label out of range (one device sync: the Triton path
+            reads its loss, checking the labels only when that is NaN; refused during CUDA
+            stream capture). Pass False inside a training step (the Triton path then returns
+            NaN for a bad label).
 
     Returns:
         0-d float32 loss (float64 for float64 inputs on the PyTorch path); 0, with zero
@@ -334,7 +339,16 @@ def linear_cross_entropy(
     if use_triton:
         check_triton_tensor(x, "x")
         check_triton_tensor(weight, "weight")
-    if check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled()):
+    check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
+    # an eager Triton call checks after its kernels (`cross_entropy.check_labels_after`); the
+    # reference first (F.cross_entropy would stop at a device-side assert), and traced calls
+    after = (
+        check and use_triton and labels.numel() > 0 and not torch.compiler.is_compiling()
+        and not is_traced(x)
+    )  # fmt: skip
+    if after:
+        check_not_capturing(_LABEL_CHECK)
+    elif check:
         _check_labels_in_range(labels, V, ignore_index)
     # No positions: the reference gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
@@ -357,11 +371,14 @@ def linear_cross_entropy(
             chunk_rows = M
     dw_in_x_dtype = bf16_dw and chunk_rows >= M
     if records_grad:
-        return _LinearCrossEntropyFunction.apply(
+        loss = _LinearCrossEntropyFunction.apply(
             x2, weight, weight_lp, labels1, ignore_index, chunk_rows, grad_x, grad_weight,
             dw_in_x_dtype,
         )  # fmt: skip
-    # (no autograd recorded: the op's body runs directly, without custom-op dispatch)
-    w = weight if weight_lp is None else weight_lp
-    args = (x2, w, labels1, ignore_index, chunk_rows, False, False, False)
-    return call_op(linear_cross_entropy_op, *args)[0]
+    else:  # (no autograd recorded: the op's body runs directly, without custom-op dispatch)
+        w = weight if weight_lp is None else weight_lp
+        args = (x2, w, labels1, ignore_index, chunk_rows, False, False, False)
+        loss = call_op(linear_cross_entropy_op, *args)[0]
+    if after:
+        check_labels_after(loss, labels, V, ignore_index)
+    return loss
