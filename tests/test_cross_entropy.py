@@ -646,7 +646,7 @@ def test_eager_plan_keeps_the_checks(device):
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)
     cross_entropy(logits, labels, use_triton=True)
-    assert len(ce_mod._EAGER_PLANS.plans) == 1
+    (plan,) = ce_mod._EAGER_PLANS.plans.values()
     with pytest.raises(TypeError, match="int64"):
         cross_entropy(logits, labels.int(), use_triton=True)
     with pytest.raises(TypeError, match="ignore_index"):
@@ -655,7 +655,7 @@ def test_eager_plan_keeps_the_checks(device):
         cross_entropy(logits, labels[:3], use_triton=True)
     columns = make_logits((37, 4), device=device).t()  # (4, 37) of strides (1, 4)
     loss = cross_entropy(columns, labels, use_triton=True)
-    assert len(ce_mod._EAGER_PLANS.plans) == 1
+    assert [p for p in ce_mod._EAGER_PLANS.plans.values() if p] == [plan]
     ref = cross_entropy(columns.double(), labels)
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
 
@@ -663,9 +663,9 @@ def test_eager_plan_keeps_the_checks(device):
 @pytest.mark.parametrize("inplace", [False, True])
 def test_label_check_after_the_kernels(inplace, monkeypatch, device):
     # The default check of an eager Triton call reads the loss after the kernels and checks
-    # the labels only when it is NaN (`check_labels_after`): a bad label raises, on the
-    # planned call and on the generic (in-place) one, without or with autograd recording;
-    # NaN logits with good labels return their NaN loss; good labels run no check kernel.
+    # the labels only when it is NaN (`check_labels_after`): a bad label raises, without or
+    # with autograd recording; NaN logits with good labels return their NaN loss; good labels
+    # run no check. (The in-place mode with autograd recording checks first instead.)
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)
     bad = labels.clone()
@@ -685,7 +685,38 @@ def test_label_check_after_the_kernels(inplace, monkeypatch, device):
     )
     leaf = logits.clone().requires_grad_()
     cross_entropy(leaf, labels, use_triton=True, inplace_backward=inplace)
-    assert not checks
+    assert len(checks) == (1 if inplace else 0)
     with pytest.raises(ValueError, match="found label 37"):
         cross_entropy(logits.clone(), bad, use_triton=True, inplace_backward=inplace)
-    assert len(checks) == 1
+    assert len(checks) == (2 if inplace else 1)
+
+
+def test_in_place_call_checks_before_writing(device):
+    # The in-place mode with autograd recording checks its labels before its kernel runs: a
+    # bad label raises with the caller's logits as they were (the kernel would have written
+    # the gradient over them).
+    logits = make_logits((4, 37), device=device)
+    labels = make_labels((4,), 37, device=device)
+    labels[1] = -1
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="found label -1"):
+        cross_entropy(leaf, labels, use_triton=True, inplace_backward=True)
+    assert torch.equal(leaf.detach(), logits) and leaf._version == 0
+
+
+def test_eager_plan_judges_a_layout_once(monkeypatch, device):
+    # Logits whose rows need a copy take the generic path, which copies them once per call:
+    # the plan lookup judges such a layout from its strides and remembers it (no copy of its
+    # own, no second check). An ignore_index that cannot key a plan (not an int) raises the
+    # checks' TypeError.
+    copies = []
+    original = ce_mod._as_rows_3d
+    monkeypatch.setattr(ce_mod, "_as_rows_3d", lambda *a: copies.append(1) or original(*a))
+    columns = make_logits((37, 4), device=device).t()  # (4, 37) of strides (1, 4)
+    labels = make_labels((4,), 37, device=device)
+    for _ in range(3):
+        cross_entropy(columns, labels, use_triton=True)
+    assert len(copies) == 3
+    assert list(ce_mod._EAGER_PLANS.plans.values()) == [False]
+    with pytest.raises(TypeError, match="ignore_index must be an int or None"):
+        cross_entropy(columns, labels, ignore_index=[1], use_triton=True)

@@ -226,6 +226,34 @@ def test_bad_label_gives_nan_without_check(device):
     assert torch.isnan(loss)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_label_check_with_and_without_ignore_index(requires_grad, monkeypatch, device):
+    # With ignore_index the default check reads the loss after the kernels, a bad label
+    # making it NaN (`cross_entropy.check_labels_after`), and checks nothing more for good
+    # labels. Without ignore_index it checks first: the kernels then take a stand-in
+    # ignore_index (-2**31), so a label of exactly that value would count as ignored and
+    # leave the loss finite.
+    checks = []
+    original = lce_mod._check_labels_in_range
+    monkeypatch.setattr(
+        lce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
+    )
+    ce_mod = importlib.import_module("triton_transformer.cross_entropy")
+    monkeypatch.setattr(ce_mod, "_check_labels_in_range", lce_mod._check_labels_in_range)
+    x, w, labels = make_inputs(10, 16, 37, device=device, ignore_index=-100)
+    x.requires_grad_(requires_grad)
+    linear_cross_entropy(x, w, labels, -100, use_triton=True, chunk_rows=4)
+    assert not checks
+    labels[3] = 37
+    with pytest.raises(ValueError, match="found label 37"):
+        linear_cross_entropy(x, w, labels, -100, use_triton=True, chunk_rows=4)
+    assert len(checks) == 1
+    labels[labels == -100] = 0
+    labels[3] = -(2**31)
+    with pytest.raises(ValueError, match=f"found label {-(2**31)}"):
+        linear_cross_entropy(x, w, labels, use_triton=True, chunk_rows=4)
+
+
 def test_default_chunk_rows():
     # GPT-2's batch (16384 tokens, V = 50304, bf16): at most 5248 rows (513 MiB) per chunk,
     # so 4 equal chunks of 4096

@@ -32,9 +32,9 @@ the cost of one sync, and refuses CUDA stream capture. The Triton kernels make a
 row loss and gradient NaN, so an eager Triton call checks after its kernels: it reads the loss
 and runs the label check only when that is NaN (`check_labels_after`; no launch of its own
 otherwise). The reference checks first (F.cross_entropy would stop at a device-side assert),
-and so do traced calls. With `check_labels=False` (inside a training step) nothing syncs and
-a bad label gives a NaN loss. `torch.autograd.set_detect_anomaly(True)` turns the check back
-on.
+and so do traced calls and the in-place mode (whose kernel would overwrite the logits).
+With `check_labels=False` (inside a training step) nothing syncs and a bad label gives a NaN
+loss. `torch.autograd.set_detect_anomaly(True)` turns the check back on.
 
 All positions ignored (or no positions at all): the loss is 0 and its gradient is 0 (torch's
 mean reduction would give NaN = 0/0).
@@ -641,22 +641,19 @@ _EAGER_PLANS = LaunchPlans()
 
 def _eager_plan(logits, labels, ignore_index) -> _EagerPlan | None:
     """The plan of this eager call's layout, made on its first call; None where the generic
-    path must run: traced tensors, anything the checks would refuse, no position, or rows
-    that need a copy."""
-    scalars = (ignore_index, type(ignore_index), *_switches())  # (True == 1: the type too)
-    key, plan = _EAGER_PLANS.find((logits, labels), scalars)
+    path must run: traced tensors, an ignore_index that is not an int (the checks raise),
+    anything else the checks would refuse, no position, or rows that need a copy (a layout
+    whose call takes the generic path is remembered as False, so it is judged once)."""
+    if ignore_index is not None and type(ignore_index) is not int:
+        return None
+    key, plan = _EAGER_PLANS.find((logits, labels), (ignore_index, *_switches()))
     if key is None or plan is not None:
-        return plan
+        return plan or None
     _check_args(logits, labels, ignore_index, True)
-    if labels.numel() == 0:
+    if labels.numel() == 0 or not _rows_are_views(logits, labels):
+        _EAGER_PLANS.put(key, False)
         return None
     logits3, labels2 = _as_rows_3d(logits, labels)
-    views = all(
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        for a, b in ((logits3, logits), (labels2, labels))
-    )
-    if not views:
-        return None
     return _EAGER_PLANS.put(key, _EagerPlan(logits, logits3, labels2, ignore_index))
 
 
@@ -742,6 +739,16 @@ def _leading_dims_merge(t: torch.Tensor, n_dims: int) -> bool:
     return True
 
 
+def _rows_are_views(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Whether `_as_rows_3d` returns views of both (no copy), judged from the strides."""
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        return False
+    lead = labels.dim()
+    return lead <= 1 or (
+        _leading_dims_merge(logits, lead - 1) and _leading_dims_merge(labels, lead - 1)
+    )
+
+
 def _as_rows_3d(logits: torch.Tensor, labels: torch.Tensor):
     """logits (..., V) as an (outer, inner, V) tensor with a unit-stride last dim, and labels
     as (outer, inner): views where the strides allow (e.g. the shifted slices logits[:, :-1],
@@ -780,9 +787,9 @@ def cross_entropy(
             nothing.
         use_triton: run the fused Triton kernels instead of the PyTorch reference.
         check_labels: raise for a label out of range (one device sync: the Triton branch
-            reads its loss, checking the labels only when that is NaN; refused during CUDA
-            stream capture). Pass False inside a training step: the Triton branch then returns
-            NaN for a bad label instead of raising.
+            reads its loss, checking the labels only when that is NaN, or, in place, checks
+            first; refused during CUDA stream capture). Pass False inside a training step:
+            the Triton branch then returns NaN for a bad label instead of raising.
         inplace_backward: (Triton branch, when logits require grad) overwrite `logits` with
             the gradient during forward, so backward needs no logits-sized buffer. Use it only
             when nothing reads the logits afterwards (a model's loss path); one backward per
@@ -818,10 +825,11 @@ def cross_entropy(
     # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
     check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
     # an eager Triton call checks after its kernels (`check_labels_after`); the reference
-    # first (F.cross_entropy would stop at a device-side assert), and so do traced calls
+    # first (F.cross_entropy would stop at a device-side assert), and so do traced calls and
+    # the in-place path (its kernel would have overwritten the caller's logits)
     after = (
         check and use_triton and labels.numel() > 0 and not torch.compiler.is_compiling()
-        and not is_traced(logits)
+        and not is_traced(logits) and not (inplace_backward and records)
     )  # fmt: skip
     if after:
         check_not_capturing(_LABEL_CHECK)

@@ -286,10 +286,10 @@ def linear_cross_entropy(
             reference (the full logits).
         chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`, or all rows in one
             chunk for a bf16 weight where that holds no more memory (`single_chunk_lighter`).
-        check_labels: raise for a label out of range (one device sync: the Triton path
-            reads its loss, checking the labels only when that is NaN; refused during CUDA
-            stream capture). Pass False inside a training step (the Triton path then returns
-            NaN for a bad label).
+        check_labels: raise for a label out of range (one device sync; with ignore_index,
+            the Triton path reads its loss after the kernels and checks the labels only when
+            that is NaN; refused during CUDA stream capture). Pass False inside a training
+            step (the Triton path then returns NaN for a bad label).
 
     Returns:
         0-d float32 loss (float64 for float64 inputs on the PyTorch path); 0, with zero
@@ -341,10 +341,12 @@ def linear_cross_entropy(
         check_triton_tensor(weight, "weight")
     check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
     # an eager Triton call checks after its kernels (`cross_entropy.check_labels_after`); the
-    # reference first (F.cross_entropy would stop at a device-side assert), and traced calls
+    # reference first (F.cross_entropy would stop at a device-side assert), traced calls, and
+    # calls without ignore_index: the kernels then take `_NO_LABEL` for one, so a label of
+    # exactly -2**31 counts as ignored instead of making the loss NaN
     after = (
-        check and use_triton and labels.numel() > 0 and not torch.compiler.is_compiling()
-        and not is_traced(x)
+        check and use_triton and labels.numel() > 0 and ignore_index is not None
+        and not torch.compiler.is_compiling() and not is_traced(x)
     )  # fmt: skip
     if after:
         check_not_capturing(_LABEL_CHECK)
