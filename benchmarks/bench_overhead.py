@@ -31,6 +31,7 @@ def cases(ops, use_triton: bool = True) -> dict:
     x = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     branch = torch.randn(64, 512, device=dev, dtype=dt, requires_grad=True)
     w = torch.randn(512, device=dev, requires_grad=True)
+    w_x = w.detach().to(dt).requires_grad_()
     wl = torch.randn(512, 512, device=dev, dtype=dt, requires_grad=True)
     w_in = torch.randn(2048, 512, device=dev, dtype=dt, requires_grad=True)
     w_out = torch.randn(512, 2048, device=dev, dtype=dt, requires_grad=True)
@@ -43,24 +44,33 @@ def cases(ops, use_triton: bool = True) -> dict:
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
     return {
-        "layernorm": lambda: ops.layernorm(x, w, use_triton=use_triton),
-        # PyTorch's own: F.rms_norm (the PyTorch branch of ours composes it of several ops;
-        # the 29th-38th sessions timed that one)
+        # PyTorch's own: F.layer_norm with a weight in x's dtype (the PyTorch branch of ours,
+        # which the 29th-39th sessions timed, casts x to the fp32 weight's dtype and back)
+        "layernorm": (
+            (lambda: ops.layernorm(x, w, use_triton=True))
+            if use_triton
+            else (lambda: F.layer_norm(x, (512,), w_x))
+        ),
+        # PyTorch's own: F.rms_norm, with a weight in x's dtype, which its fused kernel needs
+        # (the PyTorch branch of ours composes it of several ops; the 29th-38th sessions timed
+        # that one)
         "rmsnorm": (
             (lambda: ops.rmsnorm(x, w, use_triton=True))
             if use_triton
-            else (lambda: F.rms_norm(x, (512,), w, 1e-5))
+            else (lambda: F.rms_norm(x, (512,), w_x, 1e-5))
         ),
         # (h_new, y) of x + branch; y alone timed (PyTorch: the add, then F.rms_norm)
         "residual_rmsnorm": (
             (lambda: ops.residual_rmsnorm(x, branch, w, use_triton=True)[1])
             if use_triton
-            else (lambda: F.rms_norm(x + branch, (512,), w, 1e-5))
+            else (lambda: F.rms_norm(x + branch, (512,), w_x, 1e-5))
         ),
         # (h_new, y) of x + branch; y alone timed (PyTorch: the add, then F.layer_norm)
-        "residual_layernorm": lambda: ops.residual_layernorm(x, branch, w, use_triton=use_triton)[
-            1
-        ],
+        "residual_layernorm": (
+            (lambda: ops.residual_layernorm(x, branch, w, use_triton=True)[1])
+            if use_triton
+            else (lambda: F.layer_norm(x + branch, (512,), w_x))
+        ),
         "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
         "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
         "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
