@@ -640,9 +640,9 @@ def test_eager_plan_matches_registered_op(shape, dtype, sliced, ignore_index, de
 
 def test_eager_plan_keeps_the_checks(device):
     # A plan is keyed on every fact its checks read: a call that differs in one of them (the
-    # labels' dtype, ignore_index's type, the device's shapes) is checked as the first call
-    # was, and raises the same errors; rows that need a copy (the vocabulary dim not of unit
-    # stride) run the generic path without a plan.
+    # labels' dtype or shape, ignore_index's type) is checked as the first call was, and
+    # raises the same errors; rows that need a copy (the vocabulary dim not of unit stride)
+    # run the generic path without a plan.
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)
     cross_entropy(logits, labels, use_triton=True)
