@@ -234,12 +234,11 @@ def test_label_check_with_and_without_ignore_index(requires_grad, monkeypatch, d
     # ignore_index (-2**31), so a label of exactly that value would count as ignored and
     # leave the loss finite.
     checks = []
-    original = lce_mod._check_labels_in_range
-    monkeypatch.setattr(
-        lce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
-    )
     ce_mod = importlib.import_module("triton_transformer.cross_entropy")
-    monkeypatch.setattr(ce_mod, "_check_labels_in_range", lce_mod._check_labels_in_range)
+    original = ce_mod._check_labels_in_range
+    monkeypatch.setattr(
+        ce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
+    )
     x, w, labels = make_inputs(10, 16, 37, device=device, ignore_index=-100)
     x.requires_grad_(requires_grad)
     linear_cross_entropy(x, w, labels, -100, use_triton=True, chunk_rows=4)

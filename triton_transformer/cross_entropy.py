@@ -712,6 +712,24 @@ def check_labels_after(
         _check_labels_in_range(labels, V, ignore_index)
 
 
+def check_labels_before(
+    check_labels: bool, labels: torch.Tensor, V: int, ignore_index: int | None, after_ok: bool
+) -> bool:
+    """The label check a call asks for (check_labels, or anomaly detection in eager code),
+    before its kernels: the full check where it must come first, else only the refusal of
+    stream capture. after_ok: the call is an eager Triton one whose kernels make a bad
+    label's loss NaN. Returns whether the caller then runs `check_labels_after`."""
+    compiling = torch.compiler.is_compiling()
+    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for)
+    if not (check_labels or (not compiling and torch.is_anomaly_enabled())):
+        return False
+    if after_ok and labels.numel() > 0 and not compiling:
+        check_not_capturing(_LABEL_CHECK)
+        return True
+    _check_labels_in_range(labels, V, ignore_index)
+    return False
+
+
 def _cross_entropy_reference(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None
 ) -> torch.Tensor:
@@ -811,36 +829,27 @@ def cross_entropy(
     if use_triton and not (inplace_backward and records):
         plan = _eager_plan(logits, labels, ignore_index)
         if plan is not None:
-            check = check_labels or torch.is_anomaly_enabled()
-            if check:
-                check_not_capturing(_LABEL_CHECK)
+            V = logits.shape[-1]
+            after = check_labels_before(check_labels, labels, V, ignore_index, True)
             if records:
                 loss = _EagerCrossEntropy.apply(logits, labels, plan)
             else:
                 loss = plan.forward(*plan.views(logits, labels))[0]
-            if check:
-                check_labels_after(loss, labels, logits.shape[-1], ignore_index)
+            if after:
+                check_labels_after(loss, labels, V, ignore_index)
             return loss
     _check_args(logits, labels, ignore_index, use_triton)
-    # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for.)
-    check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
     # an eager Triton call checks after its kernels (`check_labels_after`); the reference
     # first (F.cross_entropy would stop at a device-side assert), and so do traced calls and
     # the in-place path (its kernel would have overwritten the caller's logits)
-    after = (
-        check and use_triton and labels.numel() > 0 and not torch.compiler.is_compiling()
-        and not is_traced(logits) and not (inplace_backward and records)
-    )  # fmt: skip
-    if after:
-        check_not_capturing(_LABEL_CHECK)
-    elif check:
-        _check_labels_in_range(labels, logits.shape[-1], ignore_index)
+    after_ok = use_triton and not is_traced(logits) and not (inplace_backward and records)
+    after = check_labels_before(check_labels, labels, logits.shape[-1], ignore_index, after_ok)
     # No positions: the reference already gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
         return _cross_entropy_reference(logits, labels, ignore_index)
 
     logits3, labels2 = _as_rows_3d(logits, labels)
-    if inplace_backward and logits.requires_grad and torch.is_grad_enabled():
+    if inplace_backward and records:
         loss = _CrossEntropyInplaceFunction.apply(logits3, labels2, ignore_index)
     else:
         loss = call_op(cross_entropy_op, logits3, labels2, ignore_index)[0]

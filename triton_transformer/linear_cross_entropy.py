@@ -54,11 +54,10 @@ from torch.library import triton_op
 from triton_transformer import cross_entropy_hopper
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
-    _LABEL_CHECK,
-    _check_labels_in_range,
     _cross_entropy_bwd_config,
     _cross_entropy_bwd_scale_kernel,
     check_labels_after,
+    check_labels_before,
     cross_entropy,
     launch_cross_entropy_fwd,
     launch_cross_entropy_fwd_reduce,
@@ -67,7 +66,6 @@ from triton_transformer.matmul_plan import _mm2d_into, accumulate_mm
 from triton_transformer.utils import (
     call_op,
     cdiv,
-    check_not_capturing,
     check_triton_tensor,
     empty_scalar,
     first_order_only,
@@ -339,19 +337,12 @@ def linear_cross_entropy(
     if use_triton:
         check_triton_tensor(x, "x")
         check_triton_tensor(weight, "weight")
-    check = check_labels or (not torch.compiler.is_compiling() and torch.is_anomaly_enabled())
     # an eager Triton call checks after its kernels (`cross_entropy.check_labels_after`); the
     # reference first (F.cross_entropy would stop at a device-side assert), traced calls, and
     # calls without ignore_index: the kernels then take `_NO_LABEL` for one, so a label of
     # exactly -2**31 counts as ignored instead of making the loss NaN
-    after = (
-        check and use_triton and labels.numel() > 0 and ignore_index is not None
-        and not torch.compiler.is_compiling() and not is_traced(x)
-    )  # fmt: skip
-    if after:
-        check_not_capturing(_LABEL_CHECK)
-    elif check:
-        _check_labels_in_range(labels, V, ignore_index)
+    after_ok = use_triton and ignore_index is not None and not is_traced(x)
+    after = check_labels_before(check_labels, labels, V, ignore_index, after_ok)
     # No positions: the reference gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
         logits = F.linear(x, weight)
