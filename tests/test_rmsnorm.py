@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads
-from helpers import check_launches_bound_per_shape
+from helpers import check_grads_fold_alike, check_launches_bound_per_shape
 
 from triton_transformer.rmsnorm import (
     RMSNorm,
@@ -298,3 +298,105 @@ def test_eager_launches_bound_per_shape(residual, device):
     shifted = torch.empty(x.numel() + 1, device=device)[1:].view_as(x)  # 4 bytes off
     # the residual backward reads the new (aligned) sum, not the shifted h: its plan holds
     check_launches_bound_per_shape(rms_mod._PLANS.plans, run, x, shifted, 5 if residual else 6)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, branch_dtype, param_dtype, p, out_dtype",
+    [
+        ((3, 17, 48), torch.float32, None, None, 0.0, None),
+        ((40, 100), torch.float32, torch.float16, None, 0.3, torch.float16),
+        ((2, 5, 64), torch.float16, None, torch.float32, 0.2, None),
+    ],
+)
+@pytest.mark.parametrize("residual", [False, True])
+def test_eager_plan_matches_registered_op(
+    residual, shape, dtype, branch_dtype, param_dtype, p, out_dtype, device
+):
+    # An eager call takes its layout's plan (`_EagerPlan`: made on the first call, its
+    # launches bound then, taken by every later call). Both calls give, bit for bit, what the
+    # registered op gives through the dispatcher (from the same seed), forward and backward,
+    # with a dense, an expanded (a sum's) and a strided upstream gradient of y; in residual
+    # mode also with a gradient of h_new, dense or strided, or none.
+    x, w = _inputs(shape, dtype, device, param_dtype)
+    br = torch.randn(shape, device=device).to(branch_dtype or dtype)
+    seed = torch.tensor(4321, device=device)
+    sum_dtype = torch.promote_types(x.dtype, br.dtype) if residual else x.dtype
+    y_dtype = out_dtype or sum_dtype
+    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device)
+    dys = (
+        torch.randn(shape, device=device).to(y_dtype),
+        torch.ones((), device=device).to(y_dtype).expand(shape),
+        wide[..., ::2].to(y_dtype),
+    )
+    dhns = (torch.randn(shape, device=device).to(sum_dtype), wide[..., 1::2].to(sum_dtype), None)
+    for dy, dhn in zip(dys, dhns if residual else (None,) * 3, strict=True):
+        results = []
+        for registered in (False, False, True):
+            leaves = [t.detach().requires_grad_() for t in (x, w, br)]
+            xl, wl, brl = leaves
+            if not residual:
+                y = (rmsnorm_op(xl, wl, 1e-5, out_dtype)[0] if registered
+                     else rmsnorm(xl, wl, use_triton=True, out_dtype=out_dtype))  # fmt: skip
+                forward = (y,)
+                outs, upstream = forward, (dy,)
+            else:
+                if registered:
+                    h_new, y, _ = residual_rmsnorm_op(xl, brl, wl, 1e-5, p, seed if p else wl,
+                                                      out_dtype)  # fmt: skip
+                else:
+                    h_new, y = residual_rmsnorm(xl, brl, wl, dropout_p=p, use_triton=True,
+                                                out_dtype=out_dtype, seed=seed)  # fmt: skip
+                forward = (h_new, y)
+                outs, upstream = ((y,), (dy,)) if dhn is None else (forward, (dhn, dy))
+            torch.autograd.backward(outs, upstream)
+            results.append((*outs, *(t.grad for t in leaves)))
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert (a is None and want is None) or torch.equal(a, want)
+        assert results[0][-3].dtype == x.dtype and len(rms_mod._EAGER_PLANS.plans) == 1
+    with torch.no_grad():  # the plan's forward alone
+        got = (residual_rmsnorm(x, br, w, dropout_p=p, use_triton=True, out_dtype=out_dtype,
+                                seed=seed) if residual
+               else (rmsnorm(x, w, use_triton=True, out_dtype=out_dtype),))  # fmt: skip
+    for a, want in zip(got, forward, strict=True):  # the registered op's last forward
+        assert torch.equal(a, want)
+    assert len(rms_mod._EAGER_PLANS.plans) == 1
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_eager_plan_with_accumulated_grads(residual, device):
+    # Inside `bmm.accumulate_grads_in_place` a plan's backward adds into the weight's `.grad`
+    # as the generic path does; an input that does not require grad takes the plan's forward
+    # alone.
+    x, w = _inputs((33, 40), device=device)
+    br = torch.randn_like(x)
+    if residual:
+        forward = lambda wl: residual_rmsnorm(x, br, wl, use_triton=True)[1]
+    else:
+        forward = lambda wl: rmsnorm(x, wl, use_triton=True)
+    y = forward(w)
+    assert y.grad_fn is None and len(rms_mod._EAGER_PLANS.plans) == 1
+    dys = [torch.randn(33, 40, device=device) for _ in range(3)]
+    check_grads_fold_alike(forward, [w], dys)
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: the generic path's errors still
+    # come after one exists.
+    x, w = _inputs((6, 16), device=device)
+    rmsnorm(x, w, use_triton=True)
+    residual_rmsnorm(x, x, w, use_triton=True)
+    assert len(rms_mod._EAGER_PLANS.plans) == 2
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rmsnorm(x, w[:8], use_triton=True)
+    with pytest.raises(TypeError, match="dtype"):
+        rmsnorm(x.to(torch.int32), w, use_triton=True)
+    with pytest.raises(ValueError, match="eps"):
+        rmsnorm(x, w, -1.0, use_triton=True)
+    with pytest.raises(ValueError, match="branch shape"):
+        residual_rmsnorm(x, x[:3], w, use_triton=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        residual_rmsnorm(x, x, w, dropout_p=1.0, use_triton=True)
+    with pytest.raises(TypeError, match="seed"):
+        residual_rmsnorm(x, x, w, dropout_p=0.1, use_triton=True, seed=3)
+    assert len(rms_mod._EAGER_PLANS.plans) == 3  # the dropout one was made before its seed

@@ -49,6 +49,7 @@ forward entries only 768-4096 columns were probed for RMSNorm itself (2048 diffe
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,12 +82,13 @@ from triton_transformer.utils import (
     cdiv,
     check_triton_tensor,
     default,
-    draw_seed,
     dropout_threshold,
     exists,
     first_order_only,
+    has_rows_view,
     is_traced,
     launcher,
+    seed_or_draw,
     tensor_facts,
 )
 
@@ -284,6 +286,7 @@ def _clear_config_caches() -> None:
     _rmsnorm_fwd_config.cache_clear()
     _rmsnorm_bwd_config.cache_clear()
     _PLANS.plans.clear()
+    _EAGER_PLANS.plans.clear()
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -294,14 +297,20 @@ def _clear_config_caches() -> None:
 _PLANS = LaunchPlans()
 
 
-def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None) -> None:
+def launch_rmsnorm_fwd(
+    x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, seed=None
+) -> Callable[..., None] | None:
     """Normalise the rows of x2 into y2 (both (M, N), unit column stride), rstd (M,) fp32.
 
     Residual mode (h2 and br2 given): x2 is an output, written with h2 + dropout_p(br2). An
-    eager call takes the launch bound for its shape (`_PLANS`) when there is one."""
+    eager call takes the launch bound for its shape (`_PLANS`) when there is one.
+
+    Returns that bound launch, a function of the tensors (x2, weight, y2, rstd, h2 or x2, br2
+    or x2, seed or rstd) of another call of this layout (`_EagerPlan` keeps it), or None where
+    nothing was bound (traced, no rows)."""
     M, N = x2.shape[0], int(x2.shape[1])  # N is specialised (block sizes); M may be symbolic
     if M == 0 or N == 0:
-        return
+        return None
     residual = h2 is not None
     dropout = residual and p > 0.0
     tensors = (
@@ -318,7 +327,7 @@ def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, s
         bound = _PLANS.get(key)
         if bound is not None:
             bound(*tensors)
-            return
+            return bound
     block_m, block_n, num_warps, single = _rmsnorm_fwd_config(N, MAX_BLOCK_N)
     bound = launcher(_rmsnorm_fwd_kernel).bind(
         (cdiv(M, block_m),), *tensors, M, N, 1.0 / N, *strides,
@@ -326,25 +335,28 @@ def launch_rmsnorm_fwd(x2, weight, y2, rstd, eps, *, h2=None, br2=None, p=0.0, s
         SINGLE=single, RESIDUAL=residual, DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
-    if key is not None:
-        _PLANS.put(key, bound)
+    return None if key is None else _PLANS.put(key, bound)
 
 
 def launch_rmsnorm_bwd(
     dy2, x2, weight, rstd, dx2, dweight, *, dhn2=None, dbr2=None, p=0.0, seed=None,
     cfg: BwdConfig | None = None, acc_w: bool = False,
-) -> None:  # fmt: skip
+) -> Callable[..., None] | None:  # fmt: skip
     """dx2 (+ dhn2, the downstream gradient of a residual sum), dweight and, when dbr2 is
     given, the branch gradient dropout-masked (p, seed) into dbr2. `cfg` overrides the table.
     acc_w: add dweight to what that tensor holds (`bmm.grad_targets`). An eager call takes
-    the launches bound for its shape (`_PLANS`) when there are."""
+    the launches bound for its shape (`_PLANS`) when there are.
+
+    Returns them, a function of the tensors (x2, weight, dy2, dx2, rstd, dhn2 or dy2, dbr2 or
+    dx2, seed or rstd, dweight) of another call of this layout, or None where nothing was
+    bound."""
     M, N = x2.shape[0], int(x2.shape[1])
     if N == 0:
-        return
+        return None
     if M == 0:
         if not acc_w:
             dweight.zero_()
-        return
+        return None
     dropout = dbr2 is not None and p > 0.0
     # stand-ins for absent tensors (never read)
     tensors = (x2, weight, dy2, dx2, rstd, default(dhn2, dy2), default(dbr2, dx2),
@@ -357,7 +369,7 @@ def launch_rmsnorm_bwd(
         plan = _PLANS.get(key)
         if plan is not None:
             plan(*tensors)
-            return
+            return plan
     cfg = cfg or _rmsnorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind not in ("row", "loop"):
         raise ValueError(f"rmsnorm has 'row' and 'loop' backwards, got {cfg.kind!r}")
@@ -385,8 +397,7 @@ def launch_rmsnorm_bwd(
         main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed)
         colsum(partial, dweight, dweight)
 
-    if key is not None:
-        _PLANS.put(key, launch)
+    return None if key is None else _PLANS.put(key, launch)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
@@ -550,6 +561,173 @@ residual_rmsnorm_op.register_autograd(
 accumulates_grads(residual_rmsnorm_backward_op)
 
 
+# ----------------------------------------------------------------------------- eager calls
+# As layernorm's (`layernorm._EagerPlan`): an eager call (nothing traces) of a layout seen
+# before takes that layout's plan, found by one key of what the checks and the kernels read
+# (`utils.eager_plan_key`) and one lookup, then the launches bound on its first call. Per
+# call it skips the checks, `call_op`, the registered op's autograd wrapper, `as_rows` views
+# and a key per launch. One plan class serves rmsnorm and residual_rmsnorm (`residual`: h and
+# branch in, their sum h_new out as well); kernels, saved tensors and gradients are the
+# registered ops'.
+
+
+class _EagerPlan:
+    """The launches of eager rmsnorm / residual_rmsnorm calls of one layout: x (or h and
+    branch) viewable as (M, N) rows of unit column stride, a contiguous weight (what
+    `_eager_plan` admits). Forward per alignment of the seed (dropout); backward per dtype and
+    alignment of the upstream gradients (dense ones) and of the seed, and per gradient
+    target."""
+
+    __slots__ = ("branch_dtype", "bwd", "device", "eps", "fwd", "h_dtype", "n_cols", "n_rows",
+                 "out_dtype", "p", "residual", "shape", "sum_dtype")  # fmt: skip
+
+    def __init__(self, x, branch, eps: float, p: float, out_dtype) -> None:
+        self.shape, self.device = x.shape, x.device
+        self.residual = branch is not None
+        self.h_dtype = x.dtype
+        self.branch_dtype = branch.dtype if self.residual else x.dtype
+        self.sum_dtype = torch.promote_types(self.h_dtype, self.branch_dtype)
+        self.out_dtype = out_dtype or self.sum_dtype
+        self.n_cols = x.shape[-1]
+        self.n_rows = x.numel() // self.n_cols
+        self.eps, self.p = eps, p
+        self.fwd: dict = {}
+        self.bwd: dict = {}
+
+    def forward(self, x, branch, weight, seed) -> tuple:
+        """(x_or_h_new, y, rstd): `rmsnorm_op`'s (y, rstd) after x itself, or
+        `residual_rmsnorm_op`'s (h_new, y, rstd) for h = x; seed None when p == 0."""
+        h_new = x
+        if self.residual:
+            h_new = torch.empty(self.shape, dtype=self.sum_dtype, device=self.device)
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        rstd = torch.empty((self.n_rows,), dtype=torch.float32, device=self.device)
+        key = None if seed is None else tensor_facts(seed)
+        fwd = self.fwd.get(key)
+        if fwd is not None:
+            fwd(h_new, weight, y, rstd, x, x if branch is None else branch,
+                rstd if seed is None else seed)  # fmt: skip
+            return h_new, y, rstd
+        rows = (self.n_rows, self.n_cols)
+        self.fwd[key] = launch_rmsnorm_fwd(
+            h_new.view(rows), weight, y.view(rows), rstd, self.eps,
+            h2=x.view(rows) if self.residual else None,
+            br2=branch.view(rows) if self.residual else None, p=self.p, seed=seed,
+        )  # fmt: skip
+        return h_new, y, rstd
+
+    def backward(self, dy, dh_new, x, weight, rstd, seed, acc_w) -> tuple:
+        """(dx, dbranch, dweight): `rmsnorm_backward_op`'s (dx, dweight) with dbranch None, or
+        `residual_rmsnorm_backward_op`'s (dh, dbranch, dweight), for upstream gradients of any
+        layout (dh_new None: zero). x: the normalised rows (h_new in residual mode)."""
+        dx = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
+        dbranch = None
+        if self.residual:
+            separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
+            dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
+                                  device=self.device)  # fmt: skip
+        dbr_into = dbranch if dbranch is not None and dbranch.numel() else None
+        dweight, _ = param_grads(weight, None, acc_w, None)
+        dweight_into = dweight if acc_w is None else acc_w
+        dy2 = dy if dy.is_contiguous() else as_rows(dy)
+        dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
+        dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
+        present = [t for t in (dy2, dhn2, seed) if t is not None]
+        key = (dhn2 is None, seed is None, acc_w is None, *tensor_facts(*present))
+        bwd = self.bwd.get(key) if dense else None
+        if bwd is not None:
+            bwd(x, weight, dy2, dx, rstd, default(dhn2, dy2), default(dbr_into, dx),
+                default(seed, rstd), dweight_into)  # fmt: skip
+            return dx, dbranch, dweight
+        rows = (self.n_rows, self.n_cols)
+        bwd = launch_rmsnorm_bwd(
+            dy2.view(rows) if dense else dy2, x.view(rows), weight, rstd, dx.view(rows),
+            dweight_into, dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
+            dbr2=None if dbr_into is None else dbr_into.view(rows), p=self.p, seed=seed,
+            acc_w=acc_w is not None,
+        )  # fmt: skip
+        if dense:
+            self.bwd[key] = bwd
+        return dx, dbranch, dweight
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(x, branch, weight, eps, dropout_p, training, out_dtype) -> _EagerPlan | None:
+    """The plan of this eager call's layout (branch None: rmsnorm's, else residual_rmsnorm's
+    with h = x), made on its first call after the checks; None where the generic path runs:
+    traced, not tensors (the checks raise), or a layout the plan does not cover."""
+    scalars = (eps, dropout_p, training, out_dtype)
+    key, plan = _EAGER_PLANS.find((x, branch, weight), scalars)
+    if key is None or plan is not None:
+        return plan
+    check_rmsnorm_args(x, weight, eps, True)
+    check_out_dtype(out_dtype)
+    p = 0.0 if branch is None else check_residual_branch(x, branch, dropout_p, training, True)
+    if x.numel() == 0 or not (weight.is_contiguous() and has_rows_view(x)):
+        return None
+    if branch is not None and not has_rows_view(branch):
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(x, branch, float(eps), p, out_dtype))
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """`rmsnorm_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, x, weight, plan):
+        _, y, rstd = plan.forward(x, None, weight, None)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.plan = plan
+        ctx.grad_home = _grad_home(weight)
+        return y
+
+    @staticmethod
+    @first_order_only("rmsnorm")
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        target = None
+        if ctx.grad_home is not None:
+            (target,) = grad_targets((ctx.grad_home,), (None,), dy)
+        dx, _, dweight = ctx.plan.backward(dy, None, x, weight, rstd, None, target)
+        if target is not None:
+            (dweight,) = folded_grads((dweight,), (target,), (None,))
+        return dx, dweight, None
+
+
+class _EagerResidualRMSNorm(torch.autograd.Function):
+    """`residual_rmsnorm_op` and its registered backward for an eager call of a planned
+    layout: returns (h_new, y)."""
+
+    @staticmethod
+    def forward(ctx, h, branch, weight, seed, plan):
+        h_new, y, rstd = plan.forward(h, branch, weight, seed)
+        ctx.set_materialize_grads(False)  # as the op's: an unused output gets no zeros
+        ctx.save_for_backward(h_new, weight, rstd, seed)
+        ctx.plan = plan
+        ctx.grad_home = _grad_home(weight)
+        return h_new, y
+
+    @staticmethod
+    @first_order_only("residual_rmsnorm")
+    def backward(ctx, dh_new, dy):
+        if dy is None and dh_new is None:
+            return (None,) * 5
+        h_new, weight, rstd, seed = ctx.saved_tensors
+        if dy is None:  # y unused: only the residual sum passes a gradient (rare)
+            dy = torch.zeros_like(h_new)
+        plan, target = ctx.plan, None
+        if ctx.grad_home is not None:
+            (target,) = grad_targets((ctx.grad_home,), (None,), dy)
+        dh, dbranch, dweight = plan.backward(dy, dh_new, h_new, weight, rstd, seed, target)
+        if plan.p == 0.0 and plan.branch_dtype == plan.h_dtype:
+            dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
+        if target is not None:
+            (dweight,) = folded_grads((dweight,), (target,), (None,))
+        return dh, dbranch, dweight, None, None
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -606,6 +784,12 @@ def rmsnorm(
     Returns:
         (..., N) tensor in out_dtype: a new tensor, never a view.
     """
+    if use_triton:
+        plan = _eager_plan(x, None, weight, eps, 0.0, False, out_dtype)
+        if plan is not None:
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return _EagerRMSNorm.apply(x, weight, plan)
+            return plan.forward(x, None, weight, None)[1]
     check_rmsnorm_args(x, weight, eps, use_triton)
     check_out_dtype(out_dtype)
     if not use_triton:
@@ -623,6 +807,7 @@ def residual_rmsnorm(
     eps: float = 1e-5,
     use_triton: bool = False,
     out_dtype: torch.dtype | None = None,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h_new, y): h_new = h + dropout(branch), y = rmsnorm(h_new, weight) over the last dim.
 
@@ -635,10 +820,21 @@ def residual_rmsnorm(
         eps: added to the mean square.
         use_triton: one fused Triton kernel each way instead of the PyTorch reference.
         out_dtype: y's float dtype (None: h_new's).
+        seed: Triton only: the 0-dim int64 device tensor the dropout mask is drawn from (the
+            package's one scheme, `dropout.dropout`'s); None draws one. F.dropout ignores it.
 
     Returns:
         (h_new, y), new tensors shaped like h; h_new in the promoted dtype of (h, branch).
     """
+    if use_triton:
+        plan = _eager_plan(h, branch, weight, eps, dropout_p, training, out_dtype)
+        if plan is not None:
+            seed = seed_or_draw(seed, h.device) if plan.p > 0.0 else None
+            if torch.is_grad_enabled() and (
+                h.requires_grad or branch.requires_grad or weight.requires_grad
+            ):
+                return _EagerResidualRMSNorm.apply(h, branch, weight, seed, plan)
+            return plan.forward(h, branch, weight, seed)[:2]
     check_rmsnorm_args(h, weight, eps, use_triton)
     check_out_dtype(out_dtype)
     p = check_residual_branch(h, branch, dropout_p, training, use_triton)
@@ -646,7 +842,7 @@ def residual_rmsnorm(
         h_new = h + (F.dropout(branch, p) if p > 0.0 else branch)
         return h_new, _rmsnorm_reference(h_new, weight, eps, out_dtype)
     # The seed is drawn only with dropout; otherwise weight stands in (never read).
-    seed = draw_seed(h.device) if p > 0.0 else weight
+    seed = seed_or_draw(seed, h.device) if p > 0.0 else weight
     h_new, y, _ = call_op(
         residual_rmsnorm_op, h, branch, weight, float(eps), p, seed, out_dtype,
         _traced_grad_acc(weight),
