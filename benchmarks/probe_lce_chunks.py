@@ -55,8 +55,8 @@ def _pieces(rows: int, x, w, labels) -> dict:
 
     def ce():
         launch_cross_entropy_fwd(
-            z[None], labels2[:, :rows], lce._NO_LABEL, n_valid, loss_rows[:rows],
-            loss_rows[:rows], True, True,
+            z[None], labels2[:, :rows], None, n_valid, loss_rows[:rows], loss_rows[:rows],
+            True, True, counted=True,
         )  # fmt: skip
 
     def ours(fn):

@@ -249,6 +249,6 @@ for write_grad in (False, True):
         ce._cross_entropy_fwd_kernel,
         dict(LOGITS=bf16, LABELS="*i64", N_VALID="*fp32", LOSS="*fp32", LSE="*fp32"), set(),
         dict(HAS_IGNORE=True, WRITE_GRAD=write_grad, NORMALIZE_GRAD=write_grad,
-             SINGLE_PASS=False, BLOCK_M=1, BLOCK_N=8192),
+             COUNTED=write_grad, SINGLE_PASS=False, BLOCK_M=1, BLOCK_N=8192),
     )  # fmt: skip
 print("cross-entropy forward, looped: ok")

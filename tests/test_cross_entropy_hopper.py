@@ -26,21 +26,21 @@ n_valid, loss = torch.empty((), dtype=torch.float32), torch.empty(M)
 box, n_boxes, _ = ceh.row_boxes(V, 2)
 for dtype in (torch.bfloat16, torch.float16):
     x = torch.empty(M, V, dtype=dtype)
-    for has_ignore in (False, True):
+    for has_ignore, counted in ((False, False), (False, True), (True, True)):
         kernel = ceh._ce_inplace_sm90_kernel.warmup(
             x, labels, n_valid, loss, M, M, V, V, M, 1, -100, M * V // 64,
-            HAS_IGNORE=has_ignore, NORMALIZE_GRAD=dtype == torch.bfloat16, BOX=box,
-            N_BOXES=n_boxes, num_warps=ceh.NUM_WARPS, grid=(1,),
+            HAS_IGNORE=has_ignore, NORMALIZE_GRAD=dtype == torch.bfloat16, COUNTED=counted,
+            BOX=box, N_BOXES=n_boxes, num_warps=ceh.NUM_WARPS, grid=(1,),
         )
         assert "cp.async.bulk.tensor" in kernel.asm["ptx"]
-        print("ok", dtype, has_ignore)
+        print("ok", dtype, has_ignore, counted)
 """
 )
 
 
 @needs_gluon
 def test_kernel_compiles_for_sm90():
-    check_compiles(COMPILE_SCRIPT, 4)
+    check_compiles(COMPILE_SCRIPT, 6)
 
 
 def test_row_boxes():

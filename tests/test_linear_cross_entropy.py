@@ -226,31 +226,28 @@ def test_bad_label_gives_nan_without_check(device):
     assert torch.isnan(loss)
 
 
+@pytest.mark.parametrize("ignore_index", [-100, None])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_label_check_with_and_without_ignore_index(requires_grad, monkeypatch, device):
-    # With ignore_index the default check reads the loss after the kernels, a bad label
-    # making it NaN (`cross_entropy.check_labels_after`), and checks nothing more for good
-    # labels. Without ignore_index it checks first: the kernels then take a stand-in
-    # ignore_index (-2**31), so a label of exactly that value would count as ignored and
-    # leave the loss finite.
+def test_label_check_after_the_kernels(ignore_index, requires_grad, monkeypatch, device):
+    # The default check reads the loss after the kernels, a bad label making it NaN
+    # (`cross_entropy.check_labels_after`), and checks nothing more for good labels; with or
+    # without ignore_index, so that a label of -2**31 (once the kernels' stand-in for "no
+    # ignore_index") raises too.
     checks = []
     ce_mod = importlib.import_module("triton_transformer.cross_entropy")
     original = ce_mod._check_labels_in_range
     monkeypatch.setattr(
         ce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
     )
-    x, w, labels = make_inputs(10, 16, 37, device=device, ignore_index=-100)
+    x, w, labels = make_inputs(10, 16, 37, device=device, ignore_index=ignore_index)
     x.requires_grad_(requires_grad)
-    linear_cross_entropy(x, w, labels, -100, use_triton=True, chunk_rows=4)
+    linear_cross_entropy(x, w, labels, ignore_index, use_triton=True, chunk_rows=4)
     assert not checks
-    labels[3] = 37
-    with pytest.raises(ValueError, match="found label 37"):
-        linear_cross_entropy(x, w, labels, -100, use_triton=True, chunk_rows=4)
-    assert len(checks) == 1
-    labels[labels == -100] = 0
-    labels[3] = -(2**31)
-    with pytest.raises(ValueError, match=f"found label {-(2**31)}"):
-        linear_cross_entropy(x, w, labels, use_triton=True, chunk_rows=4)
+    for bad in (37, -1, -(2**31)):
+        labels[3] = bad
+        with pytest.raises(ValueError, match=f"found label {bad}"):
+            linear_cross_entropy(x, w, labels, ignore_index, use_triton=True, chunk_rows=4)
+    assert len(checks) == 3
 
 
 def test_default_chunk_rows():
@@ -549,7 +546,9 @@ def test_model_loss_chunk_rows(device, monkeypatch):
     seen = []
     real = lce_mod.launch_cross_entropy_fwd
     monkeypatch.setattr(
-        lce_mod, "launch_cross_entropy_fwd", lambda z, *a: seen.append(z.shape[1]) or real(z, *a)
+        lce_mod,
+        "launch_cross_entropy_fwd",
+        lambda z, *a, **kw: seen.append(z.shape[1]) or real(z, *a, **kw),
     )
     kwargs = dict(num_tokens=37, dim=32, max_seq_len=8, depth=1, heads=2, dim_head=16,
                   causal=True, use_triton=True)  # fmt: skip

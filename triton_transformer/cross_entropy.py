@@ -141,11 +141,13 @@ def _cross_entropy_fwd_kernel(
     stride_logits_outer, stride_logits_inner, stride_labels_outer, stride_labels_inner,
     n_rows, n_inner, n_cols, ignore_index,
     HAS_IGNORE: tl.constexpr, WRITE_GRAD: tl.constexpr, NORMALIZE_GRAD: tl.constexpr,
-    SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COUNTED: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Per-row loss (0 if ignored) into LOSS and, unless WRITE_GRAD, the row's log-sum-exp into
     LSE. WRITE_GRAD: overwrite the logits with (softmax - onehot), times 1 / n_valid when
-    NORMALIZE_GRAD (n_valid read from N_VALID, or n_rows without ignore_index)."""
+    NORMALIZE_GRAD: n_valid read from N_VALID when COUNTED (counted before this launch: rows
+    not ignored, or the rows of all of a chunked loss's launches), else this launch's n_rows."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     row_ok = rows < n_rows
     label, valid = _load_labels(
@@ -159,7 +161,7 @@ def _cross_entropy_fwd_kernel(
     poison = tl.where(valid & ~in_range, float("nan"), 0.0)
     grad_scale = 1.0
     if NORMALIZE_GRAD:
-        n_valid = tl.maximum(tl.load(N_VALID), 1.0) if HAS_IGNORE else n_rows
+        n_valid = tl.maximum(tl.load(N_VALID), 1.0) if COUNTED else n_rows
         grad_scale = 1.0 / n_valid
     cols = tl.arange(0, BLOCK_N)[None, :]
 
@@ -338,21 +340,24 @@ def _strides_2level(t: torch.Tensor) -> tuple[int, int]:
 
 
 def launch_cross_entropy_fwd(
-    logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize
+    logits, labels, ignore_index, n_valid, loss_rows, lse, write_grad, normalize, counted=None
 ):
     """The forward kernel over logits (outer, inner, V), labels (outer, inner): loss_rows and
-    (unless write_grad) lse; write_grad: the logits overwritten with their gradient. An eager
+    (unless write_grad) lse; write_grad: the logits overwritten with their gradient, times
+    1 / n_valid when normalize, n_valid read from memory when counted (None: when there is an
+    ignore_index; `linear_cross_entropy` counts all its chunks' rows first), else the rows of
+    this launch. An eager
     in-place forward over long rows on Hopper runs `cross_entropy_hopper`'s kernel (one read
     of each row instead of two). Returns the launch again for tensors of the same layouts and
     facts: again(logits, labels, n_valid, loss_rows, lse), the Triton kernel's bound
     (`utils.KernelLauncher.bind`)."""
     if write_grad and not is_traced(logits) and cross_entropy_hopper.usable(logits):
         cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
-            logits, labels, ignore_index, n_valid, loss_rows, normalize
+            logits, labels, ignore_index, n_valid, loss_rows, normalize, counted
         )
         return lambda logits, labels, n_valid, loss_rows, lse: (
             cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
-                logits, labels, ignore_index, n_valid, loss_rows, normalize
+                logits, labels, ignore_index, n_valid, loss_rows, normalize, counted
             )
         )
     n_outer, n_inner, n_cols = logits.shape
@@ -365,6 +370,7 @@ def launch_cross_entropy_fwd(
         *_strides_2level(logits), *_strides_2level(labels),
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, WRITE_GRAD=write_grad, NORMALIZE_GRAD=normalize,
+        COUNTED=ignore_index is not None if counted is None else counted,
         SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
 

@@ -122,12 +122,12 @@ if HAVE_GLUON:
         LOGITS, LABELS, N_VALID, LOSS,
         n_rows, n_inner, n_cols, stride_row, stride_labels_outer, stride_labels_inner,
         ignore_index, total_box_rows,
-        HAS_IGNORE: gl.constexpr, NORMALIZE_GRAD: gl.constexpr, BOX: gl.constexpr,
-        N_BOXES: gl.constexpr, num_warps: gl.constexpr,
+        HAS_IGNORE: gl.constexpr, NORMALIZE_GRAD: gl.constexpr, COUNTED: gl.constexpr,
+        BOX: gl.constexpr, N_BOXES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """Per-row loss (0 for an ignored row) into LOSS; the logits overwritten with the
         gradient of the mean loss for an upstream gradient of 1 (NORMALIZE_GRAD: times
-        1 / n_valid, n_valid read from N_VALID with HAS_IGNORE, else n_rows). A label outside
+        1 / n_valid, n_valid read from N_VALID when COUNTED, else n_rows). A label outside
         [0, V) that is not ignored makes its row's loss and gradient NaN.
 
         Per row, with L = log2 e and the scale folded into the exponent:
@@ -156,7 +156,7 @@ if HAVE_GLUON:
         offs = box_r * _COLS + box_c  # each element's offset inside its box
         scale = 1.0
         if NORMALIZE_GRAD:
-            if HAS_IGNORE:  # noqa: SIM108 (constexpr branches)
+            if COUNTED:  # noqa: SIM108 (constexpr branches)
                 scale = 1.0 / gl.maximum(gl.load(N_VALID), 1.0)
             else:
                 scale = 1.0 / n_rows
@@ -298,11 +298,12 @@ def _row_stride(logits: torch.Tensor) -> int | None:
 
 def launch_cross_entropy_inplace_sm90(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None,
-    n_valid: torch.Tensor, loss_rows: torch.Tensor, normalize: bool,
+    n_valid: torch.Tensor, loss_rows: torch.Tensor, normalize: bool, counted: bool | None = None,
 ) -> None:  # fmt: skip
     """The in-place forward of `cross_entropy.launch_cross_entropy_fwd` (write_grad) for
     logits (outer, inner, V) that `usable` takes; labels (outer, inner), loss_rows (outer *
-    inner,) fp32; n_valid (0-d fp32) already counted when ignore_index is given."""
+    inner,) fp32; n_valid (0-d fp32) already counted when `counted` (None: when ignore_index
+    is given)."""
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     if n_rows == 0:
@@ -316,6 +317,7 @@ def launch_cross_entropy_inplace_sm90(
         logits, labels, n_valid, loss_rows,
         n_rows, n_inner, n_cols, stride, labels.stride(0), labels.stride(1),
         0 if ignore_index is None else ignore_index, total_box_rows,
-        HAS_IGNORE=ignore_index is not None, NORMALIZE_GRAD=normalize, BOX=box,
+        HAS_IGNORE=ignore_index is not None, NORMALIZE_GRAD=normalize,
+        COUNTED=ignore_index is not None if counted is None else counted, BOX=box,
         N_BOXES=n_boxes, num_warps=NUM_WARPS,
     )  # fmt: skip

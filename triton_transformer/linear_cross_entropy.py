@@ -87,13 +87,6 @@ __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy", "single_
 # benchmarks can sweep it.
 CHUNK_BYTES = 2**29
 
-# Passed to the forward kernel as ignore_index when there is none, so that it normalises by
-# the global n_valid read from memory (without ignore_index it would use its own, per-chunk,
-# row count). No in-range label equals it; a label of exactly -2**31 would count as ignored
-# instead of poisoning the loss with NaN (the label check, when on, rejects it first). int32's
-# minimum, not int64's: torch.compile's launcher passes the scalar as a 32-bit int.
-_NO_LABEL = -(2**31)
-
 
 def default_chunk_rows(M: int, V: int, itemsize: int) -> int:
     """Rows per chunk for M rows: as few equal chunks as keep each one's logits within
@@ -150,16 +143,17 @@ def _linear_cross_entropy_impl(
     rows = max(1, min(chunk_rows, M))
     buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
     lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
-    kernel_ignore = _NO_LABEL if ignore_index is None else ignore_index
     w_t = weight.t()
     for start in range(0, M, rows):
         end = min(start + rows, M)
         x_c, z = x[start:end], buf[: end - start]
         _mm2d_into(x_c, w_t, z)  # logits of the chunk
         lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
+        # counted: each chunk's gradient takes 1 / n_valid of all rows (counted above), not
+        # of its own
         launch_cross_entropy_fwd(
-            z[None], labels2[:, start:end], kernel_ignore, n_valid, loss_rows[start:end], lse_c,
-            write_grad, normalize,
+            z[None], labels2[:, start:end], ignore_index, n_valid, loss_rows[start:end], lse_c,
+            write_grad, normalize, counted=True,
         )  # fmt: skip
         if grad_x:  # z now holds dz
             _mm2d_into(z, weight, dx[start:end])
@@ -338,10 +332,8 @@ def linear_cross_entropy(
         check_triton_tensor(x, "x")
         check_triton_tensor(weight, "weight")
     # an eager Triton call checks after its kernels (`cross_entropy.check_labels_after`); the
-    # reference first (F.cross_entropy would stop at a device-side assert), traced calls, and
-    # calls without ignore_index: the kernels then take `_NO_LABEL` for one, so a label of
-    # exactly -2**31 counts as ignored instead of making the loss NaN
-    after_ok = use_triton and ignore_index is not None and not is_traced(x)
+    # reference (F.cross_entropy would stop at a device-side assert) and traced calls first
+    after_ok = use_triton and not is_traced(x)
     after = check_labels_before(check_labels, labels, V, ignore_index, after_ok)
     # No positions: the reference gives 0 connected to the graph; nothing to launch.
     if not use_triton or labels.numel() == 0:
