@@ -109,6 +109,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     compile_tma,
     dropout_threshold,
+    eager_apply,
     first_order_only,
     interpreter_enabled,
     is_traced,
@@ -2023,6 +2024,9 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+_apply_eager_attention = eager_apply(_EagerAttention)
+
+
 # `attention_packed`'s eager calls take `_EagerPlan`s of their own (`_PACKED_PLANS`, keyed by
 # the qkv tensor's layout): the same launches, q, k and v read as views of qkv, the backward
 # writing d(qkv) whole as `flash_attention_packed_backward_op` does.
@@ -2069,6 +2073,9 @@ class _EagerPackedAttention(torch.autograd.Function):
         return dqkv, None, None, None, None
 
 
+_apply_eager_packed_attention = eager_apply(_EagerPackedAttention)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -2107,7 +2114,7 @@ def attention(
         if plan is not None:
             seed = seed_or_draw(seed, q.device) if plan.dropout_p > 0.0 else None
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                out = _EagerAttention.apply(q, k, v, key_padding_mask, seed, plan)
+                out = _apply_eager_attention(q, k, v, key_padding_mask, seed, plan)
             else:
                 out = plan.forward(q, k, v, key_padding_mask, seed, False)[0]
             return out.transpose(1, 2)
@@ -2154,7 +2161,7 @@ def attention_packed(
             seed = seed_or_draw(seed, qkv.device) if plan.dropout_p > 0.0 else None
             b, n, _ = qkv.shape
             if torch.is_grad_enabled() and qkv.requires_grad:
-                out = _EagerPackedAttention.apply(qkv, heads, kpm, seed, plan)
+                out = _apply_eager_packed_attention(qkv, heads, kpm, seed, plan)
             else:
                 q, k, v = _split_packed(qkv.unflatten(-1, (3, heads, -1)))
                 out = plan.forward(q, k, v, kpm, seed, False)[0]

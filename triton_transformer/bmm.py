@@ -70,6 +70,7 @@ from triton_transformer.utils import (
     call_op,
     check_dropout_p,
     check_triton_tensor,
+    eager_apply,
     first_order_only,
     has_rows_view,
     is_traced,
@@ -958,6 +959,9 @@ class _EagerLinear(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+_apply_eager_linear = eager_apply(_EagerLinear)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1007,7 +1011,7 @@ def linear(
         plan = _eager_plan(x, weight, w, activation, residual, dropout_p, drawn)
         if plan is not None:
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-                return _EagerLinear.apply(x, weight, w, drawn, plan)
+                return _apply_eager_linear(x, weight, w, drawn, plan)
             return plan.forward(x, w, drawn)
         seed, cast = (drawn if drawn is not None else seed), w
     if activation not in ACTIVATIONS:

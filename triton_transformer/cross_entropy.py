@@ -65,6 +65,7 @@ from triton_transformer.utils import (
     cdiv,
     check_not_capturing,
     check_triton_tensor,
+    eager_apply,
     empty_scalar,
     first_order_only,
     is_traced,
@@ -682,6 +683,9 @@ class _EagerCrossEntropy(torch.autograd.Function):
         return dx.view(ctx.plan.logits_shape), None, None
 
 
+_apply_eager_cross_entropy = eager_apply(_EagerCrossEntropy)
+
+
 # --------------------------------------------------------------------------------------------
 # PyTorch reference and public function
 # --------------------------------------------------------------------------------------------
@@ -838,7 +842,7 @@ def cross_entropy(
             V = logits.shape[-1]
             after = check_labels_before(check_labels, labels, V, ignore_index, True)
             if records:
-                loss = _EagerCrossEntropy.apply(logits, labels, plan)
+                loss = _apply_eager_cross_entropy(logits, labels, plan)
             else:
                 loss = plan.forward(*plan.views(logits, labels))[0]
             if after:

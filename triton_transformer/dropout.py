@@ -48,6 +48,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     draw_seed,
     dropout_threshold,
+    eager_apply,
     first_order_only,
     host_seed,
     is_traced,
@@ -267,6 +268,9 @@ class _EagerDropout(torch.autograd.Function):
         return ctx.plan(dy, seed), None, None
 
 
+_apply_eager_dropout = eager_apply(_EagerDropout)
+
+
 def dropout(
     x: torch.Tensor,
     p: float = 0.0,
@@ -306,7 +310,7 @@ def dropout(
             else:
                 seed = seed_or_draw(seed, plan.device)
             if x.requires_grad and torch.is_grad_enabled():
-                return _EagerDropout.apply(x, seed, plan)
+                return _apply_eager_dropout(x, seed, plan)
             return plan(x, seed)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -89,6 +89,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     default,
     dropout_threshold,
+    eager_apply,
     exists,
     first_order_only,
     has_rows_view,
@@ -1178,7 +1179,8 @@ class _EagerPlan:
         return y, stats
 
     def backward(self, dy, x, weight, bias, stats, acc_w, acc_b) -> tuple:
-        """(dx, dweight, dbias) as `layernorm_backward_op` returns them, for dy of any layout."""
+        """(dx, dweight, dbias) for dy of any layout; the parameters' as `bound_grads`
+        returns them."""
         dx = torch.empty(self.shape, dtype=x.dtype, device=self.device)
         return (dx, *bound_grads(self, dy, x, weight, bias, stats, dx, acc_w, acc_b))
 
@@ -1192,10 +1194,12 @@ def bound_grads(
     seed: its dropout's). Rows of the upstream gradients are read in place, or copied where
     they have no unit column stride (e.g. a sum's expanded gradient); dense ones take the
     launches bound in plan.bwd for their dtypes and alignment, the seed's and the gradient
-    targets. Returns (dweight, dbias) as the backward ops return them."""
-    dweight, dbias = param_grads(weight, bias, acc_w, acc_b)
-    dweight_into = dweight if acc_w is None else acc_w
-    dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
+    targets. Returns (dweight, dbias): new tensors, None where the gradient went into acc_w /
+    acc_b or there is no bias (unlike the backward ops, no empty stand-ins to allocate)."""
+    dweight = torch.empty_like(weight) if acc_w is None else None
+    dbias = torch.empty_like(bias) if bias is not None and acc_b is None else None
+    dweight_into = default(dweight, acc_w)
+    dbias_into = None if bias is None else default(dbias, acc_b)
     dy2 = dy if dy.is_contiguous() else as_rows(dy)
     dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
     dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
@@ -1264,6 +1268,9 @@ class _EagerLayerNorm(torch.autograd.Function):
         if targets[0] is not None or targets[1] is not None:
             dweight, dbias = folded_grads((dweight, dbias), targets, (None, None))
         return dx, dweight, dbias if bias is not None else None, None
+
+
+_apply_eager_layernorm = eager_apply(_EagerLayerNorm)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -1373,7 +1380,7 @@ def layernorm(
             if torch.is_grad_enabled() and (
                 x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
             ):
-                return _EagerLayerNorm.apply(x, weight, bias, plan)
+                return _apply_eager_layernorm(x, weight, bias, plan)
             return plan.forward(x, weight, bias)[0]
     check_layernorm_args(x, weight, bias, use_triton)
     check_out_dtype(out_dtype)

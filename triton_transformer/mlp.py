@@ -59,6 +59,7 @@ from triton_transformer.utils import (
     call_op,
     check_dropout_p,
     check_triton_tensor,
+    eager_apply,
     first_order_only,
     has_rows_view,
     seed_or_draw,
@@ -253,6 +254,9 @@ class _EagerMLP(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+_apply_eager_mlp = eager_apply(_EagerMLP)
+
+
 def _check_mlp_args(x, w_in, w_out, dropout_p, use_triton: bool) -> float:
     """`relu2_mlp`'s checks (x and w_in passed `bmm._check_pair`); returns dropout_p."""
     dropout_p = check_dropout_p(dropout_p)
@@ -304,7 +308,7 @@ def relu2_mlp(
             if torch.is_grad_enabled() and (
                 x.requires_grad or w_in.requires_grad or w_out.requires_grad
             ):
-                return _EagerMLP.apply(x, w_in, w_out, *casts, drawn, plan)
+                return _apply_eager_mlp(x, w_in, w_out, *casts, drawn, plan)
             return plan.forward(x, *casts, drawn)[0]
         seed = drawn if drawn is not None else seed
     dropout_p = _check_mlp_args(x, w_in, w_out, dropout_p, use_triton)

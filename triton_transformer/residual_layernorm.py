@@ -62,6 +62,7 @@ from triton_transformer.utils import (
     as_rows,
     call_op,
     default,
+    eager_apply,
     exists,
     first_order_only,
     has_rows_view,
@@ -226,7 +227,8 @@ class _EagerPlan:
 
     def backward(self, dy, dh_new, h_new, weight, bias, stats, seed, acc_w, acc_b) -> tuple:
         """(dh, dbranch, dweight, dbias) as `residual_layernorm_backward_op` returns them, for
-        upstream gradients of any layout (dh_new None: zero)."""
+        upstream gradients of any layout (dh_new None: zero), the parameters' as
+        `layernorm.bound_grads` returns them."""
         dh = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
         separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
         dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
@@ -294,6 +296,9 @@ class _EagerResidualLayerNorm(torch.autograd.Function):
         return dh, dbranch, dweight, dbias if bias is not None else None, None, None
 
 
+_apply_eager_residual_layernorm = eager_apply(_EagerResidualLayerNorm)
+
+
 def residual_layernorm(
     h: torch.Tensor,
     branch: torch.Tensor,
@@ -333,7 +338,7 @@ def residual_layernorm(
                 h.requires_grad or branch.requires_grad or weight.requires_grad
                 or (bias is not None and bias.requires_grad)
             ):  # fmt: skip
-                return _EagerResidualLayerNorm.apply(h, branch, weight, bias, seed, plan)
+                return _apply_eager_residual_layernorm(h, branch, weight, bias, seed, plan)
             return plan.forward(h, branch, weight, bias, seed)[:2]
     check_layernorm_args(h, weight, bias, use_triton)
     check_out_dtype(out_dtype)

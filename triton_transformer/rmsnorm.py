@@ -83,6 +83,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     default,
     dropout_threshold,
+    eager_apply,
     exists,
     first_order_only,
     has_rows_view,
@@ -619,7 +620,8 @@ class _EagerPlan:
     def backward(self, dy, dh_new, x, weight, rstd, seed, acc_w) -> tuple:
         """(dx, dbranch, dweight): `rmsnorm_backward_op`'s (dx, dweight) with dbranch None, or
         `residual_rmsnorm_backward_op`'s (dh, dbranch, dweight), for upstream gradients of any
-        layout (dh_new None: zero). x: the normalised rows (h_new in residual mode)."""
+        layout (dh_new None: zero), but dweight None where it went into acc_w. x: the
+        normalised rows (h_new in residual mode)."""
         dx = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
         dbranch = None
         if self.residual:
@@ -627,8 +629,8 @@ class _EagerPlan:
             dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
                                   device=self.device)  # fmt: skip
         dbr_into = dbranch if dbranch is not None and dbranch.numel() else None
-        dweight, _ = param_grads(weight, None, acc_w, None)
-        dweight_into = dweight if acc_w is None else acc_w
+        dweight = torch.empty_like(weight) if acc_w is None else None  # None: into acc_w
+        dweight_into = default(dweight, acc_w)
         dy2 = dy if dy.is_contiguous() else as_rows(dy)
         dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
         dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
@@ -696,6 +698,9 @@ class _EagerRMSNorm(torch.autograd.Function):
         return dx, dweight, None
 
 
+_apply_eager_rmsnorm = eager_apply(_EagerRMSNorm)
+
+
 class _EagerResidualRMSNorm(torch.autograd.Function):
     """`residual_rmsnorm_op` and its registered backward for an eager call of a planned
     layout: returns (h_new, y)."""
@@ -726,6 +731,9 @@ class _EagerResidualRMSNorm(torch.autograd.Function):
         if target is not None:
             (dweight,) = folded_grads((dweight,), (target,), (None,))
         return dh, dbranch, dweight, None, None
+
+
+_apply_eager_residual_rmsnorm = eager_apply(_EagerResidualRMSNorm)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -788,7 +796,7 @@ def rmsnorm(
         plan = _eager_plan(x, None, weight, eps, 0.0, False, out_dtype)
         if plan is not None:
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-                return _EagerRMSNorm.apply(x, weight, plan)
+                return _apply_eager_rmsnorm(x, weight, plan)
             return plan.forward(x, None, weight, None)[1]
     check_rmsnorm_args(x, weight, eps, use_triton)
     check_out_dtype(out_dtype)
@@ -833,7 +841,7 @@ def residual_rmsnorm(
             if torch.is_grad_enabled() and (
                 h.requires_grad or branch.requires_grad or weight.requires_grad
             ):
-                return _EagerResidualRMSNorm.apply(h, branch, weight, seed, plan)
+                return _apply_eager_residual_rmsnorm(h, branch, weight, seed, plan)
             return plan.forward(h, branch, weight, seed)[:2]
     check_rmsnorm_args(h, weight, eps, use_triton)
     check_out_dtype(out_dtype)

@@ -1,0 +1,58 @@
+"""`utils.eager_apply`: the ops' eager plans call their autograd.Functions through the C++
+apply, without `Function.apply`'s Python prologue, except under functorch transforms."""
+
+import pytest
+import torch
+
+from triton_transformer.utils import eager_apply
+
+
+class _Double(torch.autograd.Function):
+    """y = 2·x + c (c a Python number, as a plan is passed); the backward returns 3·g for x,
+    not the true 2·g, so a test sees that this backward ran."""
+
+    @staticmethod
+    def forward(ctx, x, c):
+        return x * 2 + c
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3, None
+
+
+class _WithSetupContext(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_same_outputs_and_graph_as_apply():
+    apply = eager_apply(_Double)
+    x = torch.randn(5, requires_grad=True)
+    y = apply(x, 0.5)
+    want = _Double.apply(x, 0.5)
+    assert torch.equal(y, want) and type(y.grad_fn) is type(want.grad_fn)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    with torch.no_grad():
+        assert apply(x, 0.5).grad_fn is None
+
+
+def test_defers_to_apply_under_functorch_transforms():
+    # Under torch.func.grad, Function.apply takes functorch's path, which refuses a Function
+    # without setup_context: that error shows eager_apply deferred to it
+    apply = eager_apply(_Double)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: apply(x, 0.5).sum())(torch.randn(3))
+
+
+def test_functions_with_setup_context_keep_apply():
+    assert eager_apply(_WithSetupContext) == _WithSetupContext.apply
