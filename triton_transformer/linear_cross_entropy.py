@@ -278,10 +278,10 @@ def linear_cross_entropy(
             reference (the full logits).
         chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`, or all rows in one
             chunk for a bf16 weight where that holds no more memory (`single_chunk_lighter`).
-        check_labels: raise for a label out of range (one device sync; with ignore_index,
-            the Triton path reads its loss after the kernels and checks the labels only when
-            that is NaN; refused during CUDA stream capture). Pass False inside a training
-            step (the Triton path then returns NaN for a bad label).
+        check_labels: raise for a label out of range (one device sync: an eager Triton call
+            reads its loss after the kernels and checks the labels only when that is NaN;
+            refused during CUDA stream capture). Pass False inside a training step (the
+            Triton path then returns NaN for a bad label).
 
     Returns:
         0-d float32 loss (float64 for float64 inputs on the PyTorch path); 0, with zero
