@@ -13,7 +13,7 @@ uses): the median and the minimum over the rounds, in ms per step and against Py
 
     git archive REV triton_transformer | tar -x -C OLD
     python3 benchmarks/probe_eager_step_ab.py --out DIR --other OLD [--preset small]
-        [--rounds 7] [--steps 10]
+        [--block llama] [--rounds 7] [--steps 10]
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import common
 from probe_host_ab import PACKAGE, RENAMED, import_other
 
 
-def step_of(package: str, p: dict, use_triton: bool):
-    """`package`'s eager training step of the preset's model (a closure)."""
+def step_of(package: str, p: dict, use_triton: bool, block: str = "classic"):
+    """`package`'s eager training step of the preset's model with `block`'s options
+    (`bench_step.BLOCKS`), a closure."""
     transformer = importlib.import_module(f"{package}.transformer")
     wrapper = importlib.import_module(f"{package}.autoregressive_wrapper")
     cuda_graph = importlib.import_module(f"{package}.cuda_graph")
@@ -43,7 +44,7 @@ def step_of(package: str, p: dict, use_triton: bool):
     net = transformer.Transformer(
         num_tokens=p["vocab"], dim=p["dim"], depth=p["depth"], heads=p["heads"],
         dim_head=p["dim_head"], max_seq_len=p["seq"], causal=True, use_triton=use_triton,
-        check_token_ids=False,
+        check_token_ids=False, **bench_step.BLOCKS[block],
     )  # fmt: skip
     net.cuda_graphs = False
     model = wrapper.AutoregressiveWrapper(net).cuda().train()
@@ -61,14 +62,16 @@ def main() -> None:
         ap.add_argument("--preset", default="small", choices=list(bench_step.PRESETS))
         ap.add_argument("--rounds", type=int, default=7)
         ap.add_argument("--steps", type=int, default=10)
+        ap.add_argument("--block", choices=list(bench_step.BLOCKS), default="classic",
+                        help="the model's block (llama: rope, RMSNorm, SwiGLU, GQA)")  # fmt: skip
 
     args, out = common.parse_out(__doc__, add_args)
     import_other(args.other)
     p = bench_step.PRESETS[args.preset]
     sides = {
-        "this checkout": step_of(PACKAGE, p, True),
-        str(args.other): step_of(RENAMED, p, True),
-        "torch": step_of(PACKAGE, p, False),
+        "this checkout": step_of(PACKAGE, p, True, args.block),
+        str(args.other): step_of(RENAMED, p, True, args.block),
+        "torch": step_of(PACKAGE, p, False, args.block),
     }
     times: dict = {thread: {side: [] for side in sides} for thread in ("worker", "calling")}
     for r in range(args.rounds):
@@ -78,7 +81,8 @@ def main() -> None:
                     sides[side]()
                     times[thread][side].append(common.wall_us(sides[side], args.steps) / 1e3)
     lines = [
-        f"# Eager {args.preset} training step without CUDA graphs, ms per step, interleaved "
+        f"# Eager {args.preset} ({args.block} block) training step without CUDA graphs, ms per "
+        f"step, interleaved "
         f"({args.rounds} rounds of {args.steps} steps; {common.env_info()})",
         "",
         "| thread | side | median | min | torch / side (medians) |",
@@ -93,8 +97,9 @@ def main() -> None:
             )
     text = "\n".join(lines) + "\n"
     print(text)
-    (out / f"eager_step_ab_{args.preset}.md").write_text(text)
-    (out / f"eager_step_ab_{args.preset}.json").write_text(json.dumps(times, indent=1))
+    name = args.preset if args.block == "classic" else f"{args.preset}_{args.block}"
+    (out / f"eager_step_ab_{name}.md").write_text(text)
+    (out / f"eager_step_ab_{name}.json").write_text(json.dumps(times, indent=1))
 
 
 if __name__ == "__main__":
