@@ -144,6 +144,14 @@ BLOCKS = {
 }
 
 
+def block_options(block: str, p: dict) -> dict:
+    """The Transformer's keyword arguments of `block` (`BLOCKS`) at preset `p`."""
+    options = dict(BLOCKS[block])
+    if "kv_heads_divisor" in options:
+        options["kv_heads"] = p["heads"] // options.pop("kv_heads_divisor")
+    return options
+
+
 def build(
     provider: str,
     mode: str,
@@ -157,9 +165,7 @@ def build(
     `BLOCKS` (the SDPA GPT has the classic block only)."""
     if provider == "sdpa-gpt" and block != "classic":
         raise ValueError("the SDPA GPT has the classic block only")
-    options = dict(BLOCKS[block])
-    if "kv_heads_divisor" in options:
-        options["kv_heads"] = p["heads"] // options.pop("kv_heads_divisor")
+    options = block_options(block, p)
     if provider == "sdpa-gpt":
         model = SdpaGPT(p["dim"], p["depth"], p["heads"], p["seq"], p["vocab"], dropout)
     else:

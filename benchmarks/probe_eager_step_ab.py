@@ -44,7 +44,7 @@ def step_of(package: str, p: dict, use_triton: bool, block: str = "classic"):
     net = transformer.Transformer(
         num_tokens=p["vocab"], dim=p["dim"], depth=p["depth"], heads=p["heads"],
         dim_head=p["dim_head"], max_seq_len=p["seq"], causal=True, use_triton=use_triton,
-        check_token_ids=False, **bench_step.BLOCKS[block],
+        check_token_ids=False, **bench_step.block_options(block, p),
     )  # fmt: skip
     net.cuda_graphs = False
     model = wrapper.AutoregressiveWrapper(net).cuda().train()

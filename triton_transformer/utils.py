@@ -289,8 +289,9 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     `Function.apply` is a Python classmethod that, before the C++ `_FunctionBase.apply`,
     builds a closure, looks up `setup_context`, asks whether functorch transforms (vmap,
     grad, ...) are active and, when not, unwraps the functorch wrappers of tensors that
-    outlived their transform ("dead" wrappers) from the arguments: about 3 µs per call on
-    this project's hosts, a tenth of a plan's forward. The returned function makes the C++
+    outlived their transform ("dead" wrappers) from the arguments: 2.8 µs per call on the
+    CPU host (8.5 against 5.7 µs for an empty Function), a tenth of a plan's forward on the
+    H200's. The returned function makes the C++
     call itself while no transform is active, else defers to `function.apply` (always, for a
     function that defines setup_context). It skips the dead-wrapper pass: a plan is only
     found for tensors with storage (`eager_plan_key` reads data_ptr, which a functorch
