@@ -25,6 +25,14 @@ import torch
 import torch.nn.functional as F
 
 
+def loss_of(out: torch.Tensor | tuple) -> torch.Tensor:
+    """The scalar a forward + backward row backpropagates from: out.float().sum(), summed
+    over the tensors of a tuple (rope's (q, k))."""
+    if isinstance(out, tuple):
+        return sum(o.float().sum() for o in out)
+    return out.float().sum()
+
+
 def cases(ops, use_triton: bool = True) -> dict:
     """The op calls timed: ours (use_triton) or the PyTorch reference of each (eager)."""
     dev, dt = "cuda", torch.bfloat16
@@ -37,6 +45,7 @@ def cases(ops, use_triton: bool = True) -> dict:
     w_out = torch.randn(512, 2048, device=dev, dtype=dt, requires_grad=True)
     s = torch.randn(2, 8, 32, 32, device=dev, dtype=dt, requires_grad=True)
     q = torch.randn(2, 8, 32, 64, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(2, 8, 32, 64, device=dev, dtype=dt, requires_grad=True)
     # 512 queries: where a Hopper GPU's eager backward takes the Gluon kernel (host-made TMA
     # descriptors) instead of the Triton one
     q512 = torch.randn(1, 2, 512, 64, device=dev, dtype=dt, requires_grad=True)
@@ -92,6 +101,8 @@ def cases(ops, use_triton: bool = True) -> dict:
         "attention causal 512": lambda: ops.attention(
             q512, q512, q512, causal=True, use_triton=use_triton
         ),
+        # q and k of (2, 8, 32, 64), both rotated (PyTorch: our reference, composed in fp32)
+        "rope": lambda: ops.rope(q, k, use_triton=use_triton),
     }
 
 
@@ -160,6 +171,7 @@ def main() -> None:
     import triton_transformer.mlp as mlp_mod
     import triton_transformer.residual_layernorm as rln_mod
     import triton_transformer.rmsnorm as rmsnorm_mod
+    import triton_transformer.rope as rope_mod
     import triton_transformer.softmax as softmax_mod
 
     class ops:
@@ -171,6 +183,7 @@ def main() -> None:
         cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
         attention, attention_packed = attention_mod.attention, attention_mod.attention_packed
         relu2_mlp = mlp_mod.relu2_mlp
+        rope = rope_mod.rope
 
     if args.no_gluon:
         import triton_transformer.attention_hopper as attention_hopper
@@ -184,8 +197,7 @@ def main() -> None:
             continue
 
         def fwd_bwd(fwd=fwd):
-            out = fwd()
-            out.float().sum().backward()
+            loss_of(fwd()).backward()
 
         def fwd_no_grad(fwd=fwd):
             with torch.no_grad():

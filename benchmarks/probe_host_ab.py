@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_overhead
 import common
 
 PACKAGE = "triton_transformer"
@@ -50,11 +51,9 @@ def import_other(other: Path) -> str:
 
 def op_calls(package: str, use_triton: bool = True) -> dict:
     """The calls of `bench_overhead.cases` through `package`'s modules."""
-    import bench_overhead
-
     mods = {m: importlib.import_module(f"{package}.{m}") for m in (
         "attention", "bmm", "cross_entropy", "dropout", "layernorm", "mlp",
-        "residual_layernorm", "rmsnorm", "softmax",
+        "residual_layernorm", "rmsnorm", "rope", "softmax",
     )}  # fmt: skip
 
     class ops:
@@ -67,6 +66,7 @@ def op_calls(package: str, use_triton: bool = True) -> dict:
         attention = mods["attention"].attention
         attention_packed = mods["attention"].attention_packed
         relu2_mlp = mods["mlp"].relu2_mlp
+        rope = mods["rope"].rope
 
     return bench_overhead.cases(ops, use_triton=use_triton)
 
@@ -94,7 +94,7 @@ def main() -> None:
 
     def modes(fwd):
         def fwd_bwd():
-            fwd().float().sum().backward()
+            bench_overhead.loss_of(fwd()).backward()
 
         def no_grad():
             with torch.no_grad():

@@ -3,11 +3,15 @@ float64 run of the PyTorch branch, on (batch, heads, seq, head_dim) inputs: cont
 views of a packed qkv projection, transposed, with q and k head counts that differ, with and
 without device positions ((n,) and (b, n)), fp32/fp16/bf16."""
 
+import importlib
+
 import pytest
 import torch
 from _modern_helpers import LOW_PRECISION, TOL, assert_close, grads
 
 from triton_transformer.rope import rope, rope_op
+
+rope_mod = importlib.import_module("triton_transformer.rope")
 
 
 def _qk(b, hq, hk, n, d, dtype=torch.float32, device="cpu"):
@@ -100,6 +104,64 @@ def test_registered_custom_op(device):
     torch.library.opcheck(rope_op, (*args, None, 10000.0, False), test_utils=tests)
     pos = torch.arange(3, 10, device=device)
     torch.library.opcheck(rope_op, (*args, pos, 10000.0, True), test_utils=tests)
+
+
+@pytest.mark.parametrize("positions", [None, "n", "bn"])
+@pytest.mark.parametrize("layout", ["contiguous", "qkv view"])
+def test_eager_plan_matches_registered_op(layout, positions, device):
+    # An eager call takes its layout's plan (`rope._EagerPlan`: made on the first call, its
+    # launches bound then, taken by every later call). Both calls give, bit for bit, what the
+    # registered op gives through the dispatcher, forward and backward, with dense, strided
+    # (non-unit last stride: copied) and one absent (zero-filled) upstream gradient.
+    b, hq, hk, n, d = 2, 4, 2, 7, 8
+    if layout == "contiguous":
+        q, k = _qk(b, hq, hk, n, d, torch.float16, device)
+    else:  # views of a packed projection, as the model takes them
+        proj = torch.randn(b, n, hq + 2 * hk, d, device=device)
+        q, k = proj[:, :, :hq].transpose(1, 2), proj[:, :, hq : hq + hk].transpose(1, 2)
+    pos = None
+    if positions is not None:
+        pos = torch.randint(0, 99, (n,) if positions == "n" else (b, n), device=device)
+    wide = torch.randn(b, hq, n, 2 * d, device=device).to(q.dtype)
+    upstreams = [
+        (torch.randn_like(q), torch.randn_like(k)),
+        (wide[..., ::2], torch.randn_like(k).transpose(1, 2).contiguous().transpose(1, 2)),
+        (torch.randn_like(q), None),
+    ]
+    for dqo, dko in upstreams:
+        results = []
+        for registered in (False, False, True):
+            ql, kl = (t.detach().requires_grad_() for t in (q, k))
+            if registered:
+                qo, ko = rope_op(ql, kl, pos, 10000.0, False)
+            else:
+                qo, ko = rope(ql, kl, pos, use_triton=True)
+            outs, ups = ((qo,), (dqo,)) if dko is None else ((qo, ko), (dqo, dko))
+            torch.autograd.backward(outs, ups)
+            results.append((qo, ko, ql.grad, kl.grad))
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want) and a.stride() == want.stride()
+    assert len(rope_mod._EAGER_PLANS.plans) == 1
+    with torch.no_grad():  # the plan's forward alone
+        for a, want in zip(rope(q, k, pos, use_triton=True), results[2][:2], strict=True):
+            assert torch.equal(a, want)
+
+
+def test_eager_plan_keeps_the_checks(device):
+    # A plan is taken only by calls of its validated layout: the generic path's errors still
+    # come after one exists.
+    q, k = _qk(2, 2, 2, 5, 8, device=device)
+    rope(q, k, use_triton=True)
+    with pytest.raises(ValueError, match="must match q"):
+        rope(q, k[:1], use_triton=True)
+    with pytest.raises(ValueError, match="base"):
+        rope(q, k, base=-1.0, use_triton=True)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        rope(q, k, torch.arange(4, device=device), use_triton=True)
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        rope(q, k, torch.zeros(5, device=device), use_triton=True)
+    assert len(rope_mod._EAGER_PLANS.plans) == 1
 
 
 def test_double_backward_raises(device, assert_first_order_only):

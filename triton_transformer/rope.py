@@ -36,6 +36,7 @@ projection is); others are copied first. Offsets are 64-bit per row.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -43,13 +44,16 @@ import triton.language as tl
 from torch.library import triton_op
 
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     cdiv,
     check_triton_tensor,
     describe,
+    eager_apply,
     first_order_only,
     launcher,
     next_power_of_2,
+    tensor_facts,
 )
 
 DEFAULT_BASE = 10000.0
@@ -153,12 +157,17 @@ def _empty_bnhd(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((b, n, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
 
 
-def launch_rope(q, k, qo, ko, positions, base: float, inverse: bool) -> None:
-    """Rotate q into qo and k into ko (all (b, h, n, d), unit last stride)."""
+def launch_rope(
+    q, k, qo, ko, positions, base: float, inverse: bool, bind: bool = False
+) -> Callable[..., None] | None:
+    """Rotate q into qo and k into ko (all (b, h, n, d), unit last stride).
+
+    bind: return the launch bound for another call of these layouts (`_EagerPlan`), a
+    function of the tensors (q, k, qo, ko, positions or q); else None."""
     b, n_q, seq, d = q.shape
     n_k = k.shape[1]
     if q.numel() + k.numel() == 0:
-        return
+        return None
     half = int(d) // 2
     block_s, block_d = _block_s(int(seq), half)
     n_tiles = cdiv(seq, block_s)
@@ -167,14 +176,18 @@ def launch_rope(q, k, qo, ko, positions, base: float, inverse: bool) -> None:
     else:
         pos = positions
         stride_pb, stride_ps = (0, pos.stride(0)) if pos.dim() == 1 else pos.stride()
-    launcher(_rope_kernel)[(b * n_tiles,)](
+    args = (
         q, k, qo, ko, pos, n_q, n_k, seq, half, n_tiles,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         stride_pb, stride_ps, -2.0 * math.log2(base) / d,
-        HAS_POS=positions is not None, INVERSE=inverse, BLOCK_S=block_s, BLOCK_D=block_d,
-        num_warps=NUM_WARPS,
     )  # fmt: skip
+    flags = dict(HAS_POS=positions is not None, INVERSE=inverse, BLOCK_S=block_s,
+                 BLOCK_D=block_d, num_warps=NUM_WARPS)  # fmt: skip
+    if bind:
+        return launcher(_rope_kernel).bind((b * n_tiles,), *args, **flags)
+    launcher(_rope_kernel)[(b * n_tiles,)](*args, **flags)
+    return None
 
 
 # ----------------------------------------------------------------------------- torch.library op
@@ -210,6 +223,83 @@ def _rope_backward(ctx, dqo, dko):
 
 
 rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`,
+# as `layernorm._EagerPlan`: one key of what the checks and the kernel read
+# (`utils.eager_plan_key` of q, k and positions, and the base), one lookup, then the launch
+# bound on the first call. The kernel, the saved tensors and the gradients are `rope_op`'s.
+
+
+class _EagerPlan:
+    """The launches of eager rope calls of one layout: q and k of unit last stride (what
+    `_eager_plan` admits). The forward's, bound on the first call; the backward's (the
+    inverse rotation) per layout and tensor facts of the upstream gradients."""
+
+    __slots__ = ("base", "bwd", "fwd")
+
+    def __init__(self, base: float) -> None:
+        self.base = base
+        self.fwd: Callable[..., None] | None = None
+        self.bwd: dict[tuple, Callable[..., None] | None] = {}
+
+    def forward(self, q, k, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_op(q, k, positions, base, False)`."""
+        qo, ko = _empty_bnhd(q), _empty_bnhd(k)
+        if self.fwd is not None:
+            self.fwd(q, k, qo, ko, q if positions is None else positions)
+        else:
+            self.fwd = launch_rope(q, k, qo, ko, positions, self.base, False, bind=True)
+        return qo, ko
+
+    def backward(self, dqo, dko, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_op(dqo, dko, positions, base, True)`: the inverse rotation."""
+        dqo, dko = _unit_last(dqo), _unit_last(dko)
+        dq, dk = _empty_bnhd(dqo), _empty_bnhd(dko)
+        key = (dqo.stride(), dko.stride(), *tensor_facts(dqo, dko))
+        bwd = self.bwd.get(key)
+        if bwd is not None:
+            bwd(dqo, dko, dq, dk, dqo if positions is None else positions)
+        else:
+            self.bwd[key] = launch_rope(dqo, dko, dq, dk, positions, self.base, True, bind=True)
+        return dq, dk
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(q, k, positions, base) -> _EagerPlan | None:
+    """The plan of this eager call's layout, made on its first call (after the checks); None
+    where the generic path runs: traced, not tensors (the checks raise), empty, or q or k
+    without a unit last stride (the op copies those first)."""
+    key, plan = _EAGER_PLANS.find((q, k, positions), (base,))
+    if key is None or plan is not None:
+        return plan
+    check_rope_args(q, k, positions, base, True)
+    if q.numel() == 0 or k.numel() == 0 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return None
+    return _EAGER_PLANS.put(key, _EagerPlan(float(base)))
+
+
+class _EagerRope(torch.autograd.Function):
+    """`rope_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, plan):
+        ctx.save_for_backward(positions)
+        ctx.plan = plan
+        return plan.forward(q, k, positions)
+
+    @staticmethod
+    @first_order_only("rope")
+    def backward(ctx, dqo, dko):
+        (positions,) = ctx.saved_tensors
+        # R(theta)^T = R(-theta): the backward rotates the gradients the other way.
+        return (*ctx.plan.backward(dqo, dko, positions), None, None)
+
+
+_apply_eager_rope = eager_apply(_EagerRope)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -300,6 +390,12 @@ def rope(
         (q_rot, k_rot), new tensors shaped and typed like q and k (the Triton path's are
         (b, h, n, d) views of (b, n, h, d) storage).
     """
+    if use_triton:
+        plan = _eager_plan(q, k, positions, base)
+        if plan is not None:
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                return _apply_eager_rope(q, k, positions, plan)
+            return plan.forward(q, k, positions)
     check_rope_args(q, k, positions, base, use_triton)
     if not use_triton:
         return _rope_reference(q, k, positions, float(base))
