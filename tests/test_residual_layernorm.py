@@ -395,16 +395,26 @@ def test_eager_plan_matches_registered_op(
     # An eager call takes its layout's plan (`residual_layernorm._EagerPlan`: made on the first
     # call, its launches bound then, taken by every later call). Both calls give, bit for bit,
     # what the registered op gives through the dispatcher from the same seed, forward and
-    # backward: both outputs used (dense and strided upstream gradients) or y alone.
+    # backward: both outputs used (dense upstream gradients, one strided over columns, or one
+    # with rows of a stride of their own against a dense other: a slice's gradient from
+    # torch.cat) or y alone.
     import triton_transformer.residual_layernorm as rln_mod
 
     h, br, w, b = _inputs(shape, dtype, device, bias, branch_dtype)
     seed = torch.tensor(4321, device=device)
     sum_dtype = torch.promote_types(h.dtype, br.dtype)
-    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device)
-    dy = torch.randn(shape, device=device).to(out_dtype or sum_dtype)
-    dhns = (torch.randn(shape, device=device).to(sum_dtype), wide[..., ::2].to(sum_dtype), None)
-    for dhn in dhns:
+    y_dtype = out_dtype or sum_dtype
+    wide = (*shape[:-1], 2 * shape[-1])
+    dense = lambda dt: torch.randn(shape, device=device).to(dt)
+    padded = lambda dt: torch.randn(wide, device=device).to(dt)[..., : shape[-1]]
+    upstreams = [
+        (dense(y_dtype), dense(sum_dtype)),
+        (dense(y_dtype), torch.randn(wide, device=device).to(sum_dtype)[..., ::2]),
+        (dense(y_dtype), padded(sum_dtype)),
+        (padded(y_dtype), dense(sum_dtype)),
+        (dense(y_dtype), None),
+    ]
+    for dy, dhn in upstreams:
         results = []
         for registered in (False, False, True):
             leaves = [t.detach().requires_grad_() for t in (h, br, w, b) if t is not None]

@@ -322,21 +322,27 @@ def test_eager_plan_matches_registered_op(
     # An eager call takes its layout's plan (`_EagerPlan`: made on the first call, its
     # launches bound then, taken by every later call). Both calls give, bit for bit, what the
     # registered op gives through the dispatcher (from the same seed), forward and backward,
-    # with a dense, an expanded (a sum's) and a strided upstream gradient of y; in residual
-    # mode also with a gradient of h_new, dense or strided, or none.
+    # with upstream gradients dense, expanded (a sum's), strided over columns (copied) or with
+    # rows of a stride of their own (a slice's gradient from torch.cat: launched afresh); in
+    # residual mode also with h_new's gradient in each layout against a dense one, or none.
     x, w = _inputs(shape, dtype, device, param_dtype)
     br = torch.randn(shape, device=device).to(branch_dtype or dtype)
     seed = torch.tensor(4321, device=device)
     sum_dtype = torch.promote_types(x.dtype, br.dtype) if residual else x.dtype
     y_dtype = out_dtype or sum_dtype
-    wide = torch.randn((*shape[:-1], 2 * shape[-1]), device=device)
-    dys = (
-        torch.randn(shape, device=device).to(y_dtype),
-        torch.ones((), device=device).to(y_dtype).expand(shape),
-        wide[..., ::2].to(y_dtype),
-    )
-    dhns = (torch.randn(shape, device=device).to(sum_dtype), wide[..., 1::2].to(sum_dtype), None)
-    for dy, dhn in zip(dys, dhns if residual else (None,) * 3, strict=True):
+    wide = (*shape[:-1], 2 * shape[-1])
+    layouts = {
+        "dense": lambda dt: torch.randn(shape, device=device).to(dt),
+        "expanded": lambda dt: torch.ones((), device=device).to(dt).expand(shape),
+        "columns": lambda dt: torch.randn(wide, device=device).to(dt)[..., ::2],
+        "padded rows": lambda dt: torch.randn(wide, device=device).to(dt)[..., : shape[-1]],
+    }
+    pairs = [(name, None) for name in layouts]
+    if residual:
+        pairs += [("dense", "padded rows"), ("padded rows", "dense"), ("expanded", "columns")]
+    for dy_layout, dhn_layout in pairs:
+        dy = layouts[dy_layout](y_dtype)
+        dhn = None if dhn_layout is None else layouts[dhn_layout](sum_dtype)
         results = []
         for registered in (False, False, True):
             leaves = [t.detach().requires_grad_() for t in (x, w, br)]
@@ -371,10 +377,13 @@ def test_eager_plan_matches_registered_op(
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_eager_plan_with_accumulated_grads(residual, device):
+def test_eager_plan_with_accumulated_grads(residual, device, monkeypatch):
     # Inside `bmm.accumulate_grads_in_place` a plan's backward adds into the weight's `.grad`
-    # as the generic path does; an input that does not require grad takes the plan's forward
-    # alone.
+    # (from the second backward on, once there is one) and the sums equal those outside it;
+    # an input that does not require grad takes the plan's forward alone.
+    targets = []
+    real = rms_mod.grad_targets
+    monkeypatch.setattr(rms_mod, "grad_targets", lambda *a: targets.append(real(*a)) or targets[-1])
     x, w = _inputs((33, 40), device=device)
     br = torch.randn_like(x)
     if residual:
@@ -385,3 +394,4 @@ def test_eager_plan_with_accumulated_grads(residual, device):
     assert y.grad_fn is None and len(rms_mod._EAGER_PLANS.plans) == 1
     dys = [torch.randn(33, 40, device=device) for _ in range(3)]
     check_grads_fold_alike(forward, [w], dys)
+    assert [t[0] is not None for t in targets] == [False, True, True]

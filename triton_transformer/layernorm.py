@@ -1200,10 +1200,8 @@ def bound_grads(
     dbias = torch.empty_like(bias) if bias is not None and acc_b is None else None
     dweight_into = default(dweight, acc_w)
     dbias_into = None if bias is None else default(dbias, acc_b)
-    dy2 = dy if dy.is_contiguous() else as_rows(dy)
-    dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
-    dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
-    present = [t for t in (dy2, dhn2, seed) if t is not None]
+    dy2, dhn2, dense = upstream_rows(dy, dh_new)
+    present = [t for t in (dy2, dhn2, seed, acc_w, acc_b) if t is not None]
     key = (dhn2 is None, seed is None, acc_w is None, acc_b is None, *tensor_facts(*present))
     bwd = plan.bwd.get(key) if dense else None
     if bwd is not None:
@@ -1212,15 +1210,29 @@ def bound_grads(
         return dweight, dbias
     rows = (plan.n_rows, plan.n_cols)
     bwd = launch_layernorm_bwd(
-        dy2.view(rows) if dense else dy2, x.view(rows), weight, stats, dx.view(rows),
-        dweight_into, dbias_into, plan.eps, plan.stable,
-        dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
+        dy2.view(rows), x.view(rows), weight, stats, dx.view(rows), dweight_into, dbias_into,
+        plan.eps, plan.stable, dhn2=None if dhn2 is None else dhn2.view(rows),
         dbr2=None if dbranch is None else dbranch.view(rows), p=plan.p, seed=seed,
         acc_w=acc_w is not None, acc_b=acc_b is not None,
     )  # fmt: skip
     if dense:
         plan.bwd[key] = bwd
     return dweight, dbias
+
+
+def upstream_rows(dy: torch.Tensor, dh_new: torch.Tensor | None) -> tuple:
+    """(dy2, dhn2, dense): the upstream gradients of a norm plan's backward as its kernels
+    read them. Dense (both contiguous, possibly after `as_rows` copied one without unit
+    column stride, e.g. a sum's expanded gradient): the tensors as they are, which the plan's
+    bound launches read in place. Otherwise (rows with a stride of their own, e.g. the
+    gradient of a slice that `torch.cat` hands back) both as (M, N) rows views, which the
+    launcher keys and launches afresh: a bound launch holds the row strides it was bound
+    with, and a tensor's N-D stride(0) is not its row stride."""
+    dy2 = dy if dy.is_contiguous() else as_rows(dy)
+    dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
+    if dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous()):
+        return dy2, dhn2, True
+    return as_rows(dy2), None if dhn2 is None else as_rows(dhn2), False
 
 
 _EAGER_PLANS = LaunchPlans()

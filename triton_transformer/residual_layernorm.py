@@ -226,16 +226,16 @@ class _EagerPlan:
         return h_new, y, stats
 
     def backward(self, dy, dh_new, h_new, weight, bias, stats, seed, acc_w, acc_b) -> tuple:
-        """(dh, dbranch, dweight, dbias) as `residual_layernorm_backward_op` returns them, for
-        upstream gradients of any layout (dh_new None: zero), the parameters' as
-        `layernorm.bound_grads` returns them."""
+        """(dh, dbranch, dweight, dbias) for upstream gradients of any layout (dh_new None:
+        zero): dbranch None where it equals dh (the caller then reuses dh), the parameters'
+        as `layernorm.bound_grads` returns them."""
         dh = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
-        separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
-        dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
-                              device=self.device)  # fmt: skip
+        dbranch = None
+        if self.p > 0.0 or self.branch_dtype != self.h_dtype:
+            dbranch = torch.empty(self.shape, dtype=self.branch_dtype, device=self.device)
         dweight, dbias = bound_grads(
             self, dy, h_new, weight, bias, stats, dh, acc_w, acc_b, dh_new=dh_new,
-            dbranch=dbranch if separate else None, seed=seed,
+            dbranch=dbranch, seed=seed,
         )  # fmt: skip
         return dh, dbranch, dweight, dbias
 
@@ -289,7 +289,7 @@ class _EagerResidualLayerNorm(torch.autograd.Function):
         dh, dbranch, dweight, dbias = plan.backward(
             dy, dh_new, h_new, weight, bias, stats, seed, *targets
         )
-        if plan.p == 0.0 and plan.branch_dtype == plan.h_dtype:
+        if dbranch is None:
             dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
         if targets[0] is not None or targets[1] is not None:
             dweight, dbias = folded_grads((dweight, dbias), targets, (None, None))

@@ -72,6 +72,7 @@ from triton_transformer.layernorm import (
     check_out_dtype,
     check_residual_branch,
     param_grads,
+    upstream_rows,
     width_class,
 )
 from triton_transformer.utils import (
@@ -618,34 +619,30 @@ class _EagerPlan:
         return h_new, y, rstd
 
     def backward(self, dy, dh_new, x, weight, rstd, seed, acc_w) -> tuple:
-        """(dx, dbranch, dweight): `rmsnorm_backward_op`'s (dx, dweight) with dbranch None, or
+        """(dx, dbranch, dweight): `rmsnorm_backward_op`'s (dx, dweight), or
         `residual_rmsnorm_backward_op`'s (dh, dbranch, dweight), for upstream gradients of any
-        layout (dh_new None: zero), but dweight None where it went into acc_w. x: the
-        normalised rows (h_new in residual mode)."""
+        layout (dh_new None: zero); but dbranch None where there is none or it equals dh, and
+        dweight None where it went into acc_w. x: the normalised rows (h_new in residual
+        mode)."""
         dx = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
-        dbranch = None
-        if self.residual:
-            separate = self.p > 0.0 or self.branch_dtype != self.h_dtype
-            dbranch = torch.empty(self.shape if separate else (0,), dtype=self.branch_dtype,
-                                  device=self.device)  # fmt: skip
-        dbr_into = dbranch if dbranch is not None and dbranch.numel() else None
+        dbranch = None  # None also where it equals dx (the caller then reuses dx)
+        if self.residual and (self.p > 0.0 or self.branch_dtype != self.h_dtype):
+            dbranch = torch.empty(self.shape, dtype=self.branch_dtype, device=self.device)
         dweight = torch.empty_like(weight) if acc_w is None else None  # None: into acc_w
         dweight_into = default(dweight, acc_w)
-        dy2 = dy if dy.is_contiguous() else as_rows(dy)
-        dhn2 = dh_new if dh_new is None or dh_new.is_contiguous() else as_rows(dh_new)
-        dense = dy2.is_contiguous() and (dhn2 is None or dhn2.is_contiguous())
-        present = [t for t in (dy2, dhn2, seed) if t is not None]
+        dy2, dhn2, dense = upstream_rows(dy, dh_new)
+        present = [t for t in (dy2, dhn2, seed, acc_w) if t is not None]
         key = (dhn2 is None, seed is None, acc_w is None, *tensor_facts(*present))
         bwd = self.bwd.get(key) if dense else None
         if bwd is not None:
-            bwd(x, weight, dy2, dx, rstd, default(dhn2, dy2), default(dbr_into, dx),
+            bwd(x, weight, dy2, dx, rstd, default(dhn2, dy2), default(dbranch, dx),
                 default(seed, rstd), dweight_into)  # fmt: skip
             return dx, dbranch, dweight
         rows = (self.n_rows, self.n_cols)
         bwd = launch_rmsnorm_bwd(
-            dy2.view(rows) if dense else dy2, x.view(rows), weight, rstd, dx.view(rows),
-            dweight_into, dhn2=None if dhn2 is None else (dhn2.view(rows) if dense else dhn2),
-            dbr2=None if dbr_into is None else dbr_into.view(rows), p=self.p, seed=seed,
+            dy2.view(rows), x.view(rows), weight, rstd, dx.view(rows), dweight_into,
+            dhn2=None if dhn2 is None else dhn2.view(rows),
+            dbr2=None if dbranch is None else dbranch.view(rows), p=self.p, seed=seed,
             acc_w=acc_w is not None,
         )  # fmt: skip
         if dense:
@@ -726,7 +723,7 @@ class _EagerResidualRMSNorm(torch.autograd.Function):
         if ctx.grad_home is not None:
             (target,) = grad_targets((ctx.grad_home,), (None,), dy)
         dh, dbranch, dweight = plan.backward(dy, dh_new, h_new, weight, rstd, seed, target)
-        if plan.p == 0.0 and plan.branch_dtype == plan.h_dtype:
+        if dbranch is None:
             dbranch = dh  # d(h + branch)/d(branch) = 1: the same gradient, written once
         if target is not None:
             (dweight,) = folded_grads((dweight,), (target,), (None,))

@@ -810,11 +810,11 @@ def layout_key(*tensors: torch.Tensor | None) -> tuple:
 
 
 def eager_layout(t: torch.Tensor) -> tuple:
-    """What an op's eager plan (the `_EagerPlan` of layernorm, residual_layernorm, dropout
-    and attention) keys on for a tensor argument: every fact of it that the op's
-    checks and its kernels' specialisation read (shape, strides, dtype, device, 16-byte
-    alignment). A call whose tensors match a validated call's in all of them passes the same
-    checks, so a plan hit skips them."""
+    """What an op's eager plan (each op module's `_EagerPlan`: the norms, dropout,
+    cross_entropy, attention, linear, relu2_mlp, rope) keys on for a tensor argument: every
+    fact of it that the op's checks and its kernels' specialisation read (shape, strides,
+    dtype, device, 16-byte alignment). A call whose tensors match a validated call's in all
+    of them passes the same checks, so a plan hit skips them."""
     return t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15
 
 
