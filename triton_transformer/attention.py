@@ -2035,8 +2035,7 @@ _PACKED_PLANS = LaunchPlans()
 
 def _eager_packed_plan(qkv, heads, kpm, causal, dropout_p, training, scale):
     """`_eager_plan` of an `attention_packed` call: None where its generic path runs."""
-    # heads' type too: 2.0 == 2, but only an int passes the checks
-    scalars = (type(heads), heads, causal, dropout_p, training, scale, _switches())
+    scalars = (heads, causal, dropout_p, training, scale, _switches())
     key, plan = _PACKED_PLANS.find((qkv, kpm), scalars)
     if key is None or plan is not None:
         return plan

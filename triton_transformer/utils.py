@@ -820,13 +820,16 @@ def eager_layout(t: torch.Tensor) -> tuple:
 
 def eager_plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
     """The key of an eager call's plan (the ops' `_EagerPlan`): `eager_layout` of each of
-    `tensors` (None where absent) and the `scalars` as given. None where the call takes the
-    op's generic path: traced (Dynamo, or fake or functional tensors), or an argument that is
-    not a tensor with storage (the op's checks then raise)."""
+    `tensors` (None where absent), and the `scalars` as given with their types (False == 0 ==
+    0.0 and 2.0 == 2 hash alike, but the checks may refuse a bool or a float where they take
+    the number: a plan made by a valid call must not admit them). None where the call takes
+    the op's generic path: traced (Dynamo, or fake or functional tensors), or an argument that
+    is not a tensor with storage (the op's checks then raise)."""
     if torch.compiler.is_compiling() or is_traced(tensors[0]):
         return None
     try:
-        return (*[None if t is None else eager_layout(t) for t in tensors], *scalars)
+        layouts = [None if t is None else eager_layout(t) for t in tensors]
+        return (*layouts, *scalars, *map(type, scalars))
     except (AttributeError, TypeError, RuntimeError):
         return None
 

@@ -1,9 +1,14 @@
-"""`utils.eager_apply`: the ops' eager plans call their autograd.Functions through the C++
-apply, without `Function.apply`'s Python prologue, except under functorch transforms."""
+"""The plumbing of the ops' eager plans in `utils`: `eager_apply` (the plans call their
+autograd.Functions through the C++ apply, without `Function.apply`'s Python prologue, except
+under functorch transforms) and `eager_plan_key` (a plan made by a valid call admits no call
+the checks refuse)."""
 
 import pytest
 import torch
 
+from triton_transformer.attention import attention
+from triton_transformer.bmm import linear
+from triton_transformer.rope import rope
 from triton_transformer.utils import eager_apply
 
 
@@ -56,3 +61,20 @@ def test_defers_to_apply_under_functorch_transforms():
 
 def test_functions_with_setup_context_keep_apply():
     assert eager_apply(_WithSetupContext) == _WithSetupContext.apply
+
+
+def test_plan_keys_tell_bools_from_numbers(device):
+    # False == 0 == 0.0 and True == 1 == 1.0 hash alike; the checks refuse a bool where they
+    # take a number. Made by a valid call first, a plan must not admit the refused one.
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(16, 8, device=device)
+    q = torch.randn(1, 2, 4, 16, device=device, requires_grad=True)
+    calls = [
+        (lambda p: linear(x, w, activation="relu_squared", dropout_p=p, use_triton=True), 0.0),
+        (lambda p: attention(q, q, q, dropout_p=p, use_triton=True), 0.0),
+        (lambda b: rope(q, q, base=b, use_triton=True), 1.0),
+    ]
+    for call, valid in calls:
+        call(valid)
+        with pytest.raises((TypeError, ValueError)):
+            call(bool(valid))
