@@ -347,11 +347,11 @@ def launch_cross_entropy_fwd(
     (unless write_grad) lse; write_grad: the logits overwritten with their gradient, times
     1 / n_valid when normalize, n_valid read from memory when counted (None: when there is an
     ignore_index; `linear_cross_entropy` counts all its chunks' rows first), else the rows of
-    this launch. An eager
-    in-place forward over long rows on Hopper runs `cross_entropy_hopper`'s kernel (one read
-    of each row instead of two). Returns the launch again for tensors of the same layouts and
-    facts: again(logits, labels, n_valid, loss_rows, lse), the Triton kernel's bound
-    (`utils.KernelLauncher.bind`)."""
+    this launch. An eager in-place forward over long rows on Hopper runs
+    `cross_entropy_hopper`'s kernel (one read of each row instead of two). Returns the launch
+    again for tensors of the same layouts and facts: again(logits, labels, n_valid, loss_rows,
+    lse), the Triton kernel's bound (`utils.KernelLauncher.bind`)."""
+    counted = ignore_index is not None if counted is None else counted
     if write_grad and not is_traced(logits) and cross_entropy_hopper.usable(logits):
         cross_entropy_hopper.launch_cross_entropy_inplace_sm90(
             logits, labels, ignore_index, n_valid, loss_rows, normalize, counted
@@ -371,8 +371,8 @@ def launch_cross_entropy_fwd(
         *_strides_2level(logits), *_strides_2level(labels),
         n_rows, n_inner, n_cols, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, WRITE_GRAD=write_grad, NORMALIZE_GRAD=normalize,
-        COUNTED=ignore_index is not None if counted is None else counted,
-        SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        COUNTED=counted, SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -298,12 +298,11 @@ def _row_stride(logits: torch.Tensor) -> int | None:
 
 def launch_cross_entropy_inplace_sm90(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None,
-    n_valid: torch.Tensor, loss_rows: torch.Tensor, normalize: bool, counted: bool | None = None,
+    n_valid: torch.Tensor, loss_rows: torch.Tensor, normalize: bool, counted: bool,
 ) -> None:  # fmt: skip
     """The in-place forward of `cross_entropy.launch_cross_entropy_fwd` (write_grad) for
     logits (outer, inner, V) that `usable` takes; labels (outer, inner), loss_rows (outer *
-    inner,) fp32; n_valid (0-d fp32) already counted when `counted` (None: when ignore_index
-    is given)."""
+    inner,) fp32; n_valid (0-d fp32) already counted when `counted`."""
     n_outer, n_inner, n_cols = logits.shape
     n_rows = n_outer * n_inner
     if n_rows == 0:
@@ -318,6 +317,6 @@ def launch_cross_entropy_inplace_sm90(
         n_rows, n_inner, n_cols, stride, labels.stride(0), labels.stride(1),
         0 if ignore_index is None else ignore_index, total_box_rows,
         HAS_IGNORE=ignore_index is not None, NORMALIZE_GRAD=normalize,
-        COUNTED=ignore_index is not None if counted is None else counted, BOX=box,
+        COUNTED=counted, BOX=box,
         N_BOXES=n_boxes, num_warps=NUM_WARPS,
     )  # fmt: skip

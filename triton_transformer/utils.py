@@ -291,11 +291,11 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     grad, ...) are active and, when not, unwraps the functorch wrappers of tensors that
     outlived their transform ("dead" wrappers) from the arguments: 2.8 µs per call on the
     CPU host (8.5 against 5.7 µs for an empty Function), a tenth of a plan's forward on the
-    H200's. The returned function makes the C++
-    call itself while no transform is active, else defers to `function.apply` (always, for a
-    function that defines setup_context). It skips the dead-wrapper pass: a plan is only
-    found for tensors with storage (`eager_plan_key` reads data_ptr, which a functorch
-    wrapper has not), so a wrapper never reaches a plan."""
+    H200's. The returned function makes the C++ call itself while no transform is active,
+    else defers to `function.apply` (always, for a function that defines setup_context). It
+    skips the dead-wrapper pass: a plan is only found for tensors with storage
+    (`eager_plan_key` reads data_ptr, which a functorch wrapper has not), so a wrapper never
+    reaches a plan."""
     if function.setup_context is not torch.autograd.Function.setup_context:
         return function.apply  # (its prologue binds the defaults setup_context sees)
     c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
