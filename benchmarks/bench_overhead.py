@@ -17,6 +17,7 @@ Run it against two checkouts to compare before/after, and with --torch for PyTor
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -52,6 +53,11 @@ def cases(ops, use_triton: bool = True) -> dict:
     qkv = torch.randn(2, 32, 3 * 8 * 64, device=dev, dtype=dt, requires_grad=True)
     logits = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
     labels = torch.randint(0, 256, (64,), device=dev)
+    # the model's embedding: fp32 tables, 2 x 32 token ids of 256, learned positions
+    ids = torch.randint(0, 256, (2, 32), device=dev)
+    w_emb = torch.randn(256, 512, device=dev, requires_grad=True)
+    pos_emb = torch.randn(512, 512, device=dev, requires_grad=True)
+    w_head = torch.randn(256, 512, device=dev, dtype=dt, requires_grad=True)
     return {
         # PyTorch's own: F.layer_norm with a weight in x's dtype (the PyTorch branch of ours,
         # which the 29th-39th sessions timed, casts x to the fp32 weight's dtype and back)
@@ -93,6 +99,19 @@ def cases(ops, use_triton: bool = True) -> dict:
             else (lambda: F.cross_entropy(logits, labels))
         ),
         "dropout": lambda: ops.dropout(x, 0.1, use_triton=use_triton),
+        # (PyTorch: F.embedding and the positions' add; ours checks its ids by default)
+        "embedding": (
+            (lambda: ops.embedding(ids, w_emb, pos_emb, use_triton=True))
+            if use_triton
+            else (lambda: F.embedding(ids, w_emb) + pos_emb[:32])
+        ),
+        # the output projection and the loss (PyTorch: F.linear, then F.cross_entropy of the
+        # logits in fp32; ours checks its labels by default)
+        "linear_cross_entropy": (
+            (lambda: ops.linear_cross_entropy(x, w_head, labels, use_triton=True))
+            if use_triton
+            else (lambda: F.cross_entropy(F.linear(x, w_head).float(), labels))
+        ),
         "attention causal": lambda: ops.attention(q, q, q, causal=True, use_triton=use_triton),
         # the model's: q, k, v read from one (b, n, 3·h·d) projection, d(qkv) written whole
         "attention_packed causal": lambda: ops.attention_packed(
@@ -104,6 +123,31 @@ def cases(ops, use_triton: bool = True) -> dict:
         # q and k of (2, 8, 32, 64), both rotated (PyTorch: our reference, composed in fp32)
         "rope": lambda: ops.rope(q, k, use_triton=use_triton),
     }
+
+
+def ops_of(package: str) -> type:
+    """The public op functions `cases` calls, from `package`'s modules (the project's, or
+    another checkout's imported under another name: `probe_host_ab.py`)."""
+    mods = {m: importlib.import_module(f"{package}.{m}") for m in (
+        "attention", "bmm", "cross_entropy", "dropout", "embedding", "layernorm",
+        "linear_cross_entropy", "mlp", "residual_layernorm", "rmsnorm", "rope", "softmax",
+    )}  # fmt: skip
+
+    class ops:
+        layernorm, softmax = mods["layernorm"].layernorm, mods["softmax"].softmax
+        rmsnorm = mods["rmsnorm"].rmsnorm
+        residual_rmsnorm = mods["rmsnorm"].residual_rmsnorm
+        residual_layernorm = mods["residual_layernorm"].residual_layernorm
+        linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
+        cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
+        attention = mods["attention"].attention
+        attention_packed = mods["attention"].attention_packed
+        relu2_mlp = mods["mlp"].relu2_mlp
+        rope = mods["rope"].rope
+        embedding = mods["embedding"].embedding
+        linear_cross_entropy = mods["linear_cross_entropy"].linear_cross_entropy
+
+    return ops
 
 
 def liger_cases() -> dict:
@@ -163,27 +207,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    import triton_transformer.attention as attention_mod
-    import triton_transformer.bmm as bmm_mod
-    import triton_transformer.cross_entropy as ce_mod
-    import triton_transformer.dropout as dropout_mod
-    import triton_transformer.layernorm as ln_mod
-    import triton_transformer.mlp as mlp_mod
-    import triton_transformer.residual_layernorm as rln_mod
-    import triton_transformer.rmsnorm as rmsnorm_mod
-    import triton_transformer.rope as rope_mod
-    import triton_transformer.softmax as softmax_mod
-
-    class ops:
-        layernorm, softmax = ln_mod.layernorm, softmax_mod.softmax
-        rmsnorm = rmsnorm_mod.rmsnorm
-        residual_rmsnorm = rmsnorm_mod.residual_rmsnorm
-        residual_layernorm = rln_mod.residual_layernorm
-        linear, bmm = bmm_mod.linear, bmm_mod.bmm
-        cross_entropy, dropout = ce_mod.cross_entropy, dropout_mod.dropout
-        attention, attention_packed = attention_mod.attention, attention_mod.attention_packed
-        relu2_mlp = mlp_mod.relu2_mlp
-        rope = rope_mod.rope
+    ops = ops_of("triton_transformer")
 
     if args.no_gluon:
         import triton_transformer.attention_hopper as attention_hopper
@@ -221,7 +245,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"overhead_{args.label}.json").write_text(
-        json.dumps({"package": ln_mod.__file__, "rows": rows}, indent=1)
+        json.dumps(
+            {"package": importlib.import_module(ops.layernorm.__module__).__file__, "rows": rows},
+            indent=1,
+        )
     )
 
 

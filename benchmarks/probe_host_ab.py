@@ -18,7 +18,6 @@ PyTorch's own op in the same rounds.
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import statistics
@@ -51,24 +50,7 @@ def import_other(other: Path) -> str:
 
 def op_calls(package: str, use_triton: bool = True) -> dict:
     """The calls of `bench_overhead.cases` through `package`'s modules."""
-    mods = {m: importlib.import_module(f"{package}.{m}") for m in (
-        "attention", "bmm", "cross_entropy", "dropout", "layernorm", "mlp",
-        "residual_layernorm", "rmsnorm", "rope", "softmax",
-    )}  # fmt: skip
-
-    class ops:
-        layernorm, softmax = mods["layernorm"].layernorm, mods["softmax"].softmax
-        rmsnorm = mods["rmsnorm"].rmsnorm
-        residual_rmsnorm = mods["rmsnorm"].residual_rmsnorm
-        residual_layernorm = mods["residual_layernorm"].residual_layernorm
-        linear, bmm = mods["bmm"].linear, mods["bmm"].bmm
-        cross_entropy, dropout = mods["cross_entropy"].cross_entropy, mods["dropout"].dropout
-        attention = mods["attention"].attention
-        attention_packed = mods["attention"].attention_packed
-        relu2_mlp = mods["mlp"].relu2_mlp
-        rope = mods["rope"].rope
-
-    return bench_overhead.cases(ops, use_triton=use_triton)
+    return bench_overhead.cases(bench_overhead.ops_of(package), use_triton=use_triton)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import check_launches_bound_per_shape, compile_trace_check
 
+from triton_transformer.checks import raise_pending
 from triton_transformer.cross_entropy import (
     BWD_MAX_BLOCK,
     FWD_MAX_BLOCK,
@@ -265,9 +266,11 @@ def test_out_of_range_label_triton(bad, device):
         )
         assert torch.isnan(loss)
         assert torch.isnan(grad[2]).all() and torch.isfinite(grad[[0, 1, 3]]).all()
-    # The default checks on the host; so does the debug path (anomaly detection).
+    # The default checks (on a GPU without a sync: the error comes later); so does the debug
+    # path (anomaly detection), first, from the call itself.
     with pytest.raises(ValueError, match="found label"):
         cross_entropy(logits, labels, ignore_index=-100, use_triton=True)
+        raise_pending()
     with torch.autograd.set_detect_anomaly(True), pytest.raises(ValueError, match="found label"):
         cross_entropy(logits, labels, ignore_index=-100, use_triton=True, check_labels=False)
 
@@ -662,10 +665,12 @@ def test_eager_plan_keeps_the_checks(device):
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_label_check_after_the_kernels(inplace, monkeypatch, device):
-    # The default check of an eager Triton call reads the loss after the kernels and checks
-    # the labels only when it is NaN (`check_labels_after`): a bad label raises, without or
-    # with autograd recording; NaN logits with good labels return their NaN loss; good labels
-    # run no check. (The in-place mode with autograd recording checks first instead.)
+    # The default check of an eager Triton call takes the loss as its verdict, after the
+    # kernels (`check_labels_after`), and checks the labels only when it is NaN: a bad label
+    # raises, without or with autograd recording (on a GPU from `checks.raise_pending`, or
+    # the next checked call; in the interpreter from the call itself); NaN logits with good
+    # labels return their NaN loss; good labels run no check. (The in-place mode with
+    # autograd recording checks first instead.)
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)
     bad = labels.clone()
@@ -673,21 +678,24 @@ def test_label_check_after_the_kernels(inplace, monkeypatch, device):
     for requires_grad in (False, True):
         leaf = logits.clone().requires_grad_(requires_grad)
         with pytest.raises(ValueError, match="found label 37"):
-            cross_entropy(leaf, bad, use_triton=True, inplace_backward=inplace)
+            loss = cross_entropy(leaf, bad, use_triton=True, inplace_backward=inplace)
+            assert torch.isnan(loss)  # what a deferred check returns meanwhile
+            raise_pending()
     nan = logits.clone()
     nan[2, 5] = float("nan")
     assert torch.isnan(cross_entropy(nan.requires_grad_(), labels, use_triton=True,
                                      inplace_backward=inplace))  # fmt: skip
+    raise_pending()  # (nothing: the labels are good)
     checks = []
-    original = ce_mod._check_labels_in_range
-    monkeypatch.setattr(
-        ce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
-    )
+    original = ce_mod._label_error
+    monkeypatch.setattr(ce_mod, "_label_error", lambda *a: checks.append(a) or original(*a))
     leaf = logits.clone().requires_grad_()
     cross_entropy(leaf, labels, use_triton=True, inplace_backward=inplace)
+    raise_pending()
     assert len(checks) == (1 if inplace else 0)
     with pytest.raises(ValueError, match="found label 37"):
         cross_entropy(logits.clone(), bad, use_triton=True, inplace_backward=inplace)
+        raise_pending()
     assert len(checks) == (2 if inplace else 1)
 
 

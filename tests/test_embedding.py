@@ -14,7 +14,9 @@ from helpers import deterministic_algorithms
 from test_bmm import _opcheck_tests
 
 import triton_transformer.embedding as embedding_module
+from triton_transformer.checks import raise_pending
 from triton_transformer.embedding import ONE_HOT_MAX_VOCAB, embedding, embedding_backward_op
+from triton_transformer.utils import call_op
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 LARGE_VOCAB = ONE_HOT_MAX_VOCAB + 76  # the scatter backward's range
@@ -123,15 +125,15 @@ def test_deterministic(device):
 
 
 def _spy_ops(monkeypatch) -> list:
-    """Record (op, scatter) for every op `embedding` and its backward call."""
+    """Record `scatter` of every backward launched (eager plans and registered ops alike)."""
     calls = []
 
-    def spy(op, *args):
-        calls.append((op, args[-1]))
-        return call_op(op, *args)
+    def spy(*args, **kwargs):
+        calls.append(args[6])
+        return backward(*args, **kwargs)
 
-    call_op = embedding_module.call_op
-    monkeypatch.setattr(embedding_module, "call_op", spy)
+    backward = embedding_module._backward
+    monkeypatch.setattr(embedding_module, "_backward", spy)
     return calls
 
 
@@ -151,10 +153,7 @@ def test_large_vocab_scatter_matches_float64_reference(
     # ids (plus the last row) so that several tokens, of several tiles, add into one row
     calls = _spy_ops(monkeypatch)
     _check(b, n, LARGE_VOCAB, dim, max_len, start, dtype, device, with_pos, n_distinct=5)
-    assert calls == [
-        (embedding_module.embedding_op, True),
-        (embedding_module.embedding_backward_op, True),
-    ]
+    assert calls == [True]
 
 
 def test_large_vocab_int32_ids(device, monkeypatch):
@@ -162,7 +161,7 @@ def test_large_vocab_int32_ids(device, monkeypatch):
     # past 2**31 itself needs a GPU-sized table: the GPT-2 shape's GPU test)
     calls = _spy_ops(monkeypatch)
     _check(2, 9, 2000, 40, 9, 0, torch.float32, device, id_dtype=torch.int32)
-    assert [scatter for _, scatter in calls] == [True, True]
+    assert calls == [True]
 
 
 @pytest.mark.parametrize("scatter", [False, True])
@@ -198,7 +197,7 @@ def test_small_vocab_deterministic_keeps_triton_path(device, monkeypatch):
     calls = _spy_ops(monkeypatch)
     with deterministic_algorithms(True):
         _check(2, 13, 40, 32, 20, 3, torch.float32, device)
-    assert [scatter for _, scatter in calls] == [False, False]
+    assert calls == [False]
 
 
 @pytest.mark.parametrize(
@@ -258,8 +257,9 @@ def test_out_of_range_ids_raise(bad_id, use_triton, device):
     w, p = _tables(10, 8, 6, torch.float32, device)
     ids = torch.randint(0, 10, (2, 5), device=device)
     ids[1, 3] = bad_id
-    with pytest.raises(IndexError, match=rf"\[0, 10\).*found id {bad_id}$"):
+    with pytest.raises(IndexError, match=rf"\[0, 10\).*found id {bad_id}"):
         embedding(ids, w, p, use_triton=use_triton)
+        raise_pending()  # (a GPU's eager Triton call: no sync, the error comes later)
 
 
 def test_reference_raises_without_the_check():
@@ -299,3 +299,53 @@ def test_double_backward_raises(table, device, assert_first_order_only):
         assert_first_order_only(lambda w: embedding(ids, w, p, use_triton=True), w, "embedding")
     else:
         assert_first_order_only(lambda p: embedding(ids, w, p, use_triton=True), p, "embedding")
+
+
+@pytest.mark.parametrize("n_vocab", [10, LARGE_VOCAB], ids=["one_hot", "scatter"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_eager_plan_matches_the_registered_ops(with_pos, dtype, n_vocab, device):
+    # Eager calls of one layout share a plan whose launches are bound on its first call,
+    # start and the check's stamp passed per call: outputs and gradients equal the registered
+    # ops' (bit for bit, but for the scatter's atomics on a GPU), for several starts, a
+    # strided upstream gradient, int32 ids, with and without autograd recording.
+    w, p = _tables(n_vocab, 40, 24, dtype, device)
+    pos = p if with_pos else None
+    ids = torch.randint(0, n_vocab, (2, 9), device=device, dtype=torch.int32)
+    scatter = n_vocab > ONE_HOT_MAX_VOCAB
+    exact = 0 if device == "cpu" or not scatter else 1e-5
+    for start in (0, 5, 15):
+        for strided in (False, True):
+            g = 0.5 + torch.randn(2, 9, 80 if strided else 40, device=device, dtype=dtype)
+            g = g[..., ::2] if strided else g
+            h = embedding(ids, w, pos, start, use_triton=True)
+            grads = torch.autograd.grad(h, (w, p) if with_pos else (w,), g)
+            ref = call_op(embedding_module.embedding_op, ids, w, pos, start, scatter)
+            dw, dp = call_op(
+                embedding_module.embedding_backward_op,
+                g, ids, n_vocab, 24 if with_pos else 0, start, dtype, scatter,
+            )  # fmt: skip
+            assert torch.equal(h, ref)
+            torch.testing.assert_close(grads[0], dw, rtol=exact, atol=exact)
+            if with_pos:
+                torch.testing.assert_close(grads[1], dp, rtol=exact, atol=exact)
+        with torch.no_grad():
+            assert torch.equal(embedding(ids, w, pos, start, use_triton=True), h)
+    plans = [v for v in embedding_module._EAGER_PLANS.plans.values() if v]
+    assert len(plans) == 1 and len(plans[0].bwd) == 2  # one per upstream layout
+
+
+def test_eager_plan_checks_and_unchecked_calls_apart(device):
+    # check_ids is part of a plan's key: an unchecked call of a layout a checked call planned
+    # launches without the flag (NaN rows, no error), and the checked plan still raises.
+    w, p = _tables(10, 8, 6, torch.float32, device)
+    ids = torch.randint(0, 10, (2, 5), device=device)
+    embedding(ids, w, p, use_triton=True)
+    bad = ids.clone()
+    bad[0, 1] = 12
+    assert torch.isnan(embedding(bad, w, p, use_triton=True, check_ids=False)[0, 1]).all()
+    raise_pending()
+    with pytest.raises(IndexError, match="found id 12"):
+        embedding(bad, w, p, use_triton=True)
+        raise_pending()
+    assert len(embedding_module._EAGER_PLANS.plans) == 2

@@ -18,6 +18,7 @@ from torch import nn
 
 from triton_transformer import AutoregressiveWrapper, Transformer
 from triton_transformer.bmm import linear
+from triton_transformer.checks import raise_pending
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.linear_cross_entropy import (
     default_chunk_rows,
@@ -222,6 +223,7 @@ def test_bad_label_gives_nan_without_check(device):
     labels[3] = 37
     with pytest.raises(ValueError, match="labels must lie in"):
         linear_cross_entropy(x, w, labels, use_triton=True)
+        raise_pending()  # (a GPU's check: no sync, the error comes later)
     loss = linear_cross_entropy(x, w, labels, use_triton=True, check_labels=False, chunk_rows=4)
     assert torch.isnan(loss)
 
@@ -229,24 +231,25 @@ def test_bad_label_gives_nan_without_check(device):
 @pytest.mark.parametrize("ignore_index", [-100, None])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_label_check_after_the_kernels(ignore_index, requires_grad, monkeypatch, device):
-    # The default check reads the loss after the kernels, a bad label making it NaN
-    # (`cross_entropy.check_labels_after`), and checks nothing more for good labels; with or
-    # without ignore_index, so that a label of -2**31 (once the kernels' stand-in for "no
-    # ignore_index") raises too.
+    # The default check takes the loss as its verdict after the kernels, a bad label making
+    # it NaN (`cross_entropy.check_labels_after`; on a GPU read without a sync, raised by
+    # `checks.raise_pending` or the next checked call), and checks nothing more for good
+    # labels; with or without ignore_index, so that a label of -2**31 (once the kernels'
+    # stand-in for "no ignore_index") raises too.
     checks = []
     ce_mod = importlib.import_module("triton_transformer.cross_entropy")
-    original = ce_mod._check_labels_in_range
-    monkeypatch.setattr(
-        ce_mod, "_check_labels_in_range", lambda *a: checks.append(a) or original(*a)
-    )
+    original = ce_mod._label_error
+    monkeypatch.setattr(ce_mod, "_label_error", lambda *a: checks.append(a) or original(*a))
     x, w, labels = make_inputs(10, 16, 37, device=device, ignore_index=ignore_index)
     x.requires_grad_(requires_grad)
     linear_cross_entropy(x, w, labels, ignore_index, use_triton=True, chunk_rows=4)
+    raise_pending()
     assert not checks
     for bad in (37, -1, -(2**31)):
         labels[3] = bad
         with pytest.raises(ValueError, match=f"found label {bad}"):
             linear_cross_entropy(x, w, labels, ignore_index, use_triton=True, chunk_rows=4)
+            raise_pending()
     assert len(checks) == 3
 
 
@@ -325,11 +328,8 @@ def test_bf16_weight_gradient_from_one_product(device, monkeypatch):
     with pytest.raises(ValueError, match="one chunk"):  # chunks would accumulate in bf16
         linear_cross_entropy_op(x, w, labels, -100, 16, True, True, True)
     seen = []
-    impl = lce_mod._linear_cross_entropy_impl
-    monkeypatch.setattr(
-        lce_mod, "_linear_cross_entropy_impl", lambda *a: seen.append(a[-1]) or impl(*a)
-    )
-    monkeypatch.setattr(lce_mod, "_forward_op", lambda *a: lce_mod._linear_cross_entropy_impl)
+    chunks = lce_mod._forward_chunks  # dw_in_x_dtype is its 9th argument
+    monkeypatch.setattr(lce_mod, "_forward_chunks", lambda *a: seen.append(a[8]) or chunks(*a))
     for chunk_rows, want in ((None, True), (40, True), (16, False)):
         run(x, w, labels, -100, chunk_rows=chunk_rows)
         assert seen.pop() is want, chunk_rows
@@ -744,3 +744,59 @@ def test_gpu_compiles_without_graph_breaks(device):
     assert abs(loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
     assert rel_err(w.grad, ref_dw) <= 1e-4
     assert rel_err(h.grad, ref_dh * h.detach().cos().double()) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+@pytest.mark.parametrize("check_labels", [True, False])
+def test_eager_plan_matches_the_registered_op(check_labels, chunk_rows, dtype, device, monkeypatch):
+    # An eager call binds its chunks' kernels and products once per layout (`_Launches`,
+    # the label check's verdict written by the mean's kernel where it checks); later calls
+    # reuse them. Loss and gradients equal the registered op's bit for bit (the same
+    # kernels), one chunk or three (the last one shorter), with and without autograd.
+    checked = []
+    check_pair = lce_mod._check_pair
+    monkeypatch.setattr(
+        lce_mod, "_check_pair", lambda *a, **k: checked.append(1) or check_pair(*a, **k)
+    )
+    x, w, labels = make_inputs(10, 16, 37, dtype, device, ignore_index=-100)
+    rows = chunk_rows or 10
+    ref_loss, ref_dx, ref_dw, _ = linear_cross_entropy_op(
+        x, w, labels, -100, rows, True, True, dtype == torch.bfloat16 and rows == 10
+    )
+    for _ in range(2):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        kwargs = dict(use_triton=True, chunk_rows=chunk_rows, check_labels=check_labels)
+        loss = linear_cross_entropy(xs, ws, labels, -100, **kwargs)
+        loss.backward()
+        assert torch.equal(loss, ref_loss) and torch.equal(xs.grad, ref_dx)
+        assert torch.equal(ws.grad, ref_dw.to(dtype))
+        with torch.no_grad():
+            again = linear_cross_entropy(x, w, labels, -100, **kwargs)
+        assert torch.equal(again, ref_loss)
+    plans = list(lce_mod._EAGER_PLANS.plans.values())
+    assert len(plans) == 2  # with gradients and without
+    n_chunks = 3 if chunk_rows else 1  # + the count and the mean; + dx's and dW's scale
+    assert sorted(len(p.kernels) for p in plans) == [2 + n_chunks, 4 + n_chunks]
+    # the second call of each layout (with and without autograd) skipped the checks
+    assert len(checked) == 2 and len(lce_mod._PLANNED_CALLS.plans) == 2
+
+
+def test_planned_calls_keep_the_checks(device):
+    # A planned call is keyed by every fact the checks read: another dtype, shape, gradient
+    # request or ignore_index is checked (and planned) afresh, and bad labels still raise.
+    x, w, labels = make_inputs(10, 16, 37, torch.float32, device, ignore_index=-100)
+    for _ in range(2):
+        linear_cross_entropy(x, w, labels, -100, use_triton=True)
+    with pytest.raises(TypeError, match="same dtype"):
+        linear_cross_entropy(x, w.double(), labels, -100, use_triton=True)
+    with pytest.raises(ValueError, match="labels shape"):
+        linear_cross_entropy(x, w, labels[:9], -100, use_triton=True)
+    bad = labels.clone()
+    bad[4] = 37
+    with pytest.raises(ValueError, match="found label 37"):
+        linear_cross_entropy(x, w, bad, -100, use_triton=True)
+        raise_pending()
+    loss = linear_cross_entropy(x.requires_grad_(), w, labels.clamp(min=0), None, use_triton=True)
+    loss.backward()
+    assert x.grad is not None and len(lce_mod._PLANNED_CALLS.plans) == 2

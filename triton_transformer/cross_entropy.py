@@ -27,14 +27,17 @@ Two modes:
   (the buffer is scaled in place; `retain_graph` reuse raises).
 
 Labels. A label outside [0, V) that is not `ignore_index` is an error. With
-`check_labels=True` (the default, for library users) a call raises a clear error for one, at
-the cost of one sync, and refuses CUDA stream capture. The Triton kernels make a bad label's
-row loss and gradient NaN, so an eager Triton call checks after its kernels: it reads the loss
-and runs the label check only when that is NaN (`check_labels_after`; no launch of its own
-otherwise). The reference checks first (F.cross_entropy would stop at a device-side assert),
-and so do traced calls and the in-place mode (whose kernel would overwrite the logits).
-With `check_labels=False` (inside a training step) nothing syncs and a bad label gives a NaN
-loss. `torch.autograd.set_detect_anomaly(True)` turns the check back on.
+`check_labels=True` (the default, for library users) a call raises a clear error for one and
+refuses CUDA stream capture. The Triton kernels make a bad label's row loss and gradient NaN,
+so an eager Triton call on a GPU checks after its kernels without waiting for them
+(`check_labels_after`, `triton_transformer.checks`): its loss is copied to pinned memory
+without blocking, and a later checked call (or `checks.raise_pending()`) that finds it NaN
+checks the labels and raises; the loss itself is NaN meanwhile. On the CPU (the interpreter)
+the call itself raises. The reference checks first, with a sync (F.cross_entropy would stop at
+a device-side assert), and so do traced calls, the in-place mode (whose kernel would overwrite
+the logits) and anomaly-detection mode (`torch.autograd.set_detect_anomaly(True)`, which also
+turns the check on where check_labels=False). With `check_labels=False` (inside a training
+step) nothing is checked and a bad label gives a NaN loss.
 
 All positions ignored (or no positions at all): the loss is 0 and its gradient is 0 (torch's
 mean reduction would give NaN = 0/0).
@@ -53,7 +56,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from triton_transformer import cross_entropy_hopper
+from triton_transformer import checks, cross_entropy_hopper
 from triton_transformer._jit_helpers import (
     lse_from_stats,
     online_lse_update,
@@ -65,6 +68,7 @@ from triton_transformer.utils import (
     cdiv,
     check_not_capturing,
     check_triton_tensor,
+    default,
     eager_apply,
     empty_scalar,
     first_order_only,
@@ -259,13 +263,15 @@ def _cross_entropy_bwd_scale_kernel(
 
 @triton.jit
 def _cross_entropy_fwd_reduce_kernel(
-    LOSS_ROWS, LABELS, N_VALID, LOSS, stride_labels_outer, stride_labels_inner,
+    LOSS_ROWS, LABELS, N_VALID, LOSS, VERDICT, stride_labels_outer, stride_labels_inner,
     n_rows, n_inner, ignore_index,
-    HAS_IGNORE: tl.constexpr, SUM_LOSS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_IGNORE: tl.constexpr, SUM_LOSS: tl.constexpr, COUNT: tl.constexpr,
+    HAS_VERDICT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program. COUNT: N_VALID = number of non-ignored rows. SUM_LOSS: LOSS = sum of
-    LOSS_ROWS / max(n_valid, 1), n_valid counted here or read from N_VALID. Lane-wise partial
-    sums in a fixed order, then a tree: deterministic."""
+    LOSS_ROWS / max(n_valid, 1), n_valid counted here or read from N_VALID, and (HAS_VERDICT)
+    the same into VERDICT, a label check's slot (`checks.reserve`; NaN for a bad label).
+    Lane-wise partial sums in a fixed order, then a tree: deterministic."""
     total = tl.zeros([BLOCK], tl.float32)
     count = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_rows, BLOCK):
@@ -284,7 +290,10 @@ def _cross_entropy_fwd_reduce_kernel(
     else:
         n_valid = tl.load(N_VALID)
     if SUM_LOSS:
-        tl.store(LOSS, tl.sum(total, axis=0) / tl.maximum(n_valid, 1.0))
+        loss = tl.sum(total, axis=0) / tl.maximum(n_valid, 1.0)
+        tl.store(LOSS, loss)
+        if HAS_VERDICT:
+            tl.store(VERDICT, loss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,24 +386,28 @@ def launch_cross_entropy_fwd(
 
 
 def launch_cross_entropy_fwd_reduce(
-    loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count
+    loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count, verdict=None
 ):
     """One program: n_valid = the labels not ignored (count), loss = the mean of loss_rows
-    over them (sum_loss). Returns the launch bound for tensors of the same layouts and facts:
-    again(loss_rows, labels, n_valid, loss)."""
+    over them (sum_loss), also written into `verdict` where given (a label check's slot,
+    `checks.reserve`). Returns the launch bound for tensors of the same layouts and facts:
+    again(loss_rows, labels, n_valid, loss, verdict or loss)."""
     n_outer, n_inner = labels.shape
     return launcher(_cross_entropy_fwd_reduce_kernel).bind(
-        (1,), loss_rows, labels, n_valid, loss, *_strides_2level(labels),
+        (1,), loss_rows, labels, n_valid, loss, default(verdict, loss), *_strides_2level(labels),
         n_outer * n_inner, n_inner, 0 if ignore_index is None else ignore_index,
         HAS_IGNORE=ignore_index is not None, SUM_LOSS=sum_loss, COUNT=count,
-        BLOCK=MAX_REDUCE_BLOCK, num_warps=8,
+        HAS_VERDICT=verdict is not None, BLOCK=MAX_REDUCE_BLOCK, num_warps=8,
     )  # fmt: skip
 
 
-def _forward_launches(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None):
-    """Run the forward's two launches (per-row losses and log-sum-exps, then the mean) into
-    fresh outputs and bind them: ((loss, lse, n_valid), again), again(logits, labels) running
-    them again for new tensors of the same layouts into fresh outputs."""
+def _forward_launches(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None, verdict=None
+):
+    """Run the forward's two launches (per-row losses and log-sum-exps, then the mean, also
+    into `verdict` where given) into fresh outputs and bind them: ((loss, lse, n_valid),
+    again), again(logits, labels, verdict) running them again for new tensors of the same
+    layouts into fresh outputs (a verdict slot where this call had one, else None)."""
     n_rows = logits.shape[0] * logits.shape[1]
 
     def outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -407,13 +420,13 @@ def _forward_launches(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
         logits, labels, ignore_index, n_valid, loss_rows, lse, False, False
     )
     mean = launch_cross_entropy_fwd_reduce(
-        loss_rows, labels, ignore_index, n_valid, loss, True, True
+        loss_rows, labels, ignore_index, n_valid, loss, True, True, verdict
     )
 
-    def again(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def again(logits, labels, verdict) -> tuple[torch.Tensor, ...]:
         loss_rows, lse, n_valid, loss = outputs(logits.device)
         rows(logits, labels, n_valid, loss_rows, lse)
-        mean(loss_rows, labels, n_valid, loss)
+        mean(loss_rows, labels, n_valid, loss, default(verdict, loss))
         return loss, lse, n_valid
 
     return (loss, lse, n_valid), again
@@ -450,7 +463,7 @@ def cross_entropy_op(
         key = ("fwd", *layout_key(logits, labels), ignore_index, logits.device, *_switches())
         plan = _PLANS.get(key)
         if plan is not None:
-            return plan(logits, labels)
+            return plan(logits, labels, None)
     out, plan = _forward_launches(logits, labels, ignore_index)
     if key is not None:
         _PLANS.put(key, plan)
@@ -606,7 +619,7 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
 class _EagerPlan:
     """The launches of eager cross_entropy calls of one layout: at least one position, V > 0,
     logits and labels that `_as_rows_3d` views without a copy (what `_eager_plan` admits).
-    `fwd` and the `bwd` entries are the bound launches a plan's first call makes."""
+    The `fwd` and `bwd` entries are the bound launches a plan's first calls make."""
 
     __slots__ = ("bwd", "fwd", "ignore_index", "labels_shape", "logits_shape", "rows_shape")
 
@@ -615,18 +628,22 @@ class _EagerPlan:
         self.logits_shape = logits.shape
         self.rows_shape, self.labels_shape = logits3.shape, labels2.shape
         self.ignore_index = ignore_index
-        self.fwd: Callable[..., tuple] | None = None
+        self.fwd: dict[bool, Callable[..., tuple]] = {}  # by whether a verdict is written
         self.bwd: dict[tuple, Callable[..., None]] = {}
 
     def views(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """logits (outer, inner, V) and labels (outer, inner): `_as_rows_3d`'s views."""
         return logits.view(self.rows_shape), labels.view(self.labels_shape)
 
-    def forward(self, logits3: torch.Tensor, labels2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(loss, lse, n_valid), as `cross_entropy_op` returns them."""
-        if self.fwd is not None:
-            return self.fwd(logits3, labels2)
-        out, self.fwd = _forward_launches(logits3, labels2, self.ignore_index)
+    def forward(self, logits3, labels2, verdict) -> tuple[torch.Tensor, ...]:
+        """(loss, lse, n_valid), as `cross_entropy_op` returns them; the loss also into
+        `verdict` (a label check's slot, `checks.reserve`) where given."""
+        fwd = self.fwd.get(verdict is not None)
+        if fwd is not None:
+            return fwd(logits3, labels2, verdict)
+        out, self.fwd[verdict is not None] = _forward_launches(
+            logits3, labels2, self.ignore_index, verdict
+        )
         return out
 
     def backward(self, dloss, logits3, labels2, lse, n_valid) -> torch.Tensor:
@@ -668,9 +685,9 @@ class _EagerCrossEntropy(torch.autograd.Function):
     """`cross_entropy_op` and its registered backward for an eager call of a planned layout."""
 
     @staticmethod
-    def forward(ctx, logits, labels, plan):
+    def forward(ctx, logits, labels, plan, verdict):
         logits3, labels2 = plan.views(logits, labels)
-        loss, lse, n_valid = plan.forward(logits3, labels2)
+        loss, lse, n_valid = plan.forward(logits3, labels2, verdict)
         ctx.save_for_backward(logits3, labels2, lse, n_valid)
         ctx.plan = plan
         return loss
@@ -680,7 +697,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss):
         logits3, labels2, lse, n_valid = ctx.saved_tensors
         dx = ctx.plan.backward(dloss, logits3, labels2, lse, n_valid)
-        return dx.view(ctx.plan.logits_shape), None, None
+        return dx.view(ctx.plan.logits_shape), None, None, None
 
 
 _apply_eager_cross_entropy = eager_apply(_EagerCrossEntropy)
@@ -694,47 +711,62 @@ _apply_eager_cross_entropy = eager_apply(_EagerCrossEntropy)
 _LABEL_CHECK = "cross_entropy's label range check (pass check_labels=False inside a captured step)"
 
 
+def _label_error(labels: torch.Tensor, V: int, ignore_index: int | None) -> ValueError | None:
+    """The error for the first label outside [0, V) that is not ignore_index, or None. Syncs
+    with a CUDA device."""
+    bad = (labels < 0) | (labels >= V)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if not bad.any():
+        return None
+    return ValueError(
+        f"labels must lie in [0, {V}) (the vocabulary size) or equal ignore_index="
+        f"{ignore_index}; found label {labels[bad][0].item()}"
+    )
+
+
 def _check_labels_in_range(labels: torch.Tensor, V: int, ignore_index: int | None) -> None:
     """Raise ValueError if a non-ignored label is outside [0, V). Syncs with a CUDA device, so
     it refuses to run during CUDA stream capture."""
     check_not_capturing(_LABEL_CHECK)
-    bad = (labels < 0) | (labels >= V)
-    if ignore_index is not None:
-        bad &= labels != ignore_index
-    if bad.any():
-        first = labels[bad][0].item()
-        raise ValueError(
-            f"labels must lie in [0, {V}) (the vocabulary size) or equal ignore_index="
-            f"{ignore_index}; found label {first}"
-        )
+    err = _label_error(labels, V, ignore_index)
+    if err is not None:
+        raise err
 
 
 def check_labels_after(
-    loss: torch.Tensor, labels: torch.Tensor, V: int, ignore_index: int | None
+    loss: torch.Tensor, labels: torch.Tensor, V: int, ignore_index: int | None, ticket=None
 ) -> None:
-    """The label check of an eager Triton call, made after its kernels ran (the caller has
-    refused stream capture before launching them). A bad label makes the kernels' loss NaN,
-    so one read of the loss (the call's one sync, no launch) clears the common case; only a
-    NaN loss runs `_check_labels_in_range`, which raises for a bad label (a NaN from the
-    logits themselves is returned as it is). Checking first would cost its five launches and
-    the same sync on every call."""
-    if math.isnan(loss.item()):
-        _check_labels_in_range(labels, V, ignore_index)
+    """The label check of an eager Triton call, after its kernels (the caller has refused
+    stream capture and polled earlier checks before launching them). A bad label makes the
+    kernels' loss NaN, so the loss is the verdict: written by the kernels into the slot of
+    `ticket` (`checks.reserve`), or else copied there (`checks.check_later`), it is read
+    once the GPU has written it, without a sync, and only a NaN loss checks the labels
+    (`_label_error`: a NaN from the logits themselves raises nothing). On the CPU it raises
+    now. Checking first would cost five launches and a sync on every call."""
+    error = functools.partial(_label_error, labels, V, ignore_index)
+    if ticket is None:
+        checks.check_later(loss, math.isnan, error)
+    else:
+        checks.defer(ticket, math.isnan, error)
 
 
 def check_labels_before(
     check_labels: bool, labels: torch.Tensor, V: int, ignore_index: int | None, after_ok: bool
 ) -> bool:
     """The label check a call asks for (check_labels, or anomaly detection in eager code),
-    before its kernels: the full check where it must come first, else only the refusal of
-    stream capture. after_ok: the call is an eager Triton one whose kernels make a bad
-    label's loss NaN. Returns whether the caller then runs `check_labels_after`."""
+    before its kernels: the full check where it must come first, else the refusal of stream
+    capture and a poll of earlier calls' deferred checks. after_ok: the call is an eager
+    Triton one whose kernels make a bad label's loss NaN. Returns whether the caller then
+    runs `check_labels_after`."""
     compiling = torch.compiler.is_compiling()
     # (Dynamo cannot trace is_anomaly_enabled(): a compiled caller gets the check it asks for)
-    if not (check_labels or (not compiling and torch.is_anomaly_enabled())):
+    anomaly = not compiling and torch.is_anomaly_enabled()
+    if not (check_labels or anomaly):
         return False
-    if after_ok and labels.numel() > 0 and not compiling:
+    if after_ok and labels.numel() > 0 and not (compiling or anomaly):
         check_not_capturing(_LABEL_CHECK)
+        checks.poll()
         return True
     _check_labels_in_range(labels, V, ignore_index)
     return False
@@ -814,10 +846,12 @@ def cross_entropy(
         ignore_index: label value whose positions are left out of the mean; None ignores
             nothing.
         use_triton: run the fused Triton kernels instead of the PyTorch reference.
-        check_labels: raise for a label out of range (one device sync: the Triton branch
-            reads its loss, checking the labels only when that is NaN, or, in place, checks
-            first; refused during CUDA stream capture). Pass False inside a training step:
-            the Triton branch then returns NaN for a bad label instead of raising.
+        check_labels: raise for a label out of range (refused during CUDA stream capture).
+            An eager Triton call on a GPU raises from a later checked call, or from
+            `triton_transformer.checks.raise_pending()`, without a sync (its loss is NaN
+            meanwhile; see the module docstring); the reference, the in-place mode and
+            anomaly-detection mode check first, with a sync. Pass False inside a training
+            step: the Triton branch then returns NaN for a bad label.
         inplace_backward: (Triton branch, when logits require grad) overwrite `logits` with
             the gradient during forward, so backward needs no logits-sized buffer. Use it only
             when nothing reads the logits afterwards (a model's loss path); one backward per
@@ -841,12 +875,13 @@ def cross_entropy(
         if plan is not None:
             V = logits.shape[-1]
             after = check_labels_before(check_labels, labels, V, ignore_index, True)
+            verdict, ticket = checks.reserve(logits.device) if after else (None, None)
             if records:
-                loss = _apply_eager_cross_entropy(logits, labels, plan)
+                loss = _apply_eager_cross_entropy(logits, labels, plan, verdict)
             else:
-                loss = plan.forward(*plan.views(logits, labels))[0]
+                loss = plan.forward(*plan.views(logits, labels), verdict)[0]
             if after:
-                check_labels_after(loss, labels, V, ignore_index)
+                check_labels_after(loss, labels, V, ignore_index, ticket)
             return loss
     _check_args(logits, labels, ignore_index, use_triton)
     # an eager Triton call checks after its kernels (`check_labels_after`); the reference

@@ -39,16 +39,20 @@ PyTorch's embedding (whose sort-based backward is deterministic) and a positiona
 
 Ids outside [0, V): `embedding(check_ids=True)` (the default) raises an IndexError for them
 in an eager call, as PyTorch's embedding does on the CPU (on CUDA it hits a device-side
-assert), after one host check of the ids (a device sync; refused during CUDA stream capture,
-skipped under torch.compile). Without the check (check_ids=False: the Transformer, which
-checks its inputs itself, or a captured / compiled step) the kernel writes a row of NaN for
-such an id, never a plausible zero row: the loss turns NaN, and the trainer's non-finite
-check (read off the hot path, once per step) stops the run. Such ids get no gradient.
+assert). An eager Triton call checks without a sync: its kernel flags a bad id on the
+device, and a later checked call raises (`triton_transformer.checks`; on the CPU, the call
+itself); other calls check the ids first, with a sync. The check is refused during CUDA
+stream capture and skipped under torch.compile. Without the check (check_ids=False: the
+Transformer, which checks its inputs itself, or a captured / compiled step) the kernel
+writes a row of NaN for such an id, never a plausible zero row: the loss turns NaN, and the
+trainer's non-finite check (read off the hot path, once per step) stops the run. Such ids
+get no gradient.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +60,20 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from triton_transformer import checks
 from triton_transformer.utils import (
+    LaunchPlans,
+    PerCall,
     as_rows,
     call_op,
     cdiv,
     check_not_capturing,
     check_triton_tensor,
     describe,
+    eager_apply,
     first_order_only,
     interpreter_enabled,
+    is_traced,
     launcher,
     sm_count,
     widened_for_interpreter,
@@ -76,20 +85,25 @@ __all__ = ["ONE_HOT_MAX_VOCAB", "embedding"]
 ONE_HOT_MAX_VOCAB = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start"])
 def _embedding_fwd_kernel(
-    IDS, WEIGHT, POS, H,
+    IDS, WEIGHT, POS, H, BAD, start,
     stride_weight, stride_pos, stride_h,
-    n_tokens, seq_len, start, n_vocab, dim,
-    HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    n_tokens, seq_len, n_vocab, dim,
+    HAS_POS: tl.constexpr, CHECK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """h[t] = W[ids[t]] + P[start + t % seq_len] for one (BLOCK_T, BLOCK_D) tile, in fp32."""
+    """h[t] = W[ids[t]] + P[start + t % seq_len] for one (BLOCK_T, BLOCK_D) tile, in fp32.
+    CHECK: a program of the first column tile that meets an id outside [0, n_vocab) writes
+    1 into the 0-d fp32 BAD, the id check's slot (`checks.reserve`, zeroed)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_in = offs_t < n_tokens
     tile_in = t_in[:, None] & (offs_d[None, :] < dim)
     ids = tl.load(IDS + offs_t, mask=t_in, other=0).to(tl.int64)
     known = (ids >= 0) & (ids < n_vocab)
+    if CHECK:
+        n_bad = tl.sum(tl.where(known | ~t_in, 0, 1), axis=0)
+        tl.store(BAD, 1.0, mask=(n_bad > 0) & (tl.program_id(1) == 0))
     h = tl.load(
         WEIGHT + ids[:, None] * stride_weight + offs_d[None, :],
         mask=tile_in & known[:, None], other=0.0,
@@ -145,11 +159,11 @@ def _embedding_bwd_partial_kernel(
     tl.store(out, acc, mask=(offs_v[:, None] < n_vocab) & d_in[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start"])
 def _embedding_bwd_reduce_kernel(
-    PARTIAL, DH, DWEIGHT, DPOS,
+    PARTIAL, DH, DWEIGHT, DPOS, start,
     stride_dh, stride_dweight, stride_dpos,
-    n_splits, batch, seq_len, start, n_vocab, n_pos, dim,
+    n_splits, batch, seq_len, n_vocab, n_pos, dim,
     HAS_VOCAB: tl.constexpr, HAS_POS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -245,6 +259,44 @@ def _n_splits(n_tokens: int, n_vocab: int, dim: int, device: torch.device) -> in
     return max(1, min(want, by_tokens, by_memory))
 
 
+def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
+    """`embedding_op`'s output, and (bind) a function of (ids, weight, pos_weight, start,
+    bad) that does the same for another call of these tensors' shapes, strides and facts.
+    bad: the id check's slot (`checks.reserve`), which the kernel sets to 1 for an id out of
+    range (None: no check; then also None in the bound function's calls)."""
+    b, n = ids.shape
+    n_vocab, dim = weight.shape
+    out_shape, dtype = (b, n, dim), weight.dtype
+    h = torch.empty(out_shape, device=weight.device, dtype=dtype)
+    if h.numel() == 0:
+        return h, (lambda *args: torch.empty(out_shape, device=args[1].device, dtype=dtype))
+    flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
+    has_pos = pos_weight is not None
+    weight = as_rows(weight)
+    pos = as_rows(pos_weight) if has_pos else weight
+    tile = _EMBEDDING_FWD_CONFIG
+    grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
+    sizes = (weight.stride(0), pos.stride(0), dim, b * n, n, n_vocab, dim)
+    flags = dict(HAS_POS=has_pos, CHECK=bad is not None, **tile)
+    flag = h if bad is None else bad  # (a placeholder without the check: never written)
+    if not bind:
+        launcher(_embedding_fwd_kernel)[grid](
+            flat_ids, weight, pos, h, flag, start, *sizes, **flags
+        )
+        return h, None
+    bound = launcher(_embedding_fwd_kernel).bind(
+        grid, flat_ids, weight, pos, h, flag, PerCall(start), *sizes, **flags
+    )
+
+    def launch(ids, weight, pos_weight, start, bad) -> torch.Tensor:
+        h = torch.empty(out_shape, device=weight.device, dtype=dtype)
+        bound(ids.reshape(-1).contiguous(), weight, pos_weight if has_pos else weight, h,
+              h if bad is None else bad, start)  # fmt: skip
+        return h
+
+    return h, launch
+
+
 @triton_op("triton_transformer::embedding", mutates_args=())
 def embedding_op(
     ids: torch.Tensor,
@@ -256,21 +308,103 @@ def embedding_op(
     """(b, n) ids, (V, D) weight, optional (max_len, D) pos_weight -> (b, n, D) in weight's
     dtype: weight[ids] + pos_weight[start : start + n]. scatter: the backward's dW by atomic
     scatter-add (not deterministic) instead of the one-hot product; the forward ignores it."""
-    b, n = ids.shape
-    n_vocab, dim = weight.shape
-    h = torch.empty((b, n, dim), device=weight.device, dtype=weight.dtype)
-    if h.numel() == 0:
-        return h
-    flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
-    weight = as_rows(weight)
-    pos = as_rows(pos_weight) if pos_weight is not None else weight
-    tile = _EMBEDDING_FWD_CONFIG
-    grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
-    launcher(_embedding_fwd_kernel)[grid](
-        flat_ids, weight, pos, h, weight.stride(0), pos.stride(0), dim,
-        b * n, n, start, n_vocab, dim, HAS_POS=pos_weight is not None, **tile,
-    )  # fmt: skip
-    return h
+    return _forward(ids, weight, pos_weight, start)[0]
+
+
+def _backward(dh, ids, n_vocab: int, n_pos: int, start: int, weight_dtype, scatter, bind=False):
+    """`embedding_backward_op`'s (dW, dP), and (bind) a function of (dh, ids, start) that
+    does the same for another call of these tensors' shapes, strides and facts."""
+    b, n, dim = dh.shape
+    device = dh.device
+    interpret = interpreter_enabled() or device.type != "cuda"
+    reduce_tile = _EMBEDDING_BWD_REDUCE_INTERP_CONFIG if interpret else _EMBEDDING_BWD_REDUCE_CONFIG
+    n_tokens = b * n
+    g = as_rows(dh)
+    if interpret:  # no bf16 arithmetic there: it gets the gradient in fp32
+        (g,) = widened_for_interpreter(g)
+    flat_ids = ids.reshape(-1).contiguous()
+    if scatter:
+        tile = _EMBEDDING_BWD_SCATTER_INTERP_CONFIG if interpret else _EMBEDDING_BWD_SCATTER_CONFIG
+        main_grid = (cdiv(n_tokens, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
+        main_kernel, main_args = _embedding_bwd_scatter_kernel, (n_tokens, n_vocab, dim)
+        # (zeros: the atomics add into it, and no program owns a row to initialise)
+        work_shape, reduce_vocab, n_splits = (n_vocab, dim), 0, 0
+    else:
+        tile = _EMBEDDING_BWD_INTERP_CONFIG if interpret else _EMBEDDING_BWD_CONFIG
+        # whole token tiles per split (at least one), and no empty split: no tokens, no
+        # splits, and the reduce pass writes zeros
+        splits = _n_splits(int(n_tokens), int(n_vocab), int(dim), device)  # int: cache key
+        per_split = max(1, cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])) * tile["BLOCK_T"]
+        n_splits = cdiv(n_tokens, per_split)
+        main_grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
+        main_kernel = _embedding_bwd_partial_kernel
+        # the split exists for the GPU's tf32 products; the interpreter's fp32 ones are
+        # exact, and it rounds casts to bf16 by truncation
+        main_args = (n_tokens, per_split, n_vocab, dim)
+        tile = dict(tile, SPLIT_FP32=g.dtype == torch.float32 and not interpret)
+        work_shape, reduce_vocab = (n_splits, n_vocab, dim), n_vocab
+    runs_main = n_tokens > 0 if scatter else n_splits > 0
+    # dW from the partials (one-hot path) and dP; the scatter path's dP alone, with g as the
+    # placeholder of PARTIAL and DWEIGHT (read-only: a mutated argument passed twice would be
+    # cloned apart under torch.compile)
+    block_r = reduce_tile["BLOCK_R"]
+    n_programs = cdiv(reduce_vocab, block_r) + cdiv(n_pos, block_r)
+    reduce_grid = (n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))
+    reduce_args = (g.stride(0), dim, dim, n_splits, b, n, reduce_vocab, n_pos, dim)
+    reduce_flags = dict(HAS_VOCAB=not scatter, HAS_POS=n_pos > 0, **reduce_tile)
+
+    def run(g, flat_ids, start, main, reduce) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate the outputs and work buffer, launch `main` (g, ids, work) and `reduce`
+        (partials, g, dW, dP, start) where they have work."""
+        dpos = torch.empty((n_pos, dim), device=device, dtype=weight_dtype)
+        if scatter:
+            dweight = work = torch.zeros(work_shape, device=device, dtype=torch.float32)
+        else:
+            dweight = torch.empty((n_vocab, dim), device=device, dtype=weight_dtype)
+            work = torch.empty(work_shape, device=device, dtype=torch.float32)
+        if runs_main:
+            main(g, flat_ids, work)
+        if n_programs:
+            partial_, dweight_ = (g, g) if scatter else (work, dweight)
+            reduce(partial_, g, dweight_, dpos if n_pos else dweight_, start)
+        if scatter and weight_dtype != torch.float32:
+            dweight = dweight.to(weight_dtype)  # the fp32 sums, rounded once
+        return dweight, dpos
+
+    if not bind:
+
+        def main(g, flat_ids, work) -> None:
+            launcher(main_kernel)[main_grid](g, flat_ids, work, g.stride(0), *main_args, **tile)
+
+        def reduce(partial, g, dweight, dpos, start) -> None:
+            launcher(_embedding_bwd_reduce_kernel)[reduce_grid](
+                partial, g, dweight, dpos, start, *reduce_args, **reduce_flags
+            )
+
+        return run(g, flat_ids, start, main, reduce), None
+
+    bound = {}  # the first call's launches, bound for the next calls
+
+    def bind_main(g, flat_ids, work) -> None:
+        bound["main"] = launcher(main_kernel).bind(
+            main_grid, g, flat_ids, work, g.stride(0), *main_args, **tile
+        )
+
+    def bind_reduce(partial, g, dweight, dpos, start) -> None:
+        bound["reduce"] = launcher(_embedding_bwd_reduce_kernel).bind(
+            reduce_grid, partial, g, dweight, dpos, PerCall(start), *reduce_args, **reduce_flags
+        )
+
+    out = run(g, flat_ids, start, bind_main, bind_reduce)
+    main_bound, reduce_bound = bound.get("main"), bound.get("reduce")
+
+    def launch(dh, ids, start) -> tuple[torch.Tensor, torch.Tensor]:
+        g = as_rows(dh)
+        if interpret:
+            (g,) = widened_for_interpreter(g)
+        return run(g, ids.reshape(-1).contiguous(), start, main_bound, reduce_bound)
+
+    return out, launch
 
 
 @triton_op("triton_transformer::embedding_backward", mutates_args=())
@@ -286,60 +420,7 @@ def embedding_backward_op(
     """(dW (n_vocab, D), dP (n_pos, D)) from dh (b, n, D); n_pos = 0: no positional table
     (dP is then empty). Both in weight_dtype, accumulated in fp32. scatter: dW by fp32
     atomics (summation order varies from run to run), else the deterministic one-hot product."""
-    b, n, dim = dh.shape
-    dpos = torch.empty((n_pos, dim), device=dh.device, dtype=weight_dtype)
-    interpret = interpreter_enabled() or dh.device.type != "cuda"
-    reduce_tile = _EMBEDDING_BWD_REDUCE_INTERP_CONFIG if interpret else _EMBEDDING_BWD_REDUCE_CONFIG
-    n_tokens = b * n
-    g = as_rows(dh)
-    if interpret:  # no bf16 arithmetic there: it gets the gradient in fp32
-        (g,) = widened_for_interpreter(g)
-    flat_ids = ids.reshape(-1).contiguous()
-    if scatter:
-        tile = _EMBEDDING_BWD_SCATTER_INTERP_CONFIG if interpret else _EMBEDDING_BWD_SCATTER_CONFIG
-        # zeros: the atomics add into it, and no program owns a row to initialise (rows no
-        # token hits must read 0)
-        dweight = torch.zeros((n_vocab, dim), device=dh.device, dtype=torch.float32)
-        if n_tokens:
-            grid = (cdiv(n_tokens, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
-            launcher(_embedding_bwd_scatter_kernel)[grid](
-                g, flat_ids, dweight, g.stride(0), n_tokens, n_vocab, dim, **tile
-            )
-        reduce_vocab, n_splits = 0, 0
-    else:
-        tile = _EMBEDDING_BWD_INTERP_CONFIG if interpret else _EMBEDDING_BWD_CONFIG
-        dweight = torch.empty((n_vocab, dim), device=dh.device, dtype=weight_dtype)
-        # whole token tiles per split (at least one), and no empty split: no tokens, no
-        # splits, and the reduce pass writes zeros
-        splits = _n_splits(int(n_tokens), int(n_vocab), int(dim), dh.device)  # int: cache key
-        per_split = max(1, cdiv(cdiv(n_tokens, splits), tile["BLOCK_T"])) * tile["BLOCK_T"]
-        n_splits = cdiv(n_tokens, per_split)
-        partial = torch.empty((n_splits, n_vocab, dim), device=dh.device, dtype=torch.float32)
-        if n_splits:
-            grid = (cdiv(n_vocab, tile["BLOCK_V"]), cdiv(dim, tile["BLOCK_D"]), n_splits)
-            launcher(_embedding_bwd_partial_kernel)[grid](
-                g, flat_ids, partial, g.stride(0), n_tokens, per_split,
-                n_vocab, dim,
-                # the split exists for the GPU's tf32 products; the interpreter's fp32 ones
-                # are exact, and it rounds casts to bf16 by truncation
-                SPLIT_FP32=g.dtype == torch.float32 and not interpret, **tile,
-            )  # fmt: skip
-        reduce_vocab = n_vocab
-    # dW from the partials (one-hot path) and dP; the scatter path's dP alone, with g as the
-    # placeholder of PARTIAL and DWEIGHT (read-only: a mutated argument passed twice would be
-    # cloned apart under torch.compile)
-    block_r = reduce_tile["BLOCK_R"]
-    n_programs = cdiv(reduce_vocab, block_r) + cdiv(n_pos, block_r)
-    if n_programs:
-        partial_, dweight_ = (g, g) if scatter else (partial, dweight)
-        launcher(_embedding_bwd_reduce_kernel)[(n_programs, cdiv(dim, reduce_tile["BLOCK_D"]))](
-            partial_, g, dweight_, dpos if n_pos else dweight_, g.stride(0), dim, dim,
-            n_splits, b, n, start, reduce_vocab, n_pos, dim, HAS_VOCAB=not scatter,
-            HAS_POS=n_pos > 0, **reduce_tile,
-        )  # fmt: skip
-    if scatter and weight_dtype != torch.float32:
-        dweight = dweight.to(weight_dtype)  # the fp32 sums, rounded once
-    return dweight, dpos
+    return _backward(dh, ids, n_vocab, n_pos, start, weight_dtype, scatter)[0]
 
 
 def _embedding_setup_context(ctx, inputs, output) -> None:
@@ -363,16 +444,101 @@ def _embedding_backward(ctx, dh: torch.Tensor):
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
 
 
+def _id_error(ids: torch.Tensor, n_vocab: int) -> IndexError | None:
+    """The IndexError for the first id outside [0, n_vocab), or None. Syncs with a CUDA
+    device."""
+    bad = (ids < 0) | (ids >= n_vocab)
+    if not bad.any():
+        return None
+    first = ids[bad][0].item()
+    return IndexError(f"token ids must lie in [0, {n_vocab}) (weight's rows); found id {first}")
+
+
 def _check_ids_in_range(ids: torch.Tensor, n_vocab: int) -> None:
     """Raise IndexError, as `F.embedding` does on the CPU, if an id is outside [0, n_vocab).
     Syncs with a CUDA device, so it refuses to run during CUDA stream capture."""
-    check_not_capturing(
-        "embedding's token-id range check (pass check_ids=False inside a captured step)"
-    )
-    bad = (ids < 0) | (ids >= n_vocab)
-    if bad.any():
-        first = ids[bad][0].item()
-        raise IndexError(f"token ids must lie in [0, {n_vocab}) (weight's rows); found id {first}")
+    check_not_capturing(_ID_CHECK)
+    err = _id_error(ids, n_vocab)
+    if err is not None:
+        raise err
+
+
+_ID_CHECK = "embedding's token-id range check (pass check_ids=False inside a captured step)"
+
+
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before takes that layout's `_EagerPlan`, as
+# `layernorm`'s do: one key of what the checks and the kernels read (`utils.eager_plan_key`:
+# ids, the tables, scatter and the check), one lookup, then the launches bound for it (start
+# passed per call, and the id check's slot). Kernels and gradients are the registered ops'.
+#
+# Its id check does not wait for the GPU (`triton_transformer.checks`): the forward kernel
+# sets the call's slot of pinned host memory to 1 when it meets an id out of range, and a
+# later checked call that finds it set checks the ids and raises.
+
+
+class _EagerPlan:
+    """The launches of eager embedding calls of one layout (`_eager_plan`): `fwd`, and one
+    backward per layout of the upstream gradient, bound on their first calls."""
+
+    __slots__ = ("bwd", "fwd", "n_pos", "n_vocab", "scatter", "weight_dtype")
+
+    def __init__(self, weight, pos_weight, scatter: bool) -> None:
+        self.n_vocab = weight.shape[0]
+        self.n_pos = 0 if pos_weight is None else pos_weight.shape[0]
+        self.weight_dtype, self.scatter = weight.dtype, scatter
+        self.fwd: Callable[..., torch.Tensor] | None = None
+        self.bwd: dict[tuple, Callable[..., tuple]] = {}
+
+    def forward(self, ids, weight, pos_weight, start: int, bad) -> torch.Tensor:
+        """weight[ids] + pos_weight[start : start + n]; ids out of range set `bad` (a check's
+        slot; None: no check, as in the plan's first call, whose key says which)."""
+        if self.fwd is not None:
+            return self.fwd(ids, weight, pos_weight, start, bad)
+        h, self.fwd = _forward(ids, weight, pos_weight, start, bad, bind=True)
+        return h
+
+    def backward(self, dh, ids, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (dh.stride(), dh.dtype, not dh.data_ptr() & 15)
+        bwd = self.bwd.get(key)
+        if bwd is not None:
+            return bwd(dh, ids, start)
+        out, self.bwd[key] = _backward(
+            dh, ids, self.n_vocab, self.n_pos, start, self.weight_dtype, self.scatter, bind=True
+        )
+        return out
+
+
+_EAGER_PLANS = LaunchPlans()
+
+
+def _eager_plan(ids, weight, pos_weight, scatter: bool, check: bool) -> _EagerPlan | None:
+    """The plan of this eager call's layout (made on its first call; the checks have run), or
+    None where the generic path runs: traced."""
+    key, plan = _EAGER_PLANS.find((ids, weight, pos_weight), (scatter, check))
+    if key is None or plan is not None:
+        return plan
+    return _EAGER_PLANS.put(key, _EagerPlan(weight, pos_weight, scatter))
+
+
+class _EagerEmbedding(torch.autograd.Function):
+    """`embedding_op` and its registered backward for an eager call of a planned layout."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, pos_weight, start, bad, plan):
+        ctx.save_for_backward(ids)
+        ctx.start, ctx.plan = start, plan
+        return plan.forward(ids, weight, pos_weight, start, bad)
+
+    @staticmethod
+    @first_order_only("embedding")
+    def backward(ctx, dh):
+        (ids,) = ctx.saved_tensors
+        dweight, dpos = ctx.plan.backward(dh, ids, ctx.start)
+        return None, dweight, dpos if ctx.plan.n_pos else None, None, None, None
+
+
+_apply_eager_embedding = eager_apply(_EagerEmbedding)
 
 
 def embedding(
@@ -395,14 +561,16 @@ def embedding(
             ONE_HOT_MAX_VOCAB rows; above, dW is an fp32 atomic scatter-add whose last bits
             vary from run to run, so with `torch.use_deterministic_algorithms(True)` a
             vocabulary that large takes the PyTorch path (deterministic, sort-based) instead.
-        check_ids: check on the host that every id is in [0, V) and raise IndexError if
-            not (one device sync; refused during CUDA stream capture; skipped under
-            torch.compile). Pass False where the ids are checked already or in a captured /
-            compiled step: the Triton kernel then writes NaN rows for out-of-range ids, so
-            the loss turns NaN (the trainer's non-finite check stops the run). PyTorch's
-            path (use_triton=False, or deterministic algorithms with a vocabulary above
-            ONE_HOT_MAX_VOCAB) raises an IndexError on the CPU and hits a device-side assert
-            on CUDA.
+        check_ids: raise IndexError for an id outside [0, V) (refused during CUDA stream
+            capture; skipped under torch.compile). An eager Triton call on a GPU raises it
+            from a later checked call, or from `triton_transformer.checks.raise_pending()`,
+            without a sync (its rows are NaN meanwhile); PyTorch's path (use_triton=False,
+            or deterministic algorithms with a vocabulary above ONE_HOT_MAX_VOCAB) and
+            anomaly-detection mode check first, with a sync. Pass False where the ids are
+            checked already or in a captured / compiled step: the Triton kernel then writes
+            NaN rows for out-of-range ids, so the loss turns NaN (the trainer's non-finite
+            check stops the run), and F.embedding raises an IndexError on the CPU and hits
+            a device-side assert on CUDA.
 
     Returns:
         (b, n, D) tensor in weight's dtype: weight[ids] + pos_weight[start : start + n].
@@ -434,14 +602,19 @@ def embedding(
                 f"positions {start}..{start + n - 1} are outside pos_weight's "
                 f"{pos_weight.shape[0]} rows"
             )
-    # (Dynamo would break the graph on the check's data-dependent branch: a compiled caller
-    # relies on the NaN rows instead.)
-    if check_ids and not torch.compiler.is_compiling():
-        _check_ids_in_range(ids, weight.shape[0])
     # Above ONE_HOT_MAX_VOCAB the backward scatters with atomics (see the module docstring):
     # PyTorch's embedding instead when deterministic algorithms are asked for
     scatter = weight.shape[0] > ONE_HOT_MAX_VOCAB
-    if not use_triton or (scatter and torch.are_deterministic_algorithms_enabled()):
+    torch_path = not use_triton or (scatter and torch.are_deterministic_algorithms_enabled())
+    # (Dynamo would break the graph on the check's data-dependent branch: a compiled caller
+    # relies on the NaN rows instead)
+    compiling = torch.compiler.is_compiling()
+    # first, with a sync: F.embedding would stop at a device-side assert, a traced call has
+    # no plan, and anomaly detection wants the error from this call
+    if check_ids and not compiling and (torch_path or is_traced(ids) or torch.is_anomaly_enabled()):
+        _check_ids_in_range(ids, weight.shape[0])
+        check_ids = False
+    if torch_path:
         h = F.embedding(ids, weight)
         return h if pos_weight is None else h + pos_weight[start : start + n]
     check_triton_tensor(weight, "weight")
@@ -454,4 +627,25 @@ def embedding(
             )
     if ids.device != weight.device:
         raise ValueError(f"ids are on {ids.device}, weight on {weight.device}")
-    return call_op(embedding_op, ids, weight, pos_weight, int(start), scatter)
+    check = check_ids and not compiling
+    plan = _eager_plan(ids, weight, pos_weight, scatter, check)
+    if plan is None:
+        if check:
+            _check_ids_in_range(ids, weight.shape[0])
+        return call_op(embedding_op, ids, weight, pos_weight, int(start), scatter)
+    bad = ticket = None
+    if check:  # after the kernel, without a sync (see "eager calls" above)
+        check_not_capturing(_ID_CHECK)
+        checks.poll()
+        bad, ticket = checks.reserve(weight.device)
+    start = int(start)
+    records = torch.is_grad_enabled() and (
+        weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad)
+    )
+    if records:
+        h = _apply_eager_embedding(ids, weight, pos_weight, start, bad, plan)
+    else:
+        h = plan.forward(ids, weight, pos_weight, start, bad)
+    if check:
+        checks.defer(ticket, bool, functools.partial(_id_error, ids, weight.shape[0]))
+    return h

@@ -45,13 +45,14 @@ written and no dx/dW is allocated. Callers that need logits (generation) use `bm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
-from triton_transformer import cross_entropy_hopper
+from triton_transformer import checks, cross_entropy_hopper, matmul_plan
 from triton_transformer.bmm import _check_pair, _weight_in
 from triton_transformer.cross_entropy import (
     _cross_entropy_bwd_config,
@@ -62,11 +63,14 @@ from triton_transformer.cross_entropy import (
     launch_cross_entropy_fwd,
     launch_cross_entropy_fwd_reduce,
 )
-from triton_transformer.matmul_plan import _mm2d_into, accumulate_mm
+from triton_transformer.cross_entropy import _switches as ce_switches
+from triton_transformer.matmul_plan import BoundProducts, accumulate_mm
 from triton_transformer.utils import (
+    LaunchPlans,
     call_op,
     cdiv,
     check_triton_tensor,
+    eager_apply,
     empty_scalar,
     first_order_only,
     is_traced,
@@ -108,6 +112,100 @@ def single_chunk_lighter(M: int, V: int, K: int, itemsize: int, rows: int) -> bo
     return one <= 4 * V * K + max(rows, K) * V * itemsize
 
 
+class _Launches:
+    """The chunked forward's launches for one layout (`_forward_chunks`): its kernels by name,
+    bound on their first call, and its products by slot (`matmul_plan.BoundProducts`). An
+    eager call of a layout seen before reuses that layout's (`_EAGER_PLANS`); the registered
+    op makes a fresh one per call."""
+
+    __slots__ = ("kernels", "products")
+
+    def __init__(self) -> None:
+        self.kernels: dict[object, Callable[..., None]] = {}
+        self.products = BoundProducts()
+
+    def kernel(self, name: object, launch: Callable[..., Callable], *tensors) -> None:
+        """Run the kernel bound as `name` on `tensors`; on its first call `launch(*tensors)`,
+        which runs it and returns it bound (the launchers' `bind`)."""
+        again = self.kernels.get(name)
+        if again is not None:
+            again(*tensors)
+        else:
+            self.kernels[name] = launch(*tensors)
+
+
+def _forward_chunks(
+    launches: _Launches,
+    x,
+    weight,
+    labels,
+    ignore_index,
+    chunk_rows: int,
+    grad_x: bool,
+    grad_weight: bool,
+    dw_in_x_dtype: bool,
+    verdict: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_linear_cross_entropy_impl` through `launches`; the loss also into `verdict` (a label
+    check's slot, `checks.reserve`) where given."""  # fmt: skip
+    M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
+    V = int(weight.shape[0])
+    if dw_in_x_dtype and grad_weight and chunk_rows < M:
+        raise ValueError(f"dW in x's dtype takes one chunk: chunk_rows {chunk_rows} < {M} rows")
+    device = x.device
+    write_grad = grad_x or grad_weight
+    normalize = x.dtype != torch.float16
+    labels2 = labels[None]  # (1, M): the kernels' (outer, inner) row layout
+    loss_rows = torch.empty(M, dtype=torch.float32, device=device)
+    n_valid = empty_scalar(device)
+    loss = empty_scalar(device)
+    dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
+    dw_dtype = x.dtype if dw_in_x_dtype else torch.float32
+    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=dw_dtype, device=device)
+    # n_valid over all rows first: each chunk's gradient is divided by the global count.
+    launches.kernel(
+        "count",
+        lambda rows, labels, count, out, _: launch_cross_entropy_fwd_reduce(
+            rows, labels, ignore_index, count, out, False, True
+        ),
+        loss_rows, labels2, n_valid, loss, loss,
+    )  # fmt: skip
+    rows = max(1, min(chunk_rows, M))
+    buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
+    lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
+    w_t = weight.t()
+    for chunk, start in enumerate(range(0, M, rows)):
+        end = min(start + rows, M)
+        x_c, z = x[start:end], buf[: end - start]
+        launches.products.run(("z", chunk), x_c, w_t, z)  # logits of the chunk
+        lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
+        z3, labels_c, loss_c = z[None], labels2[:, start:end], loss_rows[start:end]
+        # counted: each chunk's gradient takes 1 / n_valid of all rows (counted above), not
+        # of its own
+        launches.kernel(
+            ("ce", chunk),
+            lambda z, labels, count, rows, lse: launch_cross_entropy_fwd(
+                z, labels, ignore_index, count, rows, lse, write_grad, normalize, counted=True
+            ),
+            z3, labels_c, n_valid, loss_c, lse_c,
+        )  # fmt: skip
+        if grad_x:  # z now holds dz
+            launches.products.run(("dx", chunk), z, weight, dx[start:end])
+        if grad_weight:
+            if start == 0:
+                launches.products.run("dw", z.t(), x_c, dw)
+            else:
+                accumulate_mm(dw, z.t(), x_c)
+    launches.kernel(
+        "mean",
+        lambda rows, labels, count, out, _: launch_cross_entropy_fwd_reduce(
+            rows, labels, ignore_index, count, out, True, False, verdict
+        ),
+        loss_rows, labels2, n_valid, loss, loss if verdict is None else verdict,
+    )  # fmt: skip
+    return loss, dx, dw, n_valid
+
+
 def _linear_cross_entropy_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -124,46 +222,10 @@ def _linear_cross_entropy_impl(
     gradients for an upstream gradient of 1 (fp16: without the 1 / n_valid factor), or (0, 0)
     placeholders when not asked for (then no gradient is written at all). dw_in_x_dtype: dW
     in x's dtype instead (callers pass it for one chunk only: chunks would accumulate in it)."""
-    M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
-    V = int(weight.shape[0])
-    if dw_in_x_dtype and grad_weight and chunk_rows < M:
-        raise ValueError(f"dW in x's dtype takes one chunk: chunk_rows {chunk_rows} < {M} rows")
-    device = x.device
-    write_grad = grad_x or grad_weight
-    normalize = x.dtype != torch.float16
-    labels2 = labels[None]  # (1, M): the kernels' (outer, inner) row layout
-    loss_rows = torch.empty(M, dtype=torch.float32, device=device)
-    n_valid = empty_scalar(device)
-    loss = empty_scalar(device)
-    dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
-    dw_dtype = x.dtype if dw_in_x_dtype else torch.float32
-    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=dw_dtype, device=device)
-    # n_valid over all rows first: each chunk's gradient is divided by the global count.
-    launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, False, True)
-    rows = max(1, min(chunk_rows, M))
-    buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
-    lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
-    w_t = weight.t()
-    for start in range(0, M, rows):
-        end = min(start + rows, M)
-        x_c, z = x[start:end], buf[: end - start]
-        _mm2d_into(x_c, w_t, z)  # logits of the chunk
-        lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
-        # counted: each chunk's gradient takes 1 / n_valid of all rows (counted above), not
-        # of its own
-        launch_cross_entropy_fwd(
-            z[None], labels2[:, start:end], ignore_index, n_valid, loss_rows[start:end], lse_c,
-            write_grad, normalize, counted=True,
-        )  # fmt: skip
-        if grad_x:  # z now holds dz
-            _mm2d_into(z, weight, dx[start:end])
-        if grad_weight:
-            if start == 0:
-                _mm2d_into(z.t(), x_c, dw)
-            else:
-                accumulate_mm(dw, z.t(), x_c)
-    launch_cross_entropy_fwd_reduce(loss_rows, labels2, ignore_index, n_valid, loss, True, False)
-    return loss, dx, dw, n_valid
+    return _forward_chunks(
+        _Launches(), x, weight, labels, ignore_index, chunk_rows, grad_x, grad_weight,
+        dw_in_x_dtype,
+    )  # fmt: skip
 
 
 linear_cross_entropy_op = triton_op("triton_transformer::linear_cross_entropy", mutates_args=())(
@@ -206,15 +268,27 @@ def linear_cross_entropy_scale_op(
 ) -> None:
     """dx *= f and dw *= f in place, f = dloss (/ max(n_valid, 1) if divide); the kernels
     return without writing when f is exactly 1. Empty tensors are skipped."""
-    for g in (dx, dw):
+    _scale_grads(_Launches(), dx, dw, dloss, n_valid, divide)
+
+
+def _scale_grads(launches: _Launches, dx, dw, dloss, n_valid, divide: bool) -> None:
+    """`linear_cross_entropy_scale_op` through `launches` (one bound kernel per gradient and
+    kind of dloss: its dtype and alignment)."""
+    kind = () if is_traced(dloss) else (dloss.dtype, not dloss.data_ptr() & 15)
+    for name, g in (("scale dx", dx), ("scale dw", dw)):
         if g.numel() == 0:
             continue
-        n_rows, n_cols = g.shape
-        block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
-        launcher(_cross_entropy_bwd_scale_kernel)[(cdiv(n_rows, block_m),)](
-            dloss, n_valid, g, 0, g.stride(0), n_rows, n_rows, n_cols,
-            DIVIDE_BY_N_VALID=divide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
+
+        def bind(dloss, n_valid, g):
+            n_rows, n_cols = g.shape
+            block_m, block_n, _, num_warps = _cross_entropy_bwd_config(n_cols)
+            return launcher(_cross_entropy_bwd_scale_kernel).bind(
+                (cdiv(n_rows, block_m),), dloss, n_valid, g, 0, g.stride(0), n_rows, n_rows,
+                n_cols, DIVIDE_BY_N_VALID=divide, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps,
+            )  # fmt: skip
+
+        launches.kernel((name, *kind), bind, dloss, n_valid, g)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
@@ -225,17 +299,18 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, weight_lp, labels, ignore_index, chunk_rows, grad_x, grad_weight,
-        dw_in_x_dtype,
+        dw_in_x_dtype, launches, verdict,
     ):  # fmt: skip
         # weight_lp: the weight's copy in x's dtype, or None (Dynamo refuses a tensor passed
-        # twice to apply)
+        # twice to apply); launches: an eager call's plan (`_eager_launches`), else None
         w = weight if weight_lp is None else weight_lp
-        op = _forward_op(x, w.shape[0], chunk_rows)
-        loss, dx, dw, n_valid = call_op(
-            op, x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight, dw_in_x_dtype
-        )
+        args = (x, w, labels, ignore_index, chunk_rows, grad_x, grad_weight, dw_in_x_dtype)
+        if launches is not None:
+            loss, dx, dw, n_valid = _forward_chunks(launches, *args, verdict)
+        else:
+            loss, dx, dw, n_valid = call_op(_forward_op(x, w.shape[0], chunk_rows), *args)
         ctx.save_for_backward(dx, dw, n_valid)
-        ctx.grad_x, ctx.grad_weight = grad_x, grad_weight
+        ctx.grad_x, ctx.grad_weight, ctx.launches = grad_x, grad_weight, launches
         ctx.weight_dtype = weight.dtype
         ctx.divide = x.dtype == torch.float16  # unnormalised gradients (see the docstring)
         return loss
@@ -249,11 +324,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             "backward per forward (no retain_graph reuse)",
         )
         dx, dw, n_valid = ctx.saved_tensors
-        call_op(linear_cross_entropy_scale_op, dx, dw, dloss, n_valid, ctx.divide)
+        if ctx.launches is not None:
+            _scale_grads(ctx.launches, dx, dw, dloss, n_valid, ctx.divide)
+        else:
+            call_op(linear_cross_entropy_scale_op, dx, dw, dloss, n_valid, ctx.divide)
         dweight = None
         if ctx.grad_weight:
             dweight = dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)
-        return dx if ctx.grad_x else None, dweight, None, None, None, None, None, None, None
+        return dx if ctx.grad_x else None, dweight, *(None,) * 9
 
 
 def linear_cross_entropy(
@@ -278,10 +356,12 @@ def linear_cross_entropy(
             reference (the full logits).
         chunk_rows: rows per chunk (Triton); None: `default_chunk_rows`, or all rows in one
             chunk for a bf16 weight where that holds no more memory (`single_chunk_lighter`).
-        check_labels: raise for a label out of range (one device sync: an eager Triton call
-            reads its loss after the kernels and checks the labels only when that is NaN;
-            refused during CUDA stream capture). Pass False inside a training step (the
-            Triton path then returns NaN for a bad label).
+        check_labels: raise for a label out of range (refused during CUDA stream capture).
+            An eager Triton call on a GPU raises from a later checked call, or from
+            `triton_transformer.checks.raise_pending()`, without a sync (its loss is NaN
+            meanwhile: `cross_entropy.check_labels_after`); the reference and
+            anomaly-detection mode check first, with a sync. Pass False inside a training
+            step (the Triton path then returns NaN for a bad label).
 
     Returns:
         0-d float32 loss (float64 for float64 inputs on the PyTorch path); 0, with zero
@@ -293,6 +373,17 @@ def linear_cross_entropy(
         ValueError: mismatched shapes or devices, V == 0 with positions present, chunk_rows
             < 1, or (with check_labels) a label outside [0, V) that is not ignore_index.
     """
+    records = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (x, weight)
+    )
+    key = None
+    if use_triton:  # a layout seen before: its planned call (`_PlannedCall`)
+        flags = tuple(records and getattr(t, "requires_grad", False) for t in (x, weight))
+        key, planned = _PLANNED_CALLS.find(
+            (x, weight, labels), (ignore_index, chunk_rows, check_labels, *flags)
+        )
+        if planned is not None and not torch.is_autocast_enabled(x.device.type):
+            return planned(x, weight, labels, check_labels)
     for t, name in ((x, "x"), (weight, "weight"), (labels, "labels")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -355,15 +446,82 @@ def linear_cross_entropy(
         if bf16_dw and chunk_rows < M and single_chunk_lighter(M, V, K, 2, chunk_rows):
             chunk_rows = M
     dw_in_x_dtype = bf16_dw and chunk_rows >= M
+    grads = (grad_x, grad_weight, dw_in_x_dtype) if records_grad else (False, False, False)
+    w = weight if weight_lp is None else weight_lp
+    launches = _eager_launches(x2, w, labels1, ignore_index, chunk_rows, grads, after)
+    if (
+        key is not None and launches is not None and weight_lp is None
+        and x2.data_ptr() == x.data_ptr() and not torch.is_autocast_enabled(x.device.type)
+    ):  # fmt: skip
+        # (no autocast cast nor copy of x: a later call of this layout repeats this one)
+        _PLANNED_CALLS.put(key, _PlannedCall(x2, V, ignore_index, chunk_rows, grads, launches))
+    verdict, ticket = checks.reserve(x.device) if after and launches is not None else (None, None)
     if records_grad:
         loss = _LinearCrossEntropyFunction.apply(
-            x2, weight, weight_lp, labels1, ignore_index, chunk_rows, grad_x, grad_weight,
-            dw_in_x_dtype,
-        )  # fmt: skip
+            x2, weight, weight_lp, labels1, ignore_index, chunk_rows, *grads, launches, verdict
+        )
     else:  # (no autograd recorded: the op's body runs directly, without custom-op dispatch)
-        w = weight if weight_lp is None else weight_lp
-        args = (x2, w, labels1, ignore_index, chunk_rows, False, False, False)
-        loss = call_op(linear_cross_entropy_op, *args)[0]
+        args = (x2, w, labels1, ignore_index, chunk_rows, *grads)
+        if launches is not None:
+            loss = _forward_chunks(launches, *args, verdict)[0]
+        else:
+            loss = call_op(linear_cross_entropy_op, *args)[0]
     if after:
-        check_labels_after(loss, labels, V, ignore_index)
+        check_labels_after(loss, labels, V, ignore_index, ticket)
     return loss
+
+
+# ----------------------------------------------------------------------------- eager calls
+# An eager call (nothing traces) of a layout seen before runs `_forward_chunks` through that
+# layout's `_Launches`: its kernels and products bound on its first call, as the other ops'
+# eager plans bind theirs. The call's checks and its choice of chunks still run (they read
+# the weight's dtype under autocast, the grad mode and the inputs' requires_grad); the key
+# holds their results.
+_EAGER_PLANS = LaunchPlans()
+
+
+class _PlannedCall:
+    """An eager call of a layout whose checks passed and whose chunks were chosen before
+    (`_PLANNED_CALLS`, keyed by the arguments' layouts, the scalars and the gradients asked
+    for; no autocast cast of x nor copy of the weight): the `_Launches` and the choices,
+    called without the checks."""
+
+    __slots__ = ("chunk_rows", "grads", "ignore_index", "launches", "rows", "vocab")
+
+    def __init__(self, x2, vocab, ignore_index, chunk_rows, grads, launches) -> None:
+        self.rows, self.vocab = tuple(x2.shape), vocab
+        self.ignore_index, self.chunk_rows = ignore_index, chunk_rows
+        self.grads, self.launches = grads, launches
+
+    def __call__(self, x, weight, labels, check_labels: bool) -> torch.Tensor:
+        ignore_index = self.ignore_index
+        after = check_labels_before(check_labels, labels, self.vocab, ignore_index, True)
+        verdict, ticket = checks.reserve(x.device) if after else (None, None)
+        x2, labels1 = x.view(self.rows), labels.view(self.rows[0])
+        args = (x2, weight, labels1, ignore_index, self.chunk_rows, *self.grads)
+        if self.grads[0] or self.grads[1]:
+            loss = _apply_planned(*args[:2], None, *args[2:], self.launches, verdict)
+        else:
+            loss = _forward_chunks(self.launches, *args, verdict)[0]
+        if after:
+            check_labels_after(loss, labels, self.vocab, ignore_index, ticket)
+        return loss
+
+
+_PLANNED_CALLS = LaunchPlans()
+_apply_planned = eager_apply(_LinearCrossEntropyFunction)
+
+
+def _eager_launches(x2, w, labels1, ignore_index, chunk_rows, grads, check) -> _Launches | None:
+    """The `_Launches` of this eager call's layout (x2 (M, K), w (V, K) as the products read
+    them, labels1 (M,)), made on its first call; None where the op runs (traced)."""
+    switches = (
+        matmul_plan.matmul_impl, matmul_plan._FORCE_PATH, cross_entropy_hopper.ENABLED,
+        *ce_switches(),
+    )  # fmt: skip
+    key, plan = _EAGER_PLANS.find(
+        (x2, w, labels1), (ignore_index, chunk_rows, *grads, check, *switches)
+    )
+    if key is None or plan is not None:
+        return plan
+    return _EAGER_PLANS.put(key, _Launches())
