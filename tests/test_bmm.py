@@ -1762,8 +1762,8 @@ def test_linear_swiglu_saves_what_the_unfused_path_saved(device):
             f()
         return shapes
 
-    fused = saved(lambda: linear(x, w, "swiglu", use_triton=True))
-    assert sorted(s for s, _ in fused) == sorted([(10, 48), (80, 48), (10, 80)])
+    fused = saved(lambda: linear(x, w, "swiglu", use_triton=True))  # (x itself, not a view)
+    assert sorted(s for s, _ in fused) == sorted([(2, 5, 48), (80, 48), (10, 80)])
 
     def unfused():
         from triton_transformer.swiglu import swiglu
@@ -2073,3 +2073,45 @@ def test_eager_linear_plan_keeps_the_checks(device):
     linear(x.half(), w.half(), "relu_squared", use_triton=True)
     linear(x, w, "relu_squared", use_triton=True, residual=torch.zeros(8, 12, device=device))
     assert len(bmm_module._EAGER_PLANS.plans) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 48), (3, 13, 48)])
+def test_eager_swiglu_plan_matches_registered_op(shape, dtype, device):
+    # An eager SwiGLU call takes its layout's plan too (the product and its gating pass bound
+    # on the first call where cuBLAS computes it, "cublas+ew"; the gating's backward per
+    # layout of dy): forward and backward bit for bit what the registered op gives, with a
+    # dense, an expanded and a strided upstream gradient; a dropout or an odd row count still
+    # raises.
+    bmm_module._EAGER_PLANS.plans.clear()
+    x = rand(shape, dtype, device, mean=0.2)
+    w = rand((40, shape[-1]), dtype, device, mean=0.05, std=0.2)
+    out_shape = (*shape[:-1], 20)
+    dense = torch.randn(out_shape, device=device).to(dtype)
+    wide = torch.randn((*shape[:-1], 40), device=device).to(dtype)
+    expanded = torch.ones((), device=device, dtype=dtype).expand(out_shape)
+    for dy in (dense, expanded, wide[..., ::2]):
+        results = []
+        for plan in (True, True, False):
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            if plan:
+                y = linear(xl, wl, "swiglu", use_triton=True)
+            else:
+                y2 = bmm_module.linear_swiglu_op(xl.reshape(-1, shape[-1]), wl)[0]
+                y = y2.view(out_shape)
+            y.backward(dy)
+            results.append((y, xl.grad, wl.grad))
+        assert len(bmm_module._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+        with torch.no_grad():
+            assert torch.equal(linear(x, w, "swiglu", use_triton=True), results[2][0])
+    plan = next(iter(bmm_module._EAGER_PLANS.plans.values()))
+    assert len(plan.grads) == 1  # (the expanded and strided ones read as contiguous copies)
+    if device == "cuda" and bmm_module.matmul_plan.matmul_impl == "auto":
+        assert None not in plan.products.bound.values()
+    with pytest.raises(ValueError, match="dropout_p > 0"):
+        linear(x, w, "swiglu", use_triton=True, dropout_p=0.1)
+    with pytest.raises(ValueError, match="2·H rows"):
+        linear(x, w[:39], "swiglu", use_triton=True)

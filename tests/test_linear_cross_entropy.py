@@ -797,6 +797,12 @@ def test_planned_calls_keep_the_checks(device):
     with pytest.raises(ValueError, match="found label 37"):
         linear_cross_entropy(x, w, bad, -100, use_triton=True)
         raise_pending()
+    # (b, n) labels sliced from (b, n + 1) ones: read through a copy, every call
+    strided = torch.cat([labels.view(2, 5), labels[:2, None]], 1)[:, :5]
+    want = linear_cross_entropy(x, w, labels, -100, use_triton=True)
+    for _ in range(2):
+        got = linear_cross_entropy(x.view(2, 5, 16), w, strided, -100, use_triton=True)
+        assert torch.equal(got, want)
     loss = linear_cross_entropy(x.requires_grad_(), w, labels.clamp(min=0), None, use_triton=True)
     loss.backward()
-    assert x.grad is not None and len(lce_mod._PLANNED_CALLS.plans) == 2
+    assert x.grad is not None and len(lce_mod._PLANNED_CALLS.plans) == 3

@@ -838,24 +838,26 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 # ----------------------------------------------------------------------------- eager calls
 # An eager `linear(x, weight, "relu_squared")` (no residual; bf16 or fp32, whose backward
-# recovers relu(pre) from the output) of a layout seen before takes that layout's
-# `_EagerPlan`, as `layernorm._EagerPlan`: one key of what the checks and the launches read
-# (`utils.eager_plan_key` of x, the weight as the product reads it and the seed, the
-# scalars, the planner's switches), one lookup, then the products bound on the plan's first
-# calls (`matmul_plan.bind_mm2d`): the forward's, relu²'s gradient pass, dX's and dW's.
-# The kernels, the saved tensors and the gradients are `linear_op`'s.
+# recovers relu(pre) from the output) or `linear(x, weight, "swiglu")` of a layout seen before
+# takes that layout's `_EagerPlan`, as `layernorm._EagerPlan`: one key of what the checks and
+# the launches read (`utils.eager_plan_key` of x, the weight as the product reads it and the
+# seed, the scalars, the planner's switches), one lookup, then the products bound on the
+# plan's first calls (`matmul_plan.bind_mm2d`): the forward's, the activation's gradient pass,
+# dX's and dW's. The kernels, the saved tensors and the gradients are `linear_op`'s and
+# `linear_swiglu_op`'s.
 
 
 class _EagerPlan:
-    """The launches of eager relu² `linear` calls of one layout: x viewable as (M, K) rows,
-    a contiguous weight (N, K) (what `_eager_plan` admits): the products ("fwd", "dx",
-    "dw"), and relu²'s gradient pass per layout of dy, each bound on the first call that
-    can bind it."""
+    """The launches of eager relu² or SwiGLU `linear` calls of one layout: x viewable as
+    (M, K) rows, a contiguous weight (N, K) (what `_eager_plan` admits): the products ("fwd",
+    "dx", "dw"), and the activation's gradient pass per layout of dy, each bound on the first
+    call that can bind it."""
 
     __slots__ = ("drop_p", "grads", "products", "rows", "x_shape", "y_rows", "y_shape")
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, p: float) -> None:
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, p: float, swiglu: bool) -> None:
         n, k = weight.shape
+        n = n // 2 if swiglu else n  # SwiGLU: y (..., H) of weight (2·H, K)
         self.x_shape, self.y_shape = x.shape, (*x.shape[:-1], n)
         self.rows = (x.numel() // k, k) if x.dim() != 2 else None  # None: x is 2-D already
         self.y_rows = (x.numel() // k, n)
@@ -886,14 +888,47 @@ class _EagerPlan:
         else:
             drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
             self.grads[key] = launch_relu2_grad(dy2, y2, dpre, True, drop, bind=True)
+        return self.input_grads(dpre, x, w, home, weight_dtype, needs)
+
+    def input_grads(self, dpre, x, w, home, weight_dtype, needs) -> tuple:
+        """(dx, dweight): dX = d(pre) @ W, dW = d(pre)^T @ X in the weight's dtype (added
+        into home.grad where `bmm._foldable`); None where `needs` says no."""
         dx = dw = None
-        if needs[0]:  # dX = d(pre) @ W
+        if needs[0]:
             dx = torch.empty(self.x_shape, dtype=dpre.dtype, device=dpre.device)
             self.products.run("dx", dpre, w, dx if self.rows is None else dx.view(self.rows))
-        if needs[1]:  # dW = d(pre)^T @ X, in the weight's own dtype
+        if needs[1]:
             x2 = x if self.rows is None else x.view(self.rows)
             dw = bound_weight_grad(self.products, "dw", home, dpre.t(), x2, weight_dtype)
         return dx, dw
+
+    def swiglu_forward(self, x, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, pre) as `linear_swiglu_op` writes them: y = silu(x @ W_gate.T) * (x @ W_up.T)
+        shaped (..., H), pre = x @ w.T (M, 2·H), [gate | up]."""
+        M, H = self.y_rows
+        y = torch.empty(self.y_shape, dtype=x.dtype, device=x.device)
+        pre = torch.empty((M, 2 * H), dtype=x.dtype, device=x.device)
+        x2 = x if self.rows is None else x.view(self.rows)
+        y2 = y if self.rows is None else y.view(self.y_rows)
+        self.products.run("fwd", x2, w.t(), y2, swiglu_pre=pre)
+        return y, pre
+
+    def swiglu_backward(self, dy, x, w, pre, home, weight_dtype, needs) -> tuple:
+        """(dx, dweight) as `linear_swiglu_op`'s backward gives them: d(pre) = [d(gate) |
+        d(up)] (`linear_swiglu_backward_op`), then `input_grads`."""
+        M, H = self.y_rows
+        dy2 = dy if self.rows is None else dy.reshape(self.y_rows)
+        dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()  # e.g. sum()'s stride 0
+        dpre = torch.empty((M, 2 * H), dtype=pre.dtype, device=pre.device)
+        key = (dy2.stride(), *tensor_facts(dy2))
+        grad = self.grads.get(key)
+        if grad is not None:
+            grad(dy2, pre[:, :H], pre[:, H:], dpre, dy2)
+        else:
+            self.grads[key] = launch_swiglu_bwd(
+                dy2, pre[:, :H], pre[:, H:], dpre[:, :H], dpre[:, H:], dpre, bind=True
+            )
+        return self.input_grads(dpre, x, w, home, weight_dtype, needs)
 
 
 def bound_weight_grad(products, slot, home, a, b, dtype) -> torch.Tensor:
@@ -918,25 +953,34 @@ def _drops(p: object) -> bool:
 
 def _eager_plan(x, weight, w, activation, residual, dropout_p, seed) -> _EagerPlan | None:
     """The plan of this eager `linear` call's layout (w: the weight as the product reads it,
-    seed: the dropout's), made on its first call; None where the generic path runs: another
-    activation, a residual, fp16 (relu(pre) is saved there), traced or empty tensors, or a
-    layout the plan does not cover. The caller has checked x and weight (`_check_pair`)."""
-    if activation != "relu_squared" or residual is not None:
+    seed: the dropout's), made on its first call; None where the generic path runs: no
+    activation, a residual, relu² in fp16 (relu(pre) is saved there), traced or empty
+    tensors, or a layout the plan does not cover. The caller has checked x and weight
+    (`_check_pair`)."""
+    if activation not in ("relu_squared", "swiglu") or residual is not None:
         return None
     switches = (matmul_plan.matmul_impl, matmul_plan._FORCE_PATH)
-    key, plan = _EAGER_PLANS.find((x, w, seed), (dropout_p, weight.dtype, *switches))
+    key, plan = _EAGER_PLANS.find((x, w, seed), (activation, dropout_p, weight.dtype, *switches))
     if key is None or plan is not None:
         return plan
     p = check_dropout_p(dropout_p)
-    if x.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
-        return None
+    swiglu = activation == "swiglu"
+    dtypes = (
+        (torch.float32, torch.bfloat16, torch.float16)
+        if swiglu
+        else (torch.float32, torch.bfloat16)
+    )
+    if x.dtype not in dtypes or not w.is_contiguous() or (swiglu and p > 0.0):
+        return None  # (a SwiGLU dropout: the generic path raises)
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1] or w.dtype != x.dtype:
         return None  # the generic path raises
+    if swiglu and w.shape[0] % 2:
+        return None
     check_triton_tensor(x, "x")
     check_triton_tensor(w, "weight")
     if x.numel() == 0 or w.numel() == 0 or not has_rows_view(x):
         return None
-    return _EAGER_PLANS.put(key, _EagerPlan(x, w, p))
+    return _EAGER_PLANS.put(key, _EagerPlan(x, w, p, swiglu))
 
 
 class _EagerLinear(torch.autograd.Function):
@@ -960,6 +1004,30 @@ class _EagerLinear(torch.autograd.Function):
 
 
 _apply_eager_linear = eager_apply(_EagerLinear)
+
+
+class _EagerSwigluLinear(torch.autograd.Function):
+    """`linear_swiglu_op` and its registered backward for an eager call of a planned layout:
+    returns y (..., H)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w, plan):
+        y, pre = plan.swiglu_forward(x, w)
+        ctx.save_for_backward(x, w, pre)
+        ctx.plan, ctx.weight_dtype, ctx.grad_home = plan, weight.dtype, _grad_home(weight)
+        return y
+
+    @staticmethod
+    @first_order_only("linear")
+    def backward(ctx, dy):
+        x, w, pre = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        plan = ctx.plan
+        dx, dw = plan.swiglu_backward(dy, x, w, pre, ctx.grad_home, ctx.weight_dtype, needs)
+        return dx, dw, None, None
+
+
+_apply_eager_swiglu = eager_apply(_EagerSwigluLinear)
 
 
 def linear(
@@ -1010,7 +1078,14 @@ def linear(
         w = weight if weight.dtype == x.dtype else _weight_in(weight, x.dtype)
         plan = _eager_plan(x, weight, w, activation, residual, dropout_p, drawn)
         if plan is not None:
-            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            records = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            if activation == "swiglu":
+                return (
+                    _apply_eager_swiglu(x, weight, w, plan)
+                    if records
+                    else (plan.swiglu_forward(x, w)[0])
+                )
+            if records:
                 return _apply_eager_linear(x, weight, w, drawn, plan)
             return plan.forward(x, w, drawn)
         seed, cast = (drawn if drawn is not None else seed), w

@@ -497,7 +497,8 @@ class _PlannedCall:
         ignore_index = self.ignore_index
         after = check_labels_before(check_labels, labels, self.vocab, ignore_index, True)
         verdict, ticket = checks.reserve(x.device) if after else (None, None)
-        x2, labels1 = x.view(self.rows), labels.view(self.rows[0])
+        # (labels as the first call read them: a view, or a copy of strided labels)
+        x2, labels1 = x.view(self.rows), labels.reshape(self.rows[0])
         args = (x2, weight, labels1, ignore_index, self.chunk_rows, *self.grads)
         if self.grads[0] or self.grads[1]:
             loss = _apply_planned(*args[:2], None, *args[2:], self.launches, verdict)

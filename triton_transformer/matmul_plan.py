@@ -854,10 +854,10 @@ def _run(
     residual: torch.Tensor | None, aux: torch.Tensor | None, drop: tuple | None, swiglu: bool,
     grad: tuple[torch.Tensor, bool] | None, bind: bool = False,
 ) -> Callable[..., None] | None:  # fmt: skip
-    """Launch `_route`'s path for `_mm2d_into`'s problem. bind (no residual, aux or swiglu):
-    return the launches bound, again(a, b, c, s, seed) as `bind_mm2d`'s, or None where this
-    path has none (the pointer kernel in the interpreter, a TMA problem before its tuning or
-    split over K)."""
+    """Launch `_route`'s path for `_mm2d_into`'s problem. bind (no residual; aux only with
+    swiglu on "cublas+ew"): return the launches bound, again(a, b, c, s, seed) as
+    `bind_mm2d`'s, or None where this path has none (the pointer kernel in the interpreter, a
+    TMA problem before its tuning or split over K)."""
     path, plan, a_lay, b_lay = route
     if path == "gluon":
         return _launch_gluon(a, b, c, b_lay, sm_count(a.device), relu_squared, drop, grad, bind)
@@ -884,7 +884,15 @@ def _run(
         torch.addmm(residual, a, b, out=c)
     elif path == "cublas+ew" and swiglu:
         torch.mm(a, b, out=aux)  # [gate | up], kept for the backward
-        launch_swiglu_fwd(aux[:, : c.shape[1]], aux[:, c.shape[1] :], c)  # the gating pass
+        n = c.shape[1]
+        gating = launch_swiglu_fwd(aux[:, :n], aux[:, n:], c, bind)  # the gating pass
+        if bind:
+
+            def again(a, b, c, aux, seed) -> None:
+                torch.mm(a, b, out=aux)
+                gating(aux[:, :n], aux[:, n:], c)
+
+            return again
     else:
         widened = c.dtype != a.dtype  # fp32 accumulator written as is, no cast pass
         if widened:
@@ -924,18 +932,23 @@ def bind_mm2d(
     relu_squared: bool = False,
     drop: tuple[float, torch.Tensor] | None = None,
     grad: tuple[torch.Tensor, bool] | None = None,
+    swiglu_pre: torch.Tensor | None = None,
 ) -> Callable[..., None] | None:
-    """`_mm2d_into(a, b, c, relu_squared, drop=drop, grad=grad)` (no residual, aux or
-    SwiGLU) for an eager caller that repeats it with tensors of these same layouts (shapes,
-    strides, dtypes, 16-byte alignment, device) and module switches (`matmul_impl`,
-    `_FORCE_PATH`): computes c now, and returns again(a, b, c, s, seed), which launches
-    what this call launched for new tensors without planning it again (s: grad's tensor,
-    seed: drop's; None where absent). None where there is nothing to bind (traced, empty, a
-    path without bound launches yet): call this again next time."""
-    if _empty_product(a, c, None, None):
+    """`_mm2d_into(a, b, c, relu_squared, drop=drop, grad=grad)` (no residual), or with
+    swiglu_pre `_mm2d_into(a, b, c, aux=swiglu_pre, swiglu=True)`, for an eager caller that
+    repeats it with tensors of these same layouts (shapes, strides, dtypes, 16-byte
+    alignment, device) and module switches (`matmul_impl`, `_FORCE_PATH`): computes c now,
+    and returns again(a, b, c, s, seed), which launches what this call launched for new
+    tensors without planning it again (s: grad's tensor, or swiglu's pre-activations; seed:
+    drop's; None where absent). None where there is nothing to bind (traced, empty, a path
+    without bound launches yet, SwiGLU fused in a Triton epilogue): call this again next
+    time."""
+    swiglu = swiglu_pre is not None
+    if _empty_product(a, c, None, swiglu_pre):
         return None
-    route = _route(a, b, c, relu_squared, None, None, drop, False, grad)
-    return _run(route, a, b, c, relu_squared, None, None, drop, False, grad, not is_traced(a))
+    route = _route(a, b, c, relu_squared, None, swiglu_pre, drop, swiglu, grad)
+    bind = not is_traced(a) and (not swiglu or route[0] == "cublas+ew")
+    return _run(route, a, b, c, relu_squared, None, swiglu_pre, drop, swiglu, grad, bind)
 
 
 class BoundProducts:
@@ -959,12 +972,15 @@ class BoundProducts:
         relu_squared: bool = False,
         drop: tuple[float, torch.Tensor] | None = None,
         grad: tuple[torch.Tensor, bool] | None = None,
+        swiglu_pre: torch.Tensor | None = None,
     ) -> None:
+        """c = the product of `bind_mm2d`'s arguments (swiglu_pre: SwiGLU's, written too)."""
         again = self.bound.get(slot)
         if again is not None:
-            again(a, b, c, None if grad is None else grad[0], None if drop is None else drop[1])
+            s = swiglu_pre if grad is None else grad[0]
+            again(a, b, c, s, None if drop is None else drop[1])
         else:
-            self.bound[slot] = bind_mm2d(a, b, c, relu_squared, drop, grad)
+            self.bound[slot] = bind_mm2d(a, b, c, relu_squared, drop, grad, swiglu_pre)
 
 
 def _relu2_in_place(

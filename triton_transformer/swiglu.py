@@ -37,6 +37,8 @@ an H200), the gating is `launch_swiglu_fwd` on its halves. The model's `FeedForw
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -134,17 +136,25 @@ def _launch_shape(M: int, N: int, *tensors: torch.Tensor) -> tuple[int, int, int
     return M, N, block_m, block_n, (cdiv(M, block_m) * cdiv(N, block_n),)
 
 
-def launch_swiglu_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor) -> None:
+def launch_swiglu_fwd(
+    g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, bind: bool = False
+) -> Callable[..., None] | None:
     """y2 = silu(g2) * u2 for 2-D (rows, N) tensors whose last dims are unit-stride (any row
     strides: e.g. the two halves of one (rows, 2·N) projection). Also the "cublas+ew" path of
-    `bmm.linear(..., activation="swiglu")`, after cuBLAS wrote the projection."""
+    `bmm.linear(..., activation="swiglu")`, after cuBLAS wrote the projection. bind: return
+    the launch bound, again(g2, u2, y2) for tensors of these layouts and facts."""
     M, N = g2.shape[0], int(g2.shape[1])
-    if M and N:
-        strides = (g2.stride(0), u2.stride(0), y2.stride(0))
-        M, N, block_m, block_n, grid = _launch_shape(M, N, g2, u2, y2)
-        launcher(_swiglu_fwd_kernel)[grid](
-            g2, u2, y2, M, N, *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS
-        )
+    if not (M and N):
+        return (lambda *tensors: None) if bind else None
+    strides = (g2.stride(0), u2.stride(0), y2.stride(0))
+    M, N, block_m, block_n, grid = _launch_shape(M, N, g2, u2, y2)
+    launch = launcher(_swiglu_fwd_kernel)
+    args = (g2, u2, y2, M, N, *strides)
+    flags = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS)
+    if bind:
+        return launch.bind(grid, *args, **flags)
+    launch[grid](*args, **flags)
+    return None
 
 
 def launch_swiglu_bwd(
@@ -154,25 +164,34 @@ def launch_swiglu_bwd(
     dg2: torch.Tensor,
     du2: torch.Tensor,
     grads_base: torch.Tensor | None = None,
-) -> None:
+    bind: bool = False,
+) -> Callable[..., None] | None:
     """(dg2, du2) = (d(gate), d(up)) for 2-D (rows, N) tensors with unit-stride last dims (any
     row strides: `bmm.linear`'s swiglu backward writes the halves of one (rows, 2·N) tensor).
 
     grads_base: the tensor dg2 and du2 are views of, or None. The kernel then gets it once,
-    with each view's element offset (`utils.offsets_in` says why).
+    with each view's element offset (`utils.offsets_in` says why). bind: return the launch
+    bound, again(dy2, g2, u2, dg2, du2) (with grads_base: again(dy2, g2, u2, grads_base,
+    dy2)) for tensors of these layouts and facts.
     """
     M, N = g2.shape[0], int(g2.shape[1])
-    if M and N:
-        dg, du, off_dg, off_du = dg2, du2, 0, 0
-        if grads_base is not None:
-            dg, du = grads_base, dy2  # dy2: a placeholder the kernel does not use
-            off_dg, off_du = offsets_in(grads_base, dg2, du2)
-        strides = (dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
-        M, N, block_m, block_n, grid = _launch_shape(M, N, dy2, g2, u2, dg2, du2)
-        launcher(_swiglu_bwd_kernel)[grid](
-            dy2, g2, u2, dg, du, M, N, *strides, off_dg, off_du, PACKED=grads_base is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-        )  # fmt: skip
+    if not (M and N):
+        return (lambda *tensors: None) if bind else None
+    dg, du, off_dg, off_du = dg2, du2, 0, 0
+    if grads_base is not None:
+        dg, du = grads_base, dy2  # dy2: a placeholder the kernel does not use
+        off_dg, off_du = offsets_in(grads_base, dg2, du2)
+    strides = (dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
+    M, N, block_m, block_n, grid = _launch_shape(M, N, dy2, g2, u2, dg2, du2)
+    launch = launcher(_swiglu_bwd_kernel)
+    args = (dy2, g2, u2, dg, du, M, N, *strides, off_dg, off_du)
+    flags = dict(
+        PACKED=grads_base is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS
+    )
+    if bind:
+        return launch.bind(grid, *args, **flags)
+    launch[grid](*args, **flags)
+    return None
 
 
 @triton_op("triton_transformer::swiglu", mutates_args=())
