@@ -89,6 +89,13 @@ def cases(ops, use_triton: bool = True) -> dict:
         "softmax causal": lambda: ops.softmax(s, causal=True, use_triton=use_triton),
         "linear": lambda: ops.linear(x, wl, use_triton=use_triton),
         "linear relu²": lambda: ops.linear(x, wl, activation="relu_squared", use_triton=use_triton),
+        # a Llama feed-forward's fused input projection, (2·1024, 512) (PyTorch: F.linear, then
+        # silu of one half times the other)
+        "linear swiglu": (
+            (lambda: ops.linear(x, w_in, activation="swiglu", use_triton=True))
+            if use_triton
+            else (lambda: _swiglu_torch(F.linear(x, w_in)))
+        ),
         # the relu² feed-forward (PyTorch: its two linears, F.relu and the square between)
         "relu2_mlp": lambda: ops.relu2_mlp(x, w_in, w_out, use_triton=use_triton),
         "bmm": lambda: ops.bmm(s, q, use_triton=use_triton),
@@ -123,6 +130,11 @@ def cases(ops, use_triton: bool = True) -> dict:
         # q and k of (2, 8, 32, 64), both rotated (PyTorch: our reference, composed in fp32)
         "rope": lambda: ops.rope(q, k, use_triton=use_triton),
     }
+
+
+def _swiglu_torch(pre: torch.Tensor) -> torch.Tensor:
+    gate, up = pre.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def ops_of(package: str) -> type:

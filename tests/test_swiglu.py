@@ -121,10 +121,15 @@ def test_compile_traces_and_sm90_kernels_cpu():
 
 
 def _spy_linear_swiglu(monkeypatch) -> list:
-    """Record the calls of the fused projection op (`bmm.linear_swiglu_op`)."""
+    """Record the calls of the fused projection: its op (`bmm.linear_swiglu_op`) or an eager
+    plan's (`bmm._EagerPlan.swiglu_forward`)."""
     calls = []
     real = bmm_module.linear_swiglu_op
     monkeypatch.setattr(bmm_module, "linear_swiglu_op", lambda *a: calls.append(1) or real(*a))
+    planned = bmm_module._EagerPlan.swiglu_forward
+    monkeypatch.setattr(
+        bmm_module._EagerPlan, "swiglu_forward", lambda *a: calls.append(1) or planned(*a)
+    )
     return calls
 
 
