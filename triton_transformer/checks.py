@@ -8,8 +8,9 @@ host's next launches.
 
 Here the verdict goes to pinned host memory, and nothing waits for it. An eager Triton call
 takes a slot of the device's ring (`reserve`: a 0-d fp32 tensor in pinned memory that no
-pending check holds); its kernels write the verdict there through the slot's mapped device
-address (no copy, no launch of its own), or `check_later` copies a device tensor there
+pending check holds, zeroed); its kernels write a bad verdict there through the slot's mapped
+device address (no copy, no launch of its own; only a bad one: a store to host memory delays
+the end of its kernel by ~30 µs on an H200), or `check_later` copies a device tensor there
 without blocking. `defer(ticket, is_bad, error)` then records an event on the current stream.
 The next checked call (`poll()`, at the start of every cross_entropy, linear_cross_entropy
 and embedding call that checks; not in backwards, which a CUDA graph may be capturing) reads

@@ -270,7 +270,7 @@ def _cross_entropy_fwd_reduce_kernel(
 ):  # fmt: skip
     """One program. COUNT: N_VALID = number of non-ignored rows. SUM_LOSS: LOSS = sum of
     LOSS_ROWS / max(n_valid, 1), n_valid counted here or read from N_VALID, and (HAS_VERDICT)
-    the same into VERDICT, a label check's slot (`checks.reserve`; NaN for a bad label).
+    a NaN loss (a bad label's) into VERDICT, a label check's zeroed slot (`checks.reserve`).
     Lane-wise partial sums in a fixed order, then a tree: deterministic."""
     total = tl.zeros([BLOCK], tl.float32)
     count = tl.zeros([BLOCK], tl.float32)
@@ -292,8 +292,8 @@ def _cross_entropy_fwd_reduce_kernel(
     if SUM_LOSS:
         loss = tl.sum(total, axis=0) / tl.maximum(n_valid, 1.0)
         tl.store(LOSS, loss)
-        if HAS_VERDICT:
-            tl.store(VERDICT, loss)
+        if HAS_VERDICT:  # only a NaN: a store to host memory delays the kernel's end
+            tl.store(VERDICT, loss, mask=loss != loss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,9 +389,9 @@ def launch_cross_entropy_fwd_reduce(
     loss_rows, labels, ignore_index, n_valid, loss, sum_loss, count, verdict=None
 ):
     """One program: n_valid = the labels not ignored (count), loss = the mean of loss_rows
-    over them (sum_loss), also written into `verdict` where given (a label check's slot,
-    `checks.reserve`). Returns the launch bound for tensors of the same layouts and facts:
-    again(loss_rows, labels, n_valid, loss, verdict or loss)."""
+    over them (sum_loss), also written into `verdict` where given and NaN (a label check's
+    zeroed slot, `checks.reserve`). Returns the launch bound for tensors of the same layouts
+    and facts: again(loss_rows, labels, n_valid, loss, verdict or loss)."""
     n_outer, n_inner = labels.shape
     return launcher(_cross_entropy_fwd_reduce_kernel).bind(
         (1,), loss_rows, labels, n_valid, loss, default(verdict, loss), *_strides_2level(labels),
@@ -636,8 +636,8 @@ class _EagerPlan:
         return logits.view(self.rows_shape), labels.view(self.labels_shape)
 
     def forward(self, logits3, labels2, verdict) -> tuple[torch.Tensor, ...]:
-        """(loss, lse, n_valid), as `cross_entropy_op` returns them; the loss also into
-        `verdict` (a label check's slot, `checks.reserve`) where given."""
+        """(loss, lse, n_valid), as `cross_entropy_op` returns them; a NaN loss also into
+        `verdict` (a label check's zeroed slot, `checks.reserve`) where given."""
         fwd = self.fwd.get(verdict is not None)
         if fwd is not None:
             return fwd(logits3, labels2, verdict)
@@ -740,8 +740,8 @@ def check_labels_after(
     """The label check of an eager Triton call, after its kernels (the caller has refused
     stream capture and polled earlier checks before launching them). A bad label makes the
     kernels' loss NaN, so the loss is the verdict: written by the kernels into the slot of
-    `ticket` (`checks.reserve`), or else copied there (`checks.check_later`), it is read
-    once the GPU has written it, without a sync, and only a NaN loss checks the labels
+    `ticket` (`checks.reserve`) where NaN, or else copied there (`checks.check_later`), it is
+    read once the GPU has written it, without a sync, and only a NaN loss checks the labels
     (`_label_error`: a NaN from the logits themselves raises nothing). On the CPU it raises
     now. Checking first would cost five launches and a sync on every call."""
     error = functools.partial(_label_error, labels, V, ignore_index)

@@ -146,8 +146,8 @@ def _forward_chunks(
     dw_in_x_dtype: bool,
     verdict: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_linear_cross_entropy_impl` through `launches`; the loss also into `verdict` (a label
-    check's slot, `checks.reserve`) where given."""  # fmt: skip
+    """`_linear_cross_entropy_impl` through `launches`; a NaN loss also into `verdict` (a
+    label check's zeroed slot, `checks.reserve`) where given."""  # fmt: skip
     M, K = (int(d) for d in x.shape)  # the chunk boundaries are Python ints
     V = int(weight.shape[0])
     if dw_in_x_dtype and grad_weight and chunk_rows < M:
