@@ -34,8 +34,8 @@ The backward of each is `utils.first_order_only` (create_graph=True raises) and 
 Eager calls of `bmm` and of a plain `linear` (no activation, no wider weight, a residual
 only of the product's dtype) whose three GEMMs the planner gives to cuBLAS run PyTorch's own
 op instead (`_runs_natively`): the same cuBLAS products, with a C++ autograd node rather than
-our Python one (and PyTorch's double backward). Eager relu² calls of a layout seen before
-take that layout's `_EagerPlan` (its products bound by `matmul_plan.bind_mm2d`).
+our Python one (and PyTorch's double backward). Eager relu² and SwiGLU calls of a layout seen
+before take that layout's `_EagerPlan` (its products bound by `matmul_plan.bind_mm2d`).
 
 relu² backward: d(pre) = dy · 2·relu(pre). For bf16 and fp32 the forward saves nothing extra:
 relu(pre) = sqrt(y) is recovered from the output y (which the next layer keeps anyway), and

@@ -41,6 +41,12 @@ MiB, as the unfused call. Liger-Kernel's fused loss accumulates dW in bf16 by de
 
 Without autograd (evaluation under no_grad) the chunks only compute the loss: no gradient is
 written and no dx/dW is allocated. Callers that need logits (generation) use `bmm.linear`.
+
+Eager calls bind each chunk's kernels and products once per layout (`_Launches`), and a
+repeat call of a layout skips the checks and the choice of chunks (`_PlannedCall`). The label
+check (`check_labels`) takes the loss as its verdict, as `cross_entropy`'s does: the mean's
+kernel writes a NaN loss into a slot of pinned memory and a later checked call raises
+(`triton_transformer.checks`), without a sync.
 """
 
 from __future__ import annotations
