@@ -1984,6 +1984,31 @@ def _relu2_through_registered_op(x, w, p=0.0, seed=None):
     return bmm_module.linear_op(x, w, None, True, p, seed)
 
 
+def _plan_matches_registered_op(x, w, out_shape, planned, through_op) -> torch.Tensor:
+    """With a dense, an expanded (a sum's) and a strided upstream gradient: two calls
+    `planned(x, w)` through one eager plan give bit for bit what the registered op
+    `through_op(x2, w)` (x as rows) gives, forward and backward. Returns the op's output."""
+    dtype, device = x.dtype, x.device
+    dense = torch.randn(out_shape, device=device).to(dtype)
+    wide = torch.randn((*out_shape[:-1], 2 * out_shape[-1]), device=device).to(dtype)
+    expanded = torch.ones((), device=device, dtype=dtype).expand(out_shape)
+    for dy in (dense, expanded, wide[..., ::2]):
+        results = []
+        for plan in (True, True, False):
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            if plan:
+                y = planned(xl, wl)
+            else:
+                y = through_op(xl.reshape(-1, x.shape[-1]), wl).view(out_shape)
+            y.backward(dy)
+            results.append((y, xl.grad, wl.grad))
+        assert len(bmm_module._EAGER_PLANS.plans) == 1
+        for got in results[:2]:
+            for a, want in zip(got, results[2], strict=True):
+                assert torch.equal(a, want)
+    return results[2][0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, p", [((37, 48), 0.0), ((3, 13, 48), 0.0), ((37, 48), 0.25)])
 def test_eager_linear_plan_matches_registered_op(shape, p, dtype, device):
@@ -1994,26 +2019,12 @@ def test_eager_linear_plan_matches_registered_op(shape, p, dtype, device):
     bmm_module._EAGER_PLANS.plans.clear()
     x = rand(shape, dtype, device, mean=0.2)
     w = rand((40, shape[-1]), dtype, device, mean=0.05, std=0.2)
-    out_shape = (*shape[:-1], 40)
-    dense = torch.randn(out_shape, device=device).to(dtype)
-    wide = torch.randn((*shape[:-1], 80), device=device).to(dtype)
     seed = draw_seeds(device, 2)[1]  # a view 8 bytes into its buffer
-    expanded = torch.ones((), device=device, dtype=dtype).expand(out_shape)
-    for dy in (dense, expanded, wide[..., ::2]):
-        results = []
-        for plan in (True, True, False):
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            if plan:
-                y = linear(xl, wl, "relu_squared", use_triton=True, dropout_p=p, seed=seed)
-            else:
-                y2 = _relu2_through_registered_op(xl.reshape(-1, shape[-1]), wl, p, seed)
-                y = y2.view(out_shape)
-            y.backward(dy)
-            results.append((y, xl.grad, wl.grad))
-        assert len(bmm_module._EAGER_PLANS.plans) == 1
-        for got in results[:2]:
-            for a, want in zip(got, results[2], strict=True):
-                assert torch.equal(a, want)
+    _plan_matches_registered_op(
+        x, w, (*shape[:-1], 40),
+        lambda x, w: linear(x, w, "relu_squared", use_triton=True, dropout_p=p, seed=seed),
+        lambda x2, w: _relu2_through_registered_op(x2, w, p, seed),
+    )  # fmt: skip
     plan = next(iter(bmm_module._EAGER_PLANS.plans.values()))
     if dtype == torch.float32 or device == "cuda":  # bf16 interpreted: widened, not bound
         assert len(plan.products.bound) == 3 and None not in plan.products.bound.values()
@@ -2086,27 +2097,13 @@ def test_eager_swiglu_plan_matches_registered_op(shape, dtype, device):
     bmm_module._EAGER_PLANS.plans.clear()
     x = rand(shape, dtype, device, mean=0.2)
     w = rand((40, shape[-1]), dtype, device, mean=0.05, std=0.2)
-    out_shape = (*shape[:-1], 20)
-    dense = torch.randn(out_shape, device=device).to(dtype)
-    wide = torch.randn((*shape[:-1], 40), device=device).to(dtype)
-    expanded = torch.ones((), device=device, dtype=dtype).expand(out_shape)
-    for dy in (dense, expanded, wide[..., ::2]):
-        results = []
-        for plan in (True, True, False):
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            if plan:
-                y = linear(xl, wl, "swiglu", use_triton=True)
-            else:
-                y2 = bmm_module.linear_swiglu_op(xl.reshape(-1, shape[-1]), wl)[0]
-                y = y2.view(out_shape)
-            y.backward(dy)
-            results.append((y, xl.grad, wl.grad))
-        assert len(bmm_module._EAGER_PLANS.plans) == 1
-        for got in results[:2]:
-            for a, want in zip(got, results[2], strict=True):
-                assert torch.equal(a, want)
-        with torch.no_grad():
-            assert torch.equal(linear(x, w, "swiglu", use_triton=True), results[2][0])
+    want = _plan_matches_registered_op(
+        x, w, (*shape[:-1], 20),
+        lambda x, w: linear(x, w, "swiglu", use_triton=True),
+        lambda x2, w: bmm_module.linear_swiglu_op(x2, w)[0],
+    )  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(linear(x, w, "swiglu", use_triton=True), want)
     plan = next(iter(bmm_module._EAGER_PLANS.plans.values()))
     assert len(plan.grads) == 1  # (the expanded and strided ones read as contiguous copies)
     if device == "cuda" and bmm_module.matmul_plan.matmul_impl == "auto":
