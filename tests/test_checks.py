@@ -96,13 +96,29 @@ def test_a_full_ring_waits_for_its_oldest_verdict_and_reuses_its_slot(ring):
     push(ring, 2.0, None)
     push(ring, 3.0, None)
     # a fourth verdict needs slot 0: its reservation waits for that one's event, which is
-    # bad, and raises (the slot taken, zeroed)
+    # bad, and raises without taking a slot; the next one takes slot 0, zeroed
     with pytest.raises(ValueError, match="oldest"):
         checks._reserve(ring)
     assert ring.events[0].waits == 1 and checks._pending == 2
-    assert ring.array[0, 0] == 0.0 and [p[0] for p in ring.pending] == [1, 2]
-    push(ring, 4.0, None)  # slot 1 waited for, good
-    assert ring.events[1].waits == 1 and [p[0] for p in ring.pending] == [2, 1]
+    assert [p[0] for p in ring.pending] == [1, 2] and ring.next == 0
+    push(ring, 4.0, None)  # slot 0
+    push(ring, 5.0, None)  # slot 1 waited for, good
+    assert ring.events[1].waits == 1 and [p[0] for p in ring.pending] == [2, 0, 1]
+    checks.raise_pending()
+
+
+def test_a_bad_verdict_resolved_before_the_next_slot_is_raised_not_spun_on(ring):
+    # Two threads' calls interleaved: A reserves slot 0, B slot 1, B defers first (bad),
+    # then A; C takes slot 2. The next reservation needs slot 0 and resolves B's bad verdict
+    # (oldest pending) first: it raises it (it spun on it forever, holding the lock).
+    a, b = checks._reserve(ring), checks._reserve(ring)
+    ring.values[b, 0] = float("nan")
+    checks.defer((ring, b), math.isnan, lambda: ValueError("B's bad label"))
+    checks.defer((ring, a), math.isnan, lambda: None)
+    push(ring, 1.0, None)
+    with pytest.raises(ValueError, match="B's bad label"):
+        checks._reserve(ring)
+    assert checks._reserve(ring) == 0  # A's slot, waited for
     checks.raise_pending()
 
 

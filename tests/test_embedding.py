@@ -349,3 +349,37 @@ def test_eager_plan_checks_and_unchecked_calls_apart(device):
         embedding(bad, w, p, use_triton=True)
         raise_pending()
     assert len(embedding_module._EAGER_PLANS.plans) == 2
+
+
+@pytest.mark.parametrize("strided", ["weight", "pos_weight"])
+def test_eager_plan_reads_tables_of_strided_columns(strided, device):
+    # Tables whose columns are not unit-stride (a transposed view) are read through a copy on
+    # every call, as on the first: the plan's second call gave garbage.
+    w, p = _tables(10, 8, 7, torch.float32, device)
+    w, p = w.detach(), p.detach()
+    if strided == "weight":
+        w = w.t().contiguous().t()
+    else:
+        p = p.t().contiguous().t()
+    ids = torch.randint(0, 10, (2, 5), device=device)
+    want = w[ids] + p[1:6]
+    for _ in range(2):
+        torch.testing.assert_close(embedding(ids, w, p, 1, use_triton=True), want)
+
+
+def test_zero_width_tables_still_check_ids(device):
+    # D = 0: no kernel runs to flag an id, so the ids are checked on the host
+    ids = torch.tensor([[1, 11]], device=device)
+    for _ in range(2):
+        with pytest.raises(IndexError, match="found id 11"):
+            embedding(ids, torch.randn(10, 0, device=device), use_triton=True)
+            raise_pending()
+
+
+def test_a_late_id_error_without_a_bad_id_left_still_raises():
+    # The kernel met an id out of range, but the ids were changed in place before the
+    # deferred check read them: the error says so instead of passing silently.
+    err = embedding_module._late_id_error(torch.tensor([[1, 2]]), 10)
+    assert isinstance(err, IndexError) and "changed before" in str(err)
+    err = embedding_module._late_id_error(torch.tensor([[1, 12]]), 10)
+    assert "found id 12" in str(err)

@@ -806,3 +806,31 @@ def test_planned_calls_keep_the_checks(device):
     loss = linear_cross_entropy(x.requires_grad_(), w, labels.clamp(min=0), None, use_triton=True)
     loss.backward()
     assert x.grad is not None and len(lce_mod._PLANNED_CALLS.plans) == 3
+
+
+def test_planned_call_made_under_anomaly_detection_keeps_the_check(device):
+    # A layout first called in anomaly-detection mode (which checks before the kernels, so
+    # its launches write no verdict) is not planned for later checked calls: those still
+    # raise for a bad label.
+    x, w, labels = make_inputs(8, 16, 11, device=device)
+    bad = labels.clone()
+    bad[3] = 40
+    with torch.autograd.set_detect_anomaly(True):
+        linear_cross_entropy(x, w, labels, use_triton=True)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="found label 40"):
+            linear_cross_entropy(x, w, bad, use_triton=True)
+            raise_pending()
+
+
+def test_planned_call_follows_chunk_bytes(monkeypatch, device):
+    # The default chunking reads CHUNK_BYTES (benchmarks sweep it in one process): a planned
+    # call of a layout seen before chooses its chunks again when it changes.
+    x, w, labels = make_inputs(256, 16, 11, device=device)
+    seen = []
+    chunks = lce_mod._forward_chunks  # chunk_rows is its 6th argument
+    monkeypatch.setattr(lce_mod, "_forward_chunks", lambda *a: seen.append(a[5]) or chunks(*a))
+    linear_cross_entropy(x, w, labels, use_triton=True)
+    monkeypatch.setattr(lce_mod, "CHUNK_BYTES", 128 * 11 * 4)
+    linear_cross_entropy(x, w, labels, use_triton=True)
+    assert seen == [256, 128]

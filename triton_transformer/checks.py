@@ -98,18 +98,21 @@ def reserve(device: torch.device) -> tuple[torch.Tensor, tuple]:
 
 def _reserve(ring: _Ring) -> int:
     """The index of the ring's next free slot, zeroed; where every slot is pending, after
-    waiting for the oldest (raising its error, if bad, once the slot is taken)."""
-    bad = None
-    with _LOCK:
-        while ring.next in ring.busy:
-            ring.events[ring.pending[0][0]].synchronize()
-            bad = bad or _resolve(ring)
-        index = ring.next
-        ring.next = (index + 1) % len(ring.slots)
-        ring.array[index, 0] = 0.0  # (no kernel writes it: its last check has resolved)
-    if bad is not None:
-        _raise(bad(), late=True)
-    return index
+    waiting for the oldest (raising the error of a bad one, without taking a slot)."""
+    while True:
+        with _LOCK:
+            bad = None
+            while ring.next in ring.busy:
+                ring.events[ring.pending[0][0]].synchronize()
+                bad = _resolve(ring)
+                if bad is not None:
+                    break
+            if bad is None:
+                index = ring.next
+                ring.next = (index + 1) % len(ring.slots)
+                ring.array[index, 0] = 0.0  # (no kernel writes it: its check has resolved)
+                return index
+        _raise(bad(), late=True)  # (None: nothing to raise after all; wait on)
 
 
 def defer(ticket: tuple, is_bad: Callable[[float], bool], error: Error) -> None:

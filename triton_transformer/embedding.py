@@ -290,8 +290,9 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
 
     def launch(ids, weight, pos_weight, start, bad) -> torch.Tensor:
         h = torch.empty(out_shape, device=weight.device, dtype=dtype)
-        bound(ids.reshape(-1).contiguous(), weight, pos_weight if has_pos else weight, h,
-              h if bad is None else bad, start)  # fmt: skip
+        weight = as_rows(weight)
+        bound(ids.reshape(-1).contiguous(), weight, as_rows(pos_weight) if has_pos else weight,
+              h, h if bad is None else bad, start)  # fmt: skip
         return h
 
     return h, launch
@@ -514,10 +515,12 @@ _EAGER_PLANS = LaunchPlans()
 
 def _eager_plan(ids, weight, pos_weight, scatter: bool, check: bool) -> _EagerPlan | None:
     """The plan of this eager call's layout (made on its first call; the checks have run), or
-    None where the generic path runs: traced."""
+    None where the generic path runs: traced, or tables of no columns."""
     key, plan = _EAGER_PLANS.find((ids, weight, pos_weight), (scatter, check))
     if key is None or plan is not None:
         return plan
+    if weight.shape[1] == 0:  # no row to write: no kernel would check the ids
+        return None
     return _EAGER_PLANS.put(key, _EagerPlan(weight, pos_weight, scatter))
 
 
@@ -647,5 +650,14 @@ def embedding(
     else:
         h = plan.forward(ids, weight, pos_weight, start, bad)
     if check:
-        checks.defer(ticket, bool, functools.partial(_id_error, ids, weight.shape[0]))
+        checks.defer(ticket, bool, functools.partial(_late_id_error, ids, weight.shape[0]))
     return h
+
+
+def _late_id_error(ids: torch.Tensor, n_vocab: int) -> IndexError:
+    """The error of a call whose kernel met an id out of range: `_id_error`'s, naming the id,
+    or a general one where ids changed in place before the check could read them."""
+    return _id_error(ids, n_vocab) or IndexError(
+        f"token ids must lie in [0, {n_vocab}) (weight's rows); a call met one outside, but "
+        "its ids changed before the check could name it"
+    )

@@ -386,7 +386,8 @@ def linear_cross_entropy(
     if use_triton:  # a layout seen before: its planned call (`_PlannedCall`)
         flags = tuple(records and getattr(t, "requires_grad", False) for t in (x, weight))
         key, planned = _PLANNED_CALLS.find(
-            (x, weight, labels), (ignore_index, chunk_rows, check_labels, *flags)
+            (x, weight, labels),
+            (ignore_index, chunk_rows, check_labels, *flags, *_switches(chunk_rows)),
         )
         if planned is not None and not torch.is_autocast_enabled(x.device.type):
             return planned(x, weight, labels, check_labels)
@@ -458,6 +459,7 @@ def linear_cross_entropy(
     if (
         key is not None and launches is not None and weight_lp is None
         and x2.data_ptr() == x.data_ptr() and not torch.is_autocast_enabled(x.device.type)
+        and after == bool(check_labels)  # (anomaly mode checked first: no verdict bound)
     ):  # fmt: skip
         # (no autocast cast nor copy of x: a later call of this layout repeats this one)
         _PLANNED_CALLS.put(key, _PlannedCall(x2, V, ignore_index, chunk_rows, grads, launches))
@@ -519,15 +521,19 @@ _PLANNED_CALLS = LaunchPlans()
 _apply_planned = eager_apply(_LinearCrossEntropyFunction)
 
 
+def _switches(chunk_rows) -> tuple:
+    """The module settings the launches and the choice of chunks read."""
+    return (
+        matmul_plan.matmul_impl, matmul_plan._FORCE_PATH, cross_entropy_hopper.ENABLED,
+        *ce_switches(), CHUNK_BYTES if chunk_rows is None else None,
+    )  # fmt: skip
+
+
 def _eager_launches(x2, w, labels1, ignore_index, chunk_rows, grads, check) -> _Launches | None:
     """The `_Launches` of this eager call's layout (x2 (M, K), w (V, K) as the products read
     them, labels1 (M,)), made on its first call; None where the op runs (traced)."""
-    switches = (
-        matmul_plan.matmul_impl, matmul_plan._FORCE_PATH, cross_entropy_hopper.ENABLED,
-        *ce_switches(),
-    )  # fmt: skip
     key, plan = _EAGER_PLANS.find(
-        (x2, w, labels1), (ignore_index, chunk_rows, *grads, check, *switches)
+        (x2, w, labels1), (ignore_index, chunk_rows, *grads, check, *_switches(chunk_rows))
     )
     if key is None or plan is not None:
         return plan
