@@ -22,6 +22,10 @@ the call's own output shows the bad input (a NaN loss, NaN rows): nothing is sil
 PyTorch's CUDA ops report bad indices asynchronously too (a device-side assert surfaces at a
 later sync, and leaves the CUDA context unusable; this does not).
 
+A pending check holds its call's labels or ids (at most 64 calls' per device) until it
+resolves: its error names the first bad value, read then; a kernel-flagged embedding call
+whose ids changed in place meanwhile still raises, without naming one.
+
 On the CPU (Triton's interpreter) the slot is a CPU tensor, read at once: the call itself
 raises. Under anomaly detection the ops check before launching
 (`cross_entropy.check_labels_before`), so the error comes from the call that made it.
