@@ -124,7 +124,7 @@ def defer(ticket: tuple, is_bad: Callable[[float], bool], error: Error) -> None:
     current stream have run: if `is_bad(value)`, raise `error()` (None: nothing to raise
     after all, e.g. a NaN loss whose labels were fine). A CPU slot is checked now."""
     ring, index = ticket
-    if ring is None:
+    if ring is None:  # a CPU slot: the ticket holds the tensor itself
         if is_bad(index.item()):
             _raise(error(), late=False)
         return

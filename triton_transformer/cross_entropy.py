@@ -30,13 +30,14 @@ Labels. A label outside [0, V) that is not `ignore_index` is an error. With
 `check_labels=True` (the default, for library users) a call raises a clear error for one and
 refuses CUDA stream capture. The Triton kernels make a bad label's row loss and gradient NaN,
 so an eager Triton call on a GPU checks after its kernels without waiting for them
-(`check_labels_after`, `triton_transformer.checks`): its loss is copied to pinned memory
-without blocking, and a later checked call (or `checks.raise_pending()`) that finds it NaN
-checks the labels and raises; the loss itself is NaN meanwhile. On the CPU (the interpreter)
-the call itself raises. The reference checks first, with a sync (F.cross_entropy would stop at
-a device-side assert), and so do traced calls, the in-place mode (whose kernel would overwrite
-the logits) and anomaly-detection mode (`torch.autograd.set_detect_anomaly(True)`, which also
-turns the check on where check_labels=False). With `check_labels=False` (inside a training
+(`check_labels_after`, `triton_transformer.checks`): the mean's kernel writes a NaN loss into
+a slot of pinned host memory, and a later checked call (or `checks.raise_pending()`) that
+finds it there checks the labels and raises; the loss itself is NaN meanwhile. On the CPU
+(the interpreter) the call itself raises. The reference checks first, with a sync
+(F.cross_entropy would stop at a device-side assert), and so do traced calls, the in-place
+mode (whose kernel would overwrite the logits) and anomaly-detection mode
+(`torch.autograd.set_detect_anomaly(True)`, which also turns the check on where
+check_labels=False). With `check_labels=False` (inside a training
 step) nothing is checked and a bad label gives a NaN loss.
 
 All positions ignored (or no positions at all): the loss is 0 and its gradient is 0 (torch's
