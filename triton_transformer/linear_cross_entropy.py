@@ -444,16 +444,15 @@ def linear_cross_entropy(
     weight_lp = _weight_in(weight, x.dtype)  # a copy in x's dtype, or None when weight is
     grad_x = x2.requires_grad
     grad_weight = weight.requires_grad
-    records_grad = torch.is_grad_enabled() and (grad_x or grad_weight)
     # a bf16 weight's gradient straight from one product, where one chunk is not heavier
     # (without autograd no gradient is written: the chunks stay)
-    bf16_dw = records_grad and grad_weight and weight_lp is None and weight.dtype == torch.bfloat16
+    bf16_dw = records and grad_weight and weight_lp is None and weight.dtype == torch.bfloat16
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(M, V, x.element_size())
         if bf16_dw and chunk_rows < M and single_chunk_lighter(M, V, K, 2, chunk_rows):
             chunk_rows = M
     dw_in_x_dtype = bf16_dw and chunk_rows >= M
-    grads = (grad_x, grad_weight, dw_in_x_dtype) if records_grad else (False, False, False)
+    grads = (grad_x, grad_weight, dw_in_x_dtype) if records else (False, False, False)
     w = weight if weight_lp is None else weight_lp
     launches = _eager_launches(x2, w, labels1, ignore_index, chunk_rows, grads, after)
     if (
@@ -464,7 +463,7 @@ def linear_cross_entropy(
         # (no autocast cast nor copy of x: a later call of this layout repeats this one)
         _PLANNED_CALLS.put(key, _PlannedCall(x2, V, ignore_index, chunk_rows, grads, launches))
     verdict, ticket = checks.reserve(x.device) if after and launches is not None else (None, None)
-    if records_grad:
+    if records:  # (autocast's cast of x keeps its requires_grad)
         loss = _LinearCrossEntropyFunction.apply(
             x2, weight, weight_lp, labels1, ignore_index, chunk_rows, *grads, launches, verdict
         )
