@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import triton_transformer.transformer as tt
+from triton_transformer import checks
+from triton_transformer.embedding import TokenIdError
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.transformer import KVCache, StaticKVCache, Transformer
 
@@ -364,6 +366,62 @@ def test_token_id_check_can_be_turned_off(device):
     x[0, 0] = VOCAB
     with pytest.raises(IndexError):  # the embedding's own error, not the model's check
         model(x)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_model_leaves_the_range_checks_to_its_ops(device, monkeypatch, fused):
+    # An eager Triton call reads nothing back in forward: its embedding and loss check the
+    # ids and labels after their kernels (on a GPU a later call or raise_pending raises, on
+    # the CPU the call itself), with the errors the PyTorch path gives
+    model = make_model(device, use_triton=True, causal=True, fused_loss=fused)
+    x, labels = tokens(device), tokens(device)
+    flags = []
+    for name, flag in (("embedding", "check_ids"), ("linear_cross_entropy", "check_labels"),
+                       ("cross_entropy", "check_labels")):  # fmt: skip
+        op = getattr(tt, name)
+        spy = lambda *a, _op=op, _flag=flag, **k: flags.append(k[_flag]) or _op(*a, **k)
+        monkeypatch.setattr(tt, name, spy)
+    check_inputs = Transformer._check_inputs
+    monkeypatch.setattr(
+        Transformer, "_check_inputs",
+        lambda self, *a: flags.append(("sync", a[-1])) or check_inputs(self, *a),
+    )  # fmt: skip
+    with monkeypatch.context() as m:
+        for method in ("tolist", "item"):  # (a CPU tensor's read is no sync: the CPU slots')
+            real = getattr(torch.Tensor, method)
+
+            def read(self, _real=real):
+                assert self.device.type == "cpu", "the forward read a device value back"
+                return _real(self)
+
+            m.setattr(torch.Tensor, method, read)
+        loss = model(x, labels=labels)
+    assert flags == [("sync", False), True, True] and torch.isfinite(loss)
+
+    bad_x = x.clone()
+    bad_x[1, 3] = VOCAB
+    with pytest.raises(TokenIdError, match=f"found id {VOCAB}") as info:
+        model(bad_x, labels=labels)
+        checks.raise_pending()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, IndexError)
+    bad_labels = labels.clone()
+    bad_labels[0, 0] = -1
+    with pytest.raises(ValueError, match="labels must lie in"):
+        model(x, labels=bad_labels)
+        checks.raise_pending()
+    model(x, labels=bad_labels, ignore_index=-1)  # fine once it is the ignore_index
+    checks.raise_pending()
+
+
+def test_pytorch_model_checks_ids_first(device):
+    # The PyTorch path checks before its ops (F.embedding would hit a device-side assert),
+    # raising the same TokenIdError
+    model = make_model(device)
+    x = tokens(device)
+    x[0, 1] = -3
+    with pytest.raises(TokenIdError, match="token ids outside") as info:
+        model(x)
+    assert isinstance(info.value, IndexError)
 
 
 # --- realistic shapes on a GPU ----------------------------------------------------------

@@ -79,7 +79,7 @@ from triton_transformer.utils import (
     widened_for_interpreter,
 )
 
-__all__ = ["ONE_HOT_MAX_VOCAB", "embedding"]
+__all__ = ["ONE_HOT_MAX_VOCAB", "TokenIdError", "embedding"]
 
 # Largest vocabulary whose backward runs as the one-hot product (see the module docstring).
 ONE_HOT_MAX_VOCAB = 1024
@@ -445,19 +445,25 @@ def _embedding_backward(ctx, dh: torch.Tensor):
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
 
 
-def _id_error(ids: torch.Tensor, n_vocab: int) -> IndexError | None:
-    """The IndexError for the first id outside [0, n_vocab), or None. Syncs with a CUDA
-    device."""
+class TokenIdError(IndexError, ValueError):
+    """A token id outside the table: an IndexError, as PyTorch's embedding raises, and a
+    ValueError, as `Transformer`'s input check raises for one (it leaves an eager Triton
+    call's ids to this op's check)."""
+
+
+def _id_error(ids: torch.Tensor, n_vocab: int) -> TokenIdError | None:
+    """The error for the first id outside [0, n_vocab), or None. Syncs with a CUDA device."""
     bad = (ids < 0) | (ids >= n_vocab)
     if not bad.any():
         return None
     first = ids[bad][0].item()
-    return IndexError(f"token ids must lie in [0, {n_vocab}) (weight's rows); found id {first}")
+    return TokenIdError(f"token ids must lie in [0, {n_vocab}) (weight's rows); found id {first}")
 
 
 def _check_ids_in_range(ids: torch.Tensor, n_vocab: int) -> None:
-    """Raise IndexError, as `F.embedding` does on the CPU, if an id is outside [0, n_vocab).
-    Syncs with a CUDA device, so it refuses to run during CUDA stream capture."""
+    """Raise a TokenIdError (an IndexError, as `F.embedding` raises on the CPU) if an id is
+    outside [0, n_vocab). Syncs with a CUDA device, so it refuses to run during CUDA stream
+    capture."""
     check_not_capturing(_ID_CHECK)
     err = _id_error(ids, n_vocab)
     if err is not None:
@@ -564,12 +570,13 @@ def embedding(
             ONE_HOT_MAX_VOCAB rows; above, dW is an fp32 atomic scatter-add whose last bits
             vary from run to run, so with `torch.use_deterministic_algorithms(True)` a
             vocabulary that large takes the PyTorch path (deterministic, sort-based) instead.
-        check_ids: raise IndexError for an id outside [0, V) (refused during CUDA stream
-            capture; skipped under torch.compile). An eager Triton call on a GPU raises it
-            from a later checked call, or from `triton_transformer.checks.raise_pending()`,
-            without a sync (its rows are NaN meanwhile); PyTorch's path (use_triton=False,
-            or deterministic algorithms with a vocabulary above ONE_HOT_MAX_VOCAB) and
-            anomaly-detection mode check first, with a sync. Pass False where the ids are
+        check_ids: raise a `TokenIdError` (an IndexError and a ValueError) for an id outside
+            [0, V) (refused during CUDA stream capture; skipped under torch.compile). An
+            eager Triton call on a GPU raises it from a later checked call, or from
+            `triton_transformer.checks.raise_pending()`, without a sync (its rows are NaN
+            meanwhile); PyTorch's path (use_triton=False, or deterministic algorithms with a
+            vocabulary above ONE_HOT_MAX_VOCAB) and anomaly-detection mode check first, with
+            a sync. Pass False where the ids are
             checked already or in a captured / compiled step: the Triton kernel then writes
             NaN rows for out-of-range ids, so the loss turns NaN (the trainer's non-finite
             check stops the run), and F.embedding raises an IndexError on the CPU and hits
@@ -581,7 +588,7 @@ def embedding(
     Raises:
         TypeError / ValueError: ids not an integer (b, n) tensor, tables not 2-D or of
             different widths, or positions start .. start + n outside the positional table.
-        IndexError: (check_ids) an id outside [0, V).
+        TokenIdError: (check_ids) an id outside [0, V); an IndexError and a ValueError.
         RuntimeError: the id check during CUDA stream capture.
     """
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
@@ -654,10 +661,10 @@ def embedding(
     return h
 
 
-def _late_id_error(ids: torch.Tensor, n_vocab: int) -> IndexError:
+def _late_id_error(ids: torch.Tensor, n_vocab: int) -> TokenIdError:
     """The error of a call whose kernel met an id out of range: `_id_error`'s, naming the id,
     or a general one where ids changed in place before the check could read them."""
-    return _id_error(ids, n_vocab) or IndexError(
+    return _id_error(ids, n_vocab) or TokenIdError(
         f"token ids must lie in [0, {n_vocab}) (weight's rows); a call met one outside, but "
         "its ids changed before the check could name it"
     )

@@ -41,14 +41,14 @@ from triton_transformer.block_graphs import BlockGraphs
 from triton_transformer.bmm import linear
 from triton_transformer.cross_entropy import cross_entropy
 from triton_transformer.dropout import dropout
-from triton_transformer.embedding import embedding
+from triton_transformer.embedding import TokenIdError, embedding
 from triton_transformer.layernorm import LayerNorm
 from triton_transformer.linear_cross_entropy import linear_cross_entropy
 from triton_transformer.mlp import relu2_mlp
 from triton_transformer.residual_layernorm import residual_layernorm
 from triton_transformer.rmsnorm import RMSNorm, residual_rmsnorm
 from triton_transformer.rope import DEFAULT_BASE, rope
-from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists
+from triton_transformer.utils import check_not_capturing, default, draw_seeds, exists, is_traced
 
 __all__ = ["ATTN_IMPLS", "KVCache", "StaticKVCache", "Transformer"]
 
@@ -372,10 +372,16 @@ class Transformer(nn.Module):
     the two residual output projections of each block ~ N(0, 0.02 / sqrt(2 * depth)) so the
     residual stream's variance does not grow with depth; layernorm weights are 1.
 
-    `check_token_ids` (default True) makes `forward` raise a ValueError for token ids or
-    labels outside [0, num_tokens). The check reads one boolean back from the device, i.e.
-    synchronises with a GPU every call; turn it off (constructor or attribute) in hot loops.
-    During CUDA graph capture it raises a RuntimeError instead (a replay would skip it).
+    `check_token_ids` (default True) makes `forward` raise for token ids or labels outside
+    [0, num_tokens): a `TokenIdError` for ids (a ValueError and an IndexError) and a
+    ValueError for labels. An eager call with use_triton leaves the check to its embedding
+    and loss, whose kernels flag a bad id or label without a sync
+    (`triton_transformer.checks`): the error then comes from a later call's forward, or from
+    `checks.raise_pending()` (call it before an optimizer step that must not see a bad batch;
+    it waits for the GPU), and meanwhile that call's logits or loss are NaN. The PyTorch path
+    and traced calls check first, reading one boolean back from the device (a sync). During
+    CUDA graph capture it raises a RuntimeError instead (a replay would skip it): turn it off
+    (constructor or attribute) in captured steps.
 
     `attn_impl`: "flash" (default; the fused attention kernel under use_triton) or "naive"
     (the bmm -> softmax -> dropout -> bmm composition). Both compute the same function and
@@ -582,27 +588,35 @@ class Transformer(nn.Module):
         Returns logits (b, n, num_tokens), or a scalar loss when `labels` is given.
         """
         use_triton = default(use_triton, self.use_triton)
-        n, start = self._check_inputs(x, mask, labels, ignore_index, kv_cache)
+        # An eager Triton call leaves the ids and labels to its embedding's and loss's own
+        # checks, which need no sync; the others check them in _check_inputs
+        ops_check = (
+            self.check_token_ids and use_triton and not torch.compiler.is_compiling()
+            and not is_traced(x)
+        )  # fmt: skip
+        sync_check = self.check_token_ids and not ops_check
+        n, start = self._check_inputs(x, mask, labels, ignore_index, kv_cache, sync_check)
         if x.dtype not in (torch.int32, torch.int64):
             x = x.long()  # embedding takes int32/int64 ids
 
-        # check_ids=False: _check_inputs checked the ids (when check_token_ids is on); an
-        # unchecked out-of-range id gets a NaN row from the Triton kernel, so a NaN loss
+        # check_ids: the embedding's check (ops_check), else _check_inputs checked the ids
+        # where check_token_ids is on; an unchecked out-of-range id gets a NaN row from the
+        # Triton kernel, so a NaN loss
         positions = None  # rope: the tokens' positions on the device (None: 0..n-1)
         if isinstance(kv_cache, StaticKVCache):
             # the positions follow a length that lives on the device: gather them there
             positions = kv_cache.begin(n, x.device)
-            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=ops_check)
             if exists(self.pos_emb):
                 h = h + self.pos_emb.weight[positions]
         elif not exists(self.pos_emb):
-            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=ops_check)
             if start:  # a KVCache step: its positions follow the host-side length
                 positions = torch.arange(start, start + n, device=x.device)
         else:
             h = embedding(
                 x, self.token_emb.weight, self.pos_emb.weight, start, use_triton=use_triton,
-                check_ids=False,
+                check_ids=ops_check,
             )  # fmt: skip
         y = None
         if use_triton and self.cuda_graphs and kv_cache is None:
@@ -630,15 +644,14 @@ class Transformer(nn.Module):
         if fused:
             return linear_cross_entropy(
                 y, self.to_logits.weight, labels, ignore_index, use_triton=True,
-                chunk_rows=self.loss_chunk_rows,
-                check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
+                chunk_rows=self.loss_chunk_rows, check_labels=ops_check,
             )  # fmt: skip
         return cross_entropy(
             logits,
             labels,
             ignore_index=ignore_index,
             use_triton=use_triton,
-            check_labels=False,  # _check_inputs checked them (when check_token_ids is on)
+            check_labels=ops_check,  # (else _check_inputs checked them, where asked)
             inplace_backward=True,  # nothing else keeps the logits: they take their gradient
         )
 
@@ -680,8 +693,10 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None,
         ignore_index: int | None,
         kv_cache: KVCache | StaticKVCache | None,
+        check_ranges: bool,
     ) -> tuple[int, int]:
-        """Validate forward's arguments; returns (n, position of x's first token)."""
+        """Validate forward's arguments; returns (n, position of x's first token).
+        check_ranges: check the ids and labels here (a sync)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor of token ids, got {type(x).__name__}")
         if not _is_int_tensor(x):
@@ -742,6 +757,7 @@ class Transformer(nn.Module):
             check_not_capturing(
                 "Transformer's token-id range check (turn it off with check_token_ids=False)"
             )
+        if check_ranges:
             # one device read for both checks
             bad = [((x < 0) | (x >= self.num_tokens)).any()]
             if exists(labels):
@@ -751,7 +767,7 @@ class Transformer(nn.Module):
                 bad.append(out.any())
             bad_x, *bad_labels = torch.stack(bad).tolist()
             if bad_x:
-                raise ValueError(f"x holds token ids outside [0, num_tokens={self.num_tokens})")
+                raise TokenIdError(f"x holds token ids outside [0, num_tokens={self.num_tokens})")
             if any(bad_labels):
                 raise ValueError(
                     f"labels hold ids outside [0, num_tokens={self.num_tokens}) that are not "
