@@ -48,7 +48,7 @@ CASES = {
 ok = trace_cases(CASES)
 
 POINTERS = dict(X="*bf16", W="*fp32", Y="*bf16", H="*bf16", BR="*bf16", DY="*bf16", DX="*bf16",
-                DHN="*bf16", DBR="*bf16", Rstd="*fp32", Partial="*fp32", SEED="*i64", DW="*fp32",
+                DHN="*bf16", DBR="*bf16", Rstd="*fp32", Partial="*fp32", SEED="*i64",
                 Q="*bf16", K="*bf16", QO="*bf16", KO="*bf16", POS="*i64", G="*bf16", U="*bf16",
                 DG="*bf16", DU="*bf16")  # fmt: skip
 FLOATS = {"inv_n", "eps", "p", "drop_scale", "freq_scale"}
@@ -77,10 +77,6 @@ variants = {
                                      HAS_DHN=True, WRITE_DBR=True, DROPOUT=True),
     ),
     "rms bwd loop": (rms._rmsnorm_bwd_kernel, 8, dict(SINGLE=False, BLOCK_M=1, BLOCK_N=4096)),
-    "rms bwd one program": (
-        rms._rmsnorm_bwd_kernel, 8, dict(SINGLE=True, BLOCK_M=8, BLOCK_N=512, ONE_PROGRAM=True,
-                                         ACC_W=True, HAS_DHN=True, WRITE_DBR=True),
-    ),
     "rope": (rope._rope_kernel, 4, dict(HAS_POS=True, INVERSE=False, BLOCK_S=8, BLOCK_D=64)),
     "rope inverse": (rope._rope_kernel, 4, dict(HAS_POS=False, INVERSE=True, BLOCK_S=16,
                                                 BLOCK_D=32)),
@@ -89,7 +85,7 @@ variants = {
     "swiglu bwd packed": (sw._swiglu_bwd_kernel, 4, dict(PACKED=True, BLOCK_M=2, BLOCK_N=1024)),
 }  # fmt: skip
 defaults = dict(RESIDUAL=False, DROPOUT=False, INT64_IDX=False, HAS_DHN=False, WRITE_DBR=False,
-                PREFETCH=False, ONE_PROGRAM=False, ACC_W=False)  # fmt: skip
+                PREFETCH=False)  # fmt: skip
 for name, (kernel, warps, consts) in variants.items():
     consts = {k: v for k, v in {**defaults, **consts}.items() if k in kernel.arg_names}
     try:

@@ -154,13 +154,8 @@ def _cancellation_floors(x, w, dy, eps):
 @pytest.mark.parametrize("N", [1, 37, 100, 256])
 @pytest.mark.parametrize("stable", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("one_program", [True, False])
-def test_matches_fp64(N, stable, bias, one_program, device, monkeypatch):
-    # 70 rows: several forward programs and backward groups (or one program's tiles), the
-    # last ones partial.
-    if not one_program:
-        monkeypatch.setattr(ln_mod, "ONE_PROGRAM_ELEMENTS", 0)
-        ln_mod._clear_config_caches()
+def test_matches_fp64(N, stable, bias, device):
+    # 70 rows: several forward programs and backward groups, the last ones partial.
     x, w, b = _inputs((70, N), device=device, bias=bias)
     _check(x, w, b, stable=stable)
 
@@ -586,46 +581,6 @@ def test_backward_variants_agree(stable, device):
     _assert_close(outs["split"][0], outs["row"][0].double(), 1e-6, "split vs row dx")
 
 
-@pytest.mark.parametrize("stable", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_one_program_backward(stable, bias, accumulate, device, monkeypatch):
-    # A small backward runs as one program that writes dweight / dbias itself (no column-sum
-    # launch, no partial sums): against float64 (NaN-poisoned outputs: every element written,
-    # or added to for an accumulated gradient) and against the grid it replaces.
-    shape = (70, 100)  # several tiles of the one program, the last one partial
-    big = ln_mod.MAX_BLOCK_N
-    assert ln_mod._one_program(*shape, big) and not ln_mod._one_program(shape[0] * 5, shape[1], big)
-    x, w, b = _inputs(shape, device=device, bias=bias)
-    dy = torch.randn(x.shape, device=device)
-    _, stats = ln_mod.layernorm_op(x, w, b, 1e-5, stable)
-    ref = _fwd_bwd(x, w, b, dy.double(), stable=stable, use_triton=False, dtype=torch.float64)
-    kernels = []
-    real = ln_mod.launcher
-    monkeypatch.setattr(ln_mod, "launcher", lambda k: kernels.append(k.fn.__name__) or real(k))
-    outs = {}
-    for one in (True, False):
-        monkeypatch.setattr(ln_mod, "ONE_PROGRAM_ELEMENTS", 1 << 15 if one else 0)
-        ln_mod._clear_config_caches()
-        kernels.clear()
-        dx = torch.full_like(x, float("nan"))
-        start = [torch.randn_like(w) if accumulate else torch.full_like(w, float("nan"))]
-        start.append(None if b is None else start[0].clone())
-        dw, db = (None if t is None else t.clone() for t in start)
-        ln_mod.launch_layernorm_bwd(
-            dy, x, w, stats, dx, dw, db, 1e-5, stable, acc_w=accumulate, acc_b=accumulate
-        )
-        assert ("_layernorm_bwd_colsum_kernel" in kernels) is not one, kernels
-        got = (dx, dw) if b is None else (dx, dw, db)
-        before = (None, *start)[: len(got)]
-        for g, want, first, what in zip(got, ref[1:], before, ("dx", "dw", "db"), strict=False):
-            expected = want + first.double() if accumulate and first is not None else want
-            _assert_close(g, expected, 1e-5, f"one program {one}: {what}")
-        outs[one] = (dx, dw, db)
-    # the same dx (its row sums do not depend on the grid)
-    assert torch.equal(outs[True][0], outs[False][0])
-
-
 def test_row_config_must_hold_the_row(device):
     x, w, b = _inputs((4, 100), device=device)
     _, stats = ln_mod.layernorm_op(x, w, b, 1e-5, False)
@@ -1018,11 +973,7 @@ def test_kernels_compile_for_sm90_cpu():
                                                     (1, 4096, 8, False, False)):
                 compile_sm90(ln._layernorm_bwd_kernel, warps, STABLE=stable, SINGLE=single,
                              HAS_DHN=True, WRITE_DBR=True, BLOCK_M=bm, BLOCK_N=bn,
-                             PREFETCH=prefetch, ONE_PROGRAM=False, ACC_W=False, ACC_B=False,
-                             **io)
-            compile_sm90(ln._layernorm_bwd_kernel, 8, STABLE=stable, SINGLE=True, HAS_DHN=True,
-                         WRITE_DBR=True, BLOCK_M=8, BLOCK_N=512, PREFETCH=False,
-                         ONE_PROGRAM=True, ACC_W=True, ACC_B=False, **io)
+                             PREFETCH=prefetch, **io)
             for prefetch in (False, True):
                 compile_sm90(ln._layernorm_bwd_cols_kernel, 4, STABLE=stable, HAS_DHN=True,
                              WRITE_DBR=True, BLOCK_M=8, BLOCK_N=256, PREFETCH=prefetch, **io)

@@ -26,7 +26,6 @@ from triton_transformer.rmsnorm import (
 from triton_transformer.utils import draw_seed
 
 rms_mod = importlib.import_module("triton_transformer.rmsnorm")
-ln_mod = importlib.import_module("triton_transformer.layernorm")
 
 
 @pytest.fixture
@@ -55,52 +54,11 @@ def _check(x, w, tol, eps=1e-5):
     assert_close(gs[1], rgs[1], tol, "dweight")
 
 
-@pytest.fixture(params=[True, False], ids=["one_program", "grid"])
-def one_program(request, monkeypatch):
-    """Small backwards as one program (the default) or on the grid of larger ones."""
-    if not request.param:
-        monkeypatch.setattr(ln_mod, "ONE_PROGRAM_ELEMENTS", 0)
-    rms_mod._clear_config_caches()
-    yield request.param
-    rms_mod._clear_config_caches()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
 @pytest.mark.parametrize("shape", [(1, 3), (7, 37), (3, 5, 64), (2, 2, 3, 100)])
-def test_forward_backward(shape, dtype, device, one_program):
+def test_forward_backward(shape, dtype, device):
     x, w = _inputs(shape, dtype, device)
     _check(x, w, TOL[dtype])
-
-
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_one_program_backward(residual, accumulate, device, monkeypatch):
-    # A small backward is one launch that writes dweight itself (or adds to it), no
-    # column-sum launch; the same results as the grid's, dx bitwise
-    x, w = _inputs((70, 100), torch.float32, device)
-    dy, dhn = (torch.randn(x.shape, device=device) for _ in range(2))
-    rstd = torch.empty(70, device=device)
-    rms_mod.launch_rmsnorm_fwd(x, w, torch.empty_like(x), rstd, 1e-5)
-    kernels = []
-    real = rms_mod.launcher
-    monkeypatch.setattr(rms_mod, "launcher", lambda k: kernels.append(k.fn.__name__) or real(k))
-    start = torch.randn_like(w)
-    outs = {}
-    for one in (True, False):
-        monkeypatch.setattr(ln_mod, "ONE_PROGRAM_ELEMENTS", 1 << 15 if one else 0)
-        rms_mod._clear_config_caches()
-        kernels.clear()
-        dx, dbr = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        dw = start.clone() if accumulate else torch.full_like(w, float("nan"))
-        kw = dict(dhn2=dhn, dbr2=dbr) if residual else {}
-        rms_mod.launch_rmsnorm_bwd(dy, x, w, rstd, dx, dw, acc_w=accumulate, **kw)
-        assert ("_layernorm_bwd_colsum_kernel" in kernels) is not one, kernels
-        outs[one] = (dx, dw, dbr)
-    assert torch.equal(outs[True][0], outs[False][0])
-    if residual:
-        assert torch.equal(outs[True][2], outs[True][0])  # no dropout: dbranch = dx
-    assert_close(outs[True][1], outs[False][1].double(), 1e-5, "dweight")
-    assert torch.isfinite(outs[True][1]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -131,7 +89,7 @@ def test_mixed_dtypes_and_out_dtype(device):
 
 @pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual_matches_reference(dtype, narrow, device, monkeypatch, one_program):
+def test_residual_matches_reference(dtype, narrow, device, monkeypatch):
     if narrow:
         monkeypatch.setattr(rms_mod, "MAX_BLOCK_N", 16)
     rms_mod._clear_config_caches()

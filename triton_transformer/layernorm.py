@@ -532,33 +532,20 @@ def _load_stats(Stats, rows, row_mask, M, STABLE: tl.constexpr):
     return mean, rstd, scale
 
 
-@triton.jit
-def _store_param_grad(DST, sums, cols, mask, ACC: tl.constexpr):
-    """A parameter's gradient from its fp32 column sums: DST[cols] = sums, or += where ACC (a
-    `.grad` summed over micro-batches in place), rounded once to DST's dtype."""
-    if ACC:
-        sums += tl.load(DST + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DST + cols, sums.to(DST.dtype.element_ty), mask=mask)
-
-
 # rows_per_prog and G change with the row count and the programs per SM: not specialised on
 # (their divisibility would compile a kernel per value class, for nothing).
 @triton.jit(do_not_specialize=["rows_per_prog"])
 def _layernorm_bwd_kernel(
-    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED, DW, DB,
+    X, W, DY, DX, Partial, Stats, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     eps, threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STABLE: tl.constexpr, SINGLE: tl.constexpr,
     HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr, DROPOUT: tl.constexpr,
     INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, ONE_PROGRAM: tl.constexpr, ACC_W: tl.constexpr,
-    ACC_B: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """The "row" (SINGLE) and "loop" backward: dx of rows [pid * rows_per_prog, ...) and their
-    dweight/dbias column sums as row pid of Partial (dbias's rows follow dweight's).
-    ONE_PROGRAM ("row" only: the grid is one program, over every row): the sums are the
-    gradients, stored into DW and DB as the column-sum kernel would (ACC_W / ACC_B), and
-    Partial is unused."""
+    dweight/dbias column sums as row pid of Partial (dbias's rows follow dweight's)."""
     # torch.compile passes Python floats as fp64: compute in fp32 as the eager launch does
     inv_n, eps = tl.cast(inv_n, tl.float32), tl.cast(eps, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
@@ -608,14 +595,9 @@ def _layernorm_bwd_kernel(
             dw_acc += dy * xhat
             if HAS_BIAS:
                 db_acc += dy
-        if ONE_PROGRAM:
-            _store_param_grad(DW, tl.sum(dw_acc, axis=0), cols, col_mask, ACC_W)
-            if HAS_BIAS:
-                _store_param_grad(DB, tl.sum(db_acc, axis=0), cols, col_mask, ACC_B)
-        else:
-            tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-            if HAS_BIAS:
-                tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+        tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if HAS_BIAS:
+            tl.store(db_out + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         for r0 in range(row_start, row_end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
@@ -756,9 +738,15 @@ def _layernorm_bwd_colsum_kernel(
         if HAS_BIAS:
             offs_b = (gs + G).to(tl.int64)[:, None] * N + cols[None, :]
             db += tl.load(Partial + offs_b, mask=mask, other=0.0)
-    _store_param_grad(DW, tl.sum(dw, axis=0), cols, col_mask, ACC_W)
+    dw_sum = tl.sum(dw, axis=0)
+    if ACC_W:
+        dw_sum += tl.load(DW + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(DW + cols, dw_sum.to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        _store_param_grad(DB, tl.sum(db, axis=0), cols, col_mask, ACC_B)
+        db_sum = tl.sum(db, axis=0)
+        if ACC_B:
+            db_sum += tl.load(DB + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(DB + cols, db_sum.to(DB.dtype.element_ty), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------- launch config
@@ -847,31 +835,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter runs programs one by one: few programs are cheapest
     return sm_count(device)
-
-
-# A backward of at most ONE_PROGRAM_ELEMENTS (rows x the width class) runs as one program of the
-# "row" kernel over every row, which writes dweight and dbias itself: one launch and no
-# partial sums to allocate. The grid's kernel and the column-sum launch it replaces cost an
-# eager call ~6 µs of host time per bound launch and ~3 per allocation (the 28th session's
-# floor), and at this size their GPU time is mostly launch latency. Its tile holds
-# _ONE_PROGRAM_TILE elements (8 warps). `_bwd_plan` below splits every larger backward.
-ONE_PROGRAM_ELEMENTS = 1 << 15
-_ONE_PROGRAM_TILE = 4096
-
-
-def _one_program(n_rows, n_cols: int, max_block: int) -> bool:
-    """Whether a backward of n_rows x n_cols (on the tables, not a given configuration) runs
-    as one program: its rows fit max_block, and not for symbolic row counts (torch.compile's
-    dynamic shapes). Also rmsnorm's rule."""
-    width = width_class(n_cols)
-    return type(n_rows) is int and width <= max_block and n_rows * width <= ONE_PROGRAM_ELEMENTS
-
-
-def _one_program_config(n_rows: int, n_cols: int) -> BwdConfig:
-    """The one-program backward's tile: whole rows, up to _ONE_PROGRAM_TILE elements."""
-    width = width_class(n_cols)
-    block_m = min(next_power_of_2(n_rows), max(1, _ONE_PROGRAM_TILE // width))
-    return BwdConfig("row", block_m, width, 8, 1)
 
 
 def _bwd_plan(n_rows, n_cols: int, cfg: BwdConfig, device: torch.device):
@@ -1024,16 +987,18 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
     x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias = tensors
     has_bias = dbias is not dweight
     residual = has_dhn and not stable
-    one = cfg is None and _one_program(M, N, MAX_BLOCK_N)
     cfg = cfg or _layernorm_bwd_config(N, MAX_BLOCK_N, _many_rows(M, N, stable), residual)
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
-    if one:
-        return _one_program_launch(tensors, M, N, eps, stable, p, has_dhn, write_dbr, acc_w, acc_b)
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
     partial_shape = (2 if has_bias else 1, groups, N)
     partial = torch.empty(partial_shape, dtype=torch.float32, device=x2.device)
-    strides, scalars, flags = _bwd_args(tensors, M, N, p, stable, has_dhn, write_dbr, cfg)
+    dropout = write_dbr and p > 0.0
+    strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2.stride(0), dbr2.stride(0))
+    threshold, drop_scale = (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
+    flags = dict(HAS_BIAS=has_bias, STABLE=stable, HAS_DHN=has_dhn, WRITE_DBR=write_dbr,
+                 DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)  # fmt: skip
     rowsums_shape = None
     if cfg.kind == "split":
         rowsums_shape = (3 if stable else 2, M)
@@ -1046,13 +1011,13 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
         )  # fmt: skip
         main = launcher(_layernorm_bwd_cols_kernel).bind(
             (col_tiles, groups), x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2,
-            seed, M, N, rows_per_prog, *strides, *scalars, **flags,
+            seed, M, N, rows_per_prog, *strides, threshold, drop_scale, **flags,
         )  # fmt: skip
     else:
         main = launcher(_layernorm_bwd_kernel).bind(
-            (groups,), x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed, dweight, dbias,
-            M, N, 1.0 / N, rows_per_prog, *strides, eps, *scalars, SINGLE=cfg.kind == "row",
-            ONE_PROGRAM=False, ACC_W=False, ACC_B=False, **flags,
+            (groups,), x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed,
+            M, N, 1.0 / N, rows_per_prog, *strides, eps, threshold, drop_scale,
+            SINGLE=cfg.kind == "row", **flags,
         )  # fmt: skip
     colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
         (cdiv(N, _COLSUM_BLOCK_C),), partial, dweight, dbias, groups, N,
@@ -1068,42 +1033,8 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
             sums(x2, weight, dy2, stats, rowsums)
             main(x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2, seed)
         else:
-            main(x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed, dweight, dbias)
+            main(x2, weight, dy2, dx2, partial, stats, dhn2, dbr2, seed)
         colsum(partial, dweight, dbias)
-
-    return launch
-
-
-def _bwd_args(tensors, M, N, p, stable, has_dhn, write_dbr, cfg: BwdConfig) -> tuple:
-    """(row strides, (threshold, drop_scale), flags) of a backward launch of `tensors`
-    (`_bwd_launches`'), as every variant's main kernel takes them."""
-    x2, _, dy2, dx2, _, dhn2, dbr2, _, dweight, dbias = tensors
-    dropout = write_dbr and p > 0.0
-    strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2.stride(0), dbr2.stride(0))
-    scalars = (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
-    flags = dict(HAS_BIAS=dbias is not dweight, STABLE=stable, HAS_DHN=has_dhn,
-                 WRITE_DBR=write_dbr, DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31),
-                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch,
-                 num_warps=cfg.num_warps)  # fmt: skip
-    return strides, scalars, flags
-
-
-def _one_program_launch(tensors, M, N, eps, stable, p, has_dhn, write_dbr, acc_w, acc_b):
-    """`_bwd_launches` for a backward small enough for one program (`_one_program`): the
-    "row" kernel over every row, writing dweight and dbias itself."""
-    cfg = _one_program_config(M, N)
-    strides, scalars, flags = _bwd_args(tensors, M, N, p, stable, has_dhn, write_dbr, cfg)
-    x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias = tensors
-    # (dweight stands in for the partial sums, which one program does not write)
-    main = launcher(_layernorm_bwd_kernel).bind(
-        (1,), x2, weight, dy2, dx2, dweight, stats, dhn2, dbr2, seed, dweight, dbias,
-        M, N, 1.0 / N, cdiv(M, cfg.block_m) * cfg.block_m, *strides, eps, *scalars,
-        SINGLE=True, ONE_PROGRAM=True, ACC_W=acc_w, ACC_B=acc_b and flags["HAS_BIAS"],
-        **flags,
-    )  # fmt: skip
-
-    def launch(x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias) -> None:
-        main(x2, weight, dy2, dx2, dweight, stats, dhn2, dbr2, seed, dweight, dbias)
 
     return launch
 

@@ -68,10 +68,7 @@ from triton_transformer.layernorm import (
     _load_x,
     _load_x_dy,
     _nearest,
-    _one_program,
-    _one_program_config,
     _store_dx,
-    _store_param_grad,
     check_out_dtype,
     check_residual_branch,
     param_grads,
@@ -177,18 +174,15 @@ def _rmsnorm_fwd_kernel(
 
 @triton.jit(do_not_specialize=["rows_per_prog"])
 def _rmsnorm_bwd_kernel(
-    X, W, DY, DX, Partial, Rstd, DHN, DBR, SEED, DW,
+    X, W, DY, DX, Partial, Rstd, DHN, DBR, SEED,
     M, N, inv_n, rows_per_prog, stride_x, stride_dy, stride_dx, stride_dhn, stride_dbr,
     threshold, drop_scale,
     SINGLE: tl.constexpr, HAS_DHN: tl.constexpr, WRITE_DBR: tl.constexpr,
     DROPOUT: tl.constexpr, INT64_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, ONE_PROGRAM: tl.constexpr,
-    ACC_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """The "row" (SINGLE) and "loop" backward: dx of rows [pid * rows_per_prog, ...) and their
-    dweight column sums as row pid of Partial. ONE_PROGRAM ("row" only, a grid of one program
-    over every row): the sums are dweight, stored into DW as the column-sum kernel would
-    (ACC_W), and Partial is unused (layernorm's `_one_program`)."""
+    dweight column sums as row pid of Partial."""
     inv_n = tl.cast(inv_n, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
     pid = tl.program_id(0)
@@ -225,10 +219,7 @@ def _rmsnorm_bwd_kernel(
                 threshold, drop_scale, HAS_DHN, WRITE_DBR, DROPOUT, INT64_IDX, BLOCK_N,
             )  # fmt: skip
             dw_acc += dy * xhat
-        if ONE_PROGRAM:
-            _store_param_grad(DW, tl.sum(dw_acc, axis=0), cols, col_mask, ACC_W)
-        else:
-            tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(dw_out + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
         for r0 in range(row_start, row_end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
@@ -381,9 +372,6 @@ def launch_rmsnorm_bwd(
         if plan is not None:
             plan(*tensors)
             return plan
-    if cfg is None and _one_program(M, N, MAX_BLOCK_N):
-        launch = _one_program_launch(tensors, M, N, dhn2 is not None, dbr2 is not None, p, acc_w)
-        return None if key is None else _PLANS.put(key, launch)
     cfg = cfg or _rmsnorm_bwd_config(N, MAX_BLOCK_N)
     if cfg.kind not in ("row", "loop"):
         raise ValueError(f"rmsnorm has 'row' and 'loop' backwards, got {cfg.kind!r}")
@@ -393,10 +381,12 @@ def launch_rmsnorm_bwd(
     partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
     x2, weight, dy2, dx2, rstd, dhn2_, dbr2_, seed_, dweight = tensors
     main = launcher(_rmsnorm_bwd_kernel).bind(
-        (groups,), x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed_, dweight,
-        M, N, 1.0 / N, rows_per_prog, *strides, *_bwd_scalars(p, dropout),
-        **_bwd_flags(M, N, cfg, dhn2 is not None, dbr2 is not None, dropout),
-        ONE_PROGRAM=False, ACC_W=False,
+        (groups,), x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed_,
+        M, N, 1.0 / N, rows_per_prog, *strides, dropout_threshold(p),
+        1.0 / (1.0 - p) if dropout else 1.0,
+        SINGLE=cfg.kind == "row", HAS_DHN=dhn2 is not None, WRITE_DBR=dbr2 is not None,
+        DROPOUT=dropout, INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
     )  # fmt: skip
     colsum = launcher(_layernorm_bwd_colsum_kernel).bind(
         (cdiv(N, _COLSUM_BLOCK_C),), partial, dweight, dweight, groups, N,
@@ -406,44 +396,10 @@ def launch_rmsnorm_bwd(
 
     def launch(x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight) -> None:
         partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
-        main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed, dweight)
+        main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed)
         colsum(partial, dweight, dweight)
 
     return None if key is None else _PLANS.put(key, launch)
-
-
-def _bwd_scalars(p: float, dropout: bool) -> tuple:
-    """The backward kernel's (threshold, drop_scale)."""
-    return dropout_threshold(p), 1.0 / (1.0 - p) if dropout else 1.0
-
-
-def _bwd_flags(M, N, cfg: BwdConfig, has_dhn: bool, write_dbr: bool, dropout: bool) -> dict:
-    """The backward kernel's constexprs and warps for `cfg`, but ONE_PROGRAM and ACC_W."""
-    return dict(
-        SINGLE=cfg.kind == "row", HAS_DHN=has_dhn, WRITE_DBR=write_dbr, DROPOUT=dropout,
-        INT64_IDX=bool(M * N >= 2**31), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-    )  # fmt: skip
-
-
-def _one_program_launch(tensors, M, N, has_dhn, write_dbr, p, acc_w) -> Callable[..., None]:
-    """`launch_rmsnorm_bwd` for a backward small enough for one program (layernorm's
-    `_one_program`): the "row" kernel over every row, writing dweight itself."""
-    cfg = _one_program_config(M, N)
-    dropout = write_dbr and p > 0.0
-    x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight = tensors
-    strides = tuple(t.stride(0) for t in (x2, dy2, dx2, dhn2, dbr2))
-    # (dweight stands in for the partial sums, which one program does not write)
-    main = launcher(_rmsnorm_bwd_kernel).bind(
-        (1,), x2, weight, dy2, dx2, dweight, rstd, dhn2, dbr2, seed, dweight,
-        M, N, 1.0 / N, cdiv(M, cfg.block_m) * cfg.block_m, *strides, *_bwd_scalars(p, dropout),
-        **_bwd_flags(M, N, cfg, has_dhn, write_dbr, dropout), ONE_PROGRAM=True, ACC_W=acc_w,
-    )  # fmt: skip
-
-    def launch(x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight) -> None:
-        main(x2, weight, dy2, dx2, dweight, rstd, dhn2, dbr2, seed, dweight)
-
-    return launch
 
 
 # ----------------------------------------------------------------------------- torch.library ops
