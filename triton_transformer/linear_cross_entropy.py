@@ -182,10 +182,15 @@ def _forward_chunks(
     w_t = weight.t()
     for chunk, start in enumerate(range(0, M, rows)):
         end = min(start + rows, M)
-        x_c, z = x[start:end], buf[: end - start]
+        if end - start == M:  # one chunk: the whole tensors (a view each costs host time)
+            x_c, z, lse_c, labels_c, loss_c, dx_c = x, buf, lse, labels2, loss_rows, dx
+        else:
+            x_c, z = x[start:end], buf[: end - start]
+            lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
+            labels_c, loss_c = labels2[:, start:end], loss_rows[start:end]
+            dx_c = dx[start:end] if grad_x else dx
         launches.products.run(("z", chunk), x_c, w_t, z)  # logits of the chunk
-        lse_c = lse[start:end] if write_grad else lse[: end - start]  # (unused with grads)
-        z3, labels_c, loss_c = z[None], labels2[:, start:end], loss_rows[start:end]
+        z3 = z[None]
         # counted: each chunk's gradient takes 1 / n_valid of all rows (counted above), not
         # of its own
         launches.kernel(
@@ -196,7 +201,7 @@ def _forward_chunks(
             z3, labels_c, n_valid, loss_c, lse_c,
         )  # fmt: skip
         if grad_x:  # z now holds dz
-            launches.products.run(("dx", chunk), z, weight, dx[start:end])
+            launches.products.run(("dx", chunk), z, weight, dx_c)
         if grad_weight:
             if start == 0:
                 launches.products.run("dw", z.t(), x_c, dw)
@@ -504,8 +509,10 @@ class _PlannedCall:
         ignore_index = self.ignore_index
         after = check_labels_before(check_labels, labels, self.vocab, ignore_index, True)
         verdict, ticket = checks.reserve(x.device) if after else (None, None)
-        # (labels as the first call read them: a view, or a copy of strided labels)
-        x2, labels1 = x.view(self.rows), labels.reshape(self.rows[0])
+        # (labels as the first call read them: a view, or a copy of strided labels; x and
+        # labels of the rows' own rank as they are: a view costs host time)
+        x2 = x if x.dim() == 2 else x.view(self.rows)
+        labels1 = labels if labels.dim() == 1 else labels.reshape(self.rows[0])
         args = (x2, weight, labels1, ignore_index, self.chunk_rows, *self.grads)
         if self.grads[0] or self.grads[1]:
             loss = _apply_planned(*args[:2], None, *args[2:], self.launches, verdict)
