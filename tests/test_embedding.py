@@ -77,12 +77,15 @@ def test_low_precision_tables(dtype, device):
 
 
 def test_strided_ids(device):
-    # a (b, 1) column of a wider id tensor (a decode step's slice) and a transposed view
+    # a (b, 1) column of a wider id tensor (a decode step's slice) and a transposed view; each
+    # twice, new ids in place the second time (the plan's bound launch, ids flattened again)
     seq = torch.randint(0, 30, (3, 12), device=device)
     w, p = _tables(30, 16, 12, torch.float32, device)
     for ids, start in ((seq[:, 5:6], 5), (seq[:, 2:9], 2), (seq.T[:4], 0)):
-        h = embedding(ids, w, p, start, use_triton=True)
-        torch.testing.assert_close(h, embedding(ids, w, p, start), rtol=0, atol=0)
+        for _ in range(2):
+            h = embedding(ids, w, p, start, use_triton=True)
+            torch.testing.assert_close(h, embedding(ids, w, p, start), rtol=0, atol=0)
+            seq.random_(0, 30)
 
 
 def test_no_positional_table_and_int32_ids(device):

@@ -620,7 +620,10 @@ class _CrossEntropyInplaceFunction(torch.autograd.Function):
 class _EagerPlan:
     """The launches of eager cross_entropy calls of one layout: at least one position, V > 0,
     logits and labels that `_as_rows_3d` views without a copy (what `_eager_plan` admits).
-    The `fwd` and `bwd` entries are the bound launches a plan's first calls make."""
+    The `fwd` and `bwd` entries are the bound launches a plan's first calls make, on the
+    views; later calls pass the caller's logits and labels as they are: a bound launch reads
+    each tensor's address alone (its layout is bound), which the views share, and a view
+    costs an eager call microseconds of host time."""
 
     __slots__ = ("bwd", "fwd", "ignore_index", "labels_shape", "logits_shape", "rows_shape")
 
@@ -632,31 +635,30 @@ class _EagerPlan:
         self.fwd: dict[bool, Callable[..., tuple]] = {}  # by whether a verdict is written
         self.bwd: dict[tuple, Callable[..., None]] = {}
 
-    def views(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """logits (outer, inner, V) and labels (outer, inner): `_as_rows_3d`'s views."""
-        return logits.view(self.rows_shape), labels.view(self.labels_shape)
-
-    def forward(self, logits3, labels2, verdict) -> tuple[torch.Tensor, ...]:
+    def forward(self, logits, labels, verdict) -> tuple[torch.Tensor, ...]:
         """(loss, lse, n_valid), as `cross_entropy_op` returns them; a NaN loss also into
         `verdict` (a label check's zeroed slot, `checks.reserve`) where given."""
         fwd = self.fwd.get(verdict is not None)
         if fwd is not None:
-            return fwd(logits3, labels2, verdict)
+            return fwd(logits, labels, verdict)
+        logits3, labels2 = logits.view(self.rows_shape), labels.view(self.labels_shape)
         out, self.fwd[verdict is not None] = _forward_launches(
             logits3, labels2, self.ignore_index, verdict
         )
         return out
 
-    def backward(self, dloss, logits3, labels2, lse, n_valid) -> torch.Tensor:
-        """d(dloss · loss)/d(logits), (outer, inner, V) contiguous, as
-        `cross_entropy_backward_op` returns it; dloss's dtype and alignment pick the launch."""
-        dx = torch.empty(self.rows_shape, dtype=logits3.dtype, device=logits3.device)
-        tensors = (logits3, labels2, lse, n_valid, dloss, dx)
+    def backward(self, dloss, logits, labels, lse, n_valid) -> torch.Tensor:
+        """d(dloss · loss)/d(logits), contiguous in logits' shape, as
+        `cross_entropy_backward_op` returns it (viewed); dloss's dtype and alignment pick the
+        launch."""
+        dx = torch.empty(self.logits_shape, dtype=logits.dtype, device=logits.device)
         key = (dloss.dtype, not dloss.data_ptr() & 15)
         bwd = self.bwd.get(key)
         if bwd is not None:
-            bwd(*tensors)
+            bwd(logits, labels, lse, n_valid, dloss, dx)
         else:
+            views = (logits.view(self.rows_shape), labels.view(self.labels_shape))
+            tensors = (*views, lse, n_valid, dloss, dx.view(self.rows_shape))
             self.bwd[key] = _backward_launch(tensors, self.ignore_index)
         return dx
 
@@ -687,18 +689,16 @@ class _EagerCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, plan, verdict):
-        logits3, labels2 = plan.views(logits, labels)
-        loss, lse, n_valid = plan.forward(logits3, labels2, verdict)
-        ctx.save_for_backward(logits3, labels2, lse, n_valid)
+        loss, lse, n_valid = plan.forward(logits, labels, verdict)
+        ctx.save_for_backward(logits, labels, lse, n_valid)
         ctx.plan = plan
         return loss
 
     @staticmethod
     @first_order_only("cross_entropy")
     def backward(ctx, dloss):
-        logits3, labels2, lse, n_valid = ctx.saved_tensors
-        dx = ctx.plan.backward(dloss, logits3, labels2, lse, n_valid)
-        return dx.view(ctx.plan.logits_shape), None, None, None
+        logits, labels, lse, n_valid = ctx.saved_tensors
+        return ctx.plan.backward(dloss, logits, labels, lse, n_valid), None, None, None
 
 
 _apply_eager_cross_entropy = eager_apply(_EagerCrossEntropy)
@@ -880,7 +880,7 @@ def cross_entropy(
             if records:
                 loss = _apply_eager_cross_entropy(logits, labels, plan, verdict)
             else:
-                loss = plan.forward(*plan.views(logits, labels), verdict)[0]
+                loss = plan.forward(logits, labels, verdict)[0]
             if after:
                 check_labels_after(loss, labels, V, ignore_index, ticket)
             return loss

@@ -69,12 +69,14 @@ from triton_transformer.utils import (
     cdiv,
     check_not_capturing,
     check_triton_tensor,
+    default,
     describe,
     eager_apply,
     first_order_only,
     interpreter_enabled,
     is_traced,
     launcher,
+    shares_address,
     sm_count,
     widened_for_interpreter,
 )
@@ -272,27 +274,33 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
         return h, (lambda *args: torch.empty(out_shape, device=args[1].device, dtype=dtype))
     flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
     has_pos = pos_weight is not None
-    weight = as_rows(weight)
-    pos = as_rows(pos_weight) if has_pos else weight
+    table = as_rows(weight)
+    pos = as_rows(pos_weight) if has_pos else table
     tile = _EMBEDDING_FWD_CONFIG
     grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
-    sizes = (weight.stride(0), pos.stride(0), dim, b * n, n, n_vocab, dim)
+    sizes = (table.stride(0), pos.stride(0), dim, b * n, n, n_vocab, dim)
     flags = dict(HAS_POS=has_pos, CHECK=bad is not None, **tile)
     flag = h if bad is None else bad  # (a placeholder without the check: never written)
     if not bind:
-        launcher(_embedding_fwd_kernel)[grid](
-            flat_ids, weight, pos, h, flag, start, *sizes, **flags
-        )
+        launcher(_embedding_fwd_kernel)[grid](flat_ids, table, pos, h, flag, start, *sizes, **flags)
         return h, None
     bound = launcher(_embedding_fwd_kernel).bind(
-        grid, flat_ids, weight, pos, h, flag, PerCall(start), *sizes, **flags
+        grid, flat_ids, table, pos, h, flag, PerCall(start), *sizes, **flags
     )
+    # Later calls of this layout pass ids and tables as they are where their flat / rows
+    # views share their address (a bound launch reads each tensor's address alone, and a view
+    # costs host time), and convert them again where those were copies
+    in_place = shares_address((flat_ids, ids), (table, weight), (pos, default(pos_weight, weight)))
 
     def launch(ids, weight, pos_weight, start, bad) -> torch.Tensor:
         h = torch.empty(out_shape, device=weight.device, dtype=dtype)
-        weight = as_rows(weight)
-        bound(ids.reshape(-1).contiguous(), weight, as_rows(pos_weight) if has_pos else weight,
-              h, h if bad is None else bad, start)  # fmt: skip
+        flag = h if bad is None else bad
+        if in_place:
+            bound(ids, weight, pos_weight if has_pos else weight, h, flag, start)
+        else:
+            table = as_rows(weight)
+            pos = as_rows(pos_weight) if has_pos else table
+            bound(ids.reshape(-1).contiguous(), table, pos, h, flag, start)
         return h
 
     return h, launch
@@ -398,8 +406,11 @@ def _backward(dh, ids, n_vocab: int, n_pos: int, start: int, weight_dtype, scatt
 
     out = run(g, flat_ids, start, bind_main, bind_reduce)
     main_bound, reduce_bound = bound.get("main"), bound.get("reduce")
+    in_place = shares_address((g, dh), (flat_ids, ids))  # (as in `_forward`)
 
     def launch(dh, ids, start) -> tuple[torch.Tensor, torch.Tensor]:
+        if in_place:
+            return run(dh, ids, start, main_bound, reduce_bound)
         g = as_rows(dh)
         if interpret:
             (g,) = widened_for_interpreter(g)

@@ -479,6 +479,15 @@ def check_triton_tensor(x: Any, name: str) -> None:
         )
 
 
+def shares_address(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether each (view, tensor) pair has one address: the view a launch was bound with
+    (`as_rows`, a flattening) was made without a copy. A later call of the same layout (an
+    eager plan's key) then makes its views without copies too, and its bound launch, which
+    reads each tensor's address alone, can take the tensors themselves, sparing the views'
+    host time."""
+    return all(view.data_ptr() == t.data_ptr() for view, t in pairs)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View `x` of shape (..., N) as a 2-D (rows, N) tensor whose last dim is unit-stride.
 
