@@ -368,34 +368,40 @@ def test_token_id_check_can_be_turned_off(device):
         model(x)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_triton_model_leaves_the_range_checks_to_its_ops(device, monkeypatch, fused):
-    # An eager Triton call reads nothing back in forward: its embedding and loss check the
-    # ids and labels after their kernels (on a GPU a later call or raise_pending raises, on
-    # the CPU the call itself), with the errors the PyTorch path gives
-    model = make_model(device, use_triton=True, causal=True, fused_loss=fused)
-    x, labels = tokens(device), tokens(device)
+def _spy_range_checks(monkeypatch) -> list:
+    """Record each forward's choice: ("sync", whether _check_inputs checks the ranges), then
+    the check flag the embedding and the loss are called with."""
     flags = []
-    for name, flag in (("embedding", "check_ids"), ("linear_cross_entropy", "check_labels"),
-                       ("cross_entropy", "check_labels")):  # fmt: skip
-        op = getattr(tt, name)
-        spy = lambda *a, _op=op, _flag=flag, **k: flags.append(k[_flag]) or _op(*a, **k)
-        monkeypatch.setattr(tt, name, spy)
     check_inputs = Transformer._check_inputs
     monkeypatch.setattr(
         Transformer, "_check_inputs",
         lambda self, *a: flags.append(("sync", a[-1])) or check_inputs(self, *a),
     )  # fmt: skip
-    with monkeypatch.context() as m:
-        for method in ("tolist", "item"):  # (a CPU tensor's read is no sync: the CPU slots')
-            real = getattr(torch.Tensor, method)
+    for name, flag in (("embedding", "check_ids"), ("linear_cross_entropy", "check_labels"),
+                       ("cross_entropy", "check_labels")):  # fmt: skip
+        op = getattr(tt, name)
+        spy = lambda *a, _op=op, _flag=flag, **k: flags.append(k[_flag]) or _op(*a, **k)
+        monkeypatch.setattr(tt, name, spy)
+    return flags
 
-            def read(self, _real=real):
-                assert self.device.type == "cpu", "the forward read a device value back"
-                return _real(self)
 
-            m.setattr(torch.Tensor, method, read)
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_model_leaves_the_range_checks_to_its_ops(device, monkeypatch, fused):
+    # An eager Triton call with labels leaves the id and label checks to its embedding and
+    # loss, which check after their kernels (on a GPU a later call or raise_pending raises,
+    # on the CPU the call itself), with the errors the PyTorch path gives
+    model = make_model(device, use_triton=True, causal=True, fused_loss=fused, cuda_graphs=False)
+    x, labels = tokens(device), tokens(device)
+    model(x, labels=labels).backward()  # (the first call makes the checks' slots)
+    flags = _spy_range_checks(monkeypatch)
+    no_sync = device == "cuda" and fused  # (the unfused loss's in-place backward checks first)
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")  # a forward that syncs raises
+    try:
         loss = model(x, labels=labels)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode(0)
     assert flags == [("sync", False), True, True] and torch.isfinite(loss)
 
     bad_x = x.clone()
@@ -408,9 +414,29 @@ def test_triton_model_leaves_the_range_checks_to_its_ops(device, monkeypatch, fu
     bad_labels[0, 0] = -1
     with pytest.raises(ValueError, match="labels must lie in"):
         model(x, labels=bad_labels)
+        bad_labels.copy_(labels)  # a label buffer refilled in place before the check resolves
         checks.raise_pending()
+    bad_labels[0, 0] = -1
     model(x, labels=bad_labels, ignore_index=-1)  # fine once it is the ignore_index
     checks.raise_pending()
+
+
+def test_triton_model_checks_logits_and_cached_calls_first(device, monkeypatch):
+    # A call that returns logits (a sampler would stop at a device-side assert on NaN ones)
+    # or feeds a KV cache (a bad id's NaN keys would stay there) checks its ids first
+    model = make_model(device, use_triton=True, causal=True)
+    flags = _spy_range_checks(monkeypatch)
+    x = tokens(device)
+    model(x)
+    model(x[:, :4], kv_cache=KVCache())
+    assert flags == [("sync", True), False, ("sync", True), False]
+    x[0, 2] = VOCAB
+    with pytest.raises(TokenIdError, match="token ids outside"):
+        model(x)
+    cache = KVCache()
+    with pytest.raises(TokenIdError, match="token ids outside"):
+        model(x[:, :4], kv_cache=cache)
+    assert cache.length == 0  # nothing was written
 
 
 def test_pytorch_model_checks_ids_first(device):

@@ -374,13 +374,15 @@ class Transformer(nn.Module):
 
     `check_token_ids` (default True) makes `forward` raise for token ids or labels outside
     [0, num_tokens): a `TokenIdError` for ids (a ValueError and an IndexError) and a
-    ValueError for labels. An eager call with use_triton leaves the check to its embedding
-    and loss, whose kernels flag a bad id or label without a sync
-    (`triton_transformer.checks`): the error then comes from a later call's forward, or from
-    `checks.raise_pending()` (call it before an optimizer step that must not see a bad batch;
-    it waits for the GPU), and meanwhile that call's logits or loss are NaN. The PyTorch path
-    and traced calls check first, reading one boolean back from the device (a sync). During
-    CUDA graph capture it raises a RuntimeError instead (a replay would skip it): turn it off
+    ValueError for labels. An eager call with use_triton and labels (a training or
+    evaluation step) leaves the check to its embedding and loss, whose kernels flag a bad id
+    or label without a sync (`triton_transformer.checks`; the unfused loss in a training step
+    still checks its labels first, for its in-place backward): the error then comes from a
+    later call's forward, or from `checks.raise_pending()` (call it before an optimizer step
+    that must not see a bad batch; it waits for the GPU), and meanwhile that call's loss is
+    NaN. Other calls (the PyTorch path, traced calls, calls that return logits or use a KV
+    cache) check first, reading one boolean back from the device (a sync). During CUDA graph
+    capture it raises a RuntimeError instead (a replay would skip it): turn it off
     (constructor or attribute) in captured steps.
 
     `attn_impl`: "flash" (default; the fused attention kernel under use_triton) or "naive"
@@ -588,16 +590,24 @@ class Transformer(nn.Module):
         Returns logits (b, n, num_tokens), or a scalar loss when `labels` is given.
         """
         use_triton = default(use_triton, self.use_triton)
-        # An eager Triton call leaves the ids and labels to its embedding's and loss's own
-        # checks, which need no sync; the others check them in _check_inputs
+        # An eager Triton call with labels (a training or evaluation step) leaves the ids and
+        # labels to its embedding's and loss's own checks, which need no sync: a bad batch
+        # gives a NaN loss and a later call raises. The others check first in _check_inputs:
+        # the PyTorch path, traced calls, calls that return logits (a sampler fed NaN logits
+        # would stop at a device-side assert) and calls with a KV cache (a bad id's NaN
+        # keys and values would stay in the cache).
         ops_check = (
-            self.check_token_ids and use_triton and not torch.compiler.is_compiling()
-            and not is_traced(x)
+            self.check_token_ids and use_triton and exists(labels) and kv_cache is None
+            and not torch.compiler.is_compiling() and not is_traced(x)
         )  # fmt: skip
         sync_check = self.check_token_ids and not ops_check
         n, start = self._check_inputs(x, mask, labels, ignore_index, kv_cache, sync_check)
         if x.dtype not in (torch.int32, torch.int64):
             x = x.long()  # embedding takes int32/int64 ids
+        if ops_check and labels.dtype == torch.int64:
+            # the check reads its labels when it resolves, after this call: a copy, which a
+            # caller refilling its label buffer in place cannot change before then
+            labels = labels.clone()
 
         # check_ids: the embedding's check (ops_check), else _check_inputs checked the ids
         # where check_token_ids is on; an unchecked out-of-range id gets a NaN row from the
