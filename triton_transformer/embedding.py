@@ -587,11 +587,11 @@ def embedding(
             `triton_transformer.checks.raise_pending()`, without a sync (its rows are NaN
             meanwhile); PyTorch's path (use_triton=False, or deterministic algorithms with a
             vocabulary above ONE_HOT_MAX_VOCAB) and anomaly-detection mode check first, with
-            a sync. Pass False where the ids are
-            checked already or in a captured / compiled step: the Triton kernel then writes
-            NaN rows for out-of-range ids, so the loss turns NaN (the trainer's non-finite
-            check stops the run), and F.embedding raises an IndexError on the CPU and hits
-            a device-side assert on CUDA.
+            a sync. Pass False where the ids are checked already or in a captured /
+            compiled step: the Triton kernel then writes NaN rows for out-of-range ids, so
+            the loss turns NaN (the trainer's non-finite check stops the run), and
+            F.embedding raises an IndexError on the CPU and hits a device-side assert on
+            CUDA.
 
     Returns:
         (b, n, D) tensor in weight's dtype: weight[ids] + pos_weight[start : start + n].
