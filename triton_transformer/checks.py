@@ -24,7 +24,9 @@ later sync, and leaves the CUDA context unusable; this does not).
 
 A pending check holds its call's labels or ids (at most 64 calls' per device) until it
 resolves: its error names the first bad value, read then; a kernel-flagged embedding call
-whose ids changed in place meanwhile still raises, without naming one.
+whose ids changed in place meanwhile still raises, without naming one, but a loss's verdict
+(a NaN loss) cannot tell a bad label from NaN logits, so labels refilled in place before
+their check resolves raise nothing (the loss reads NaN; `Transformer` checks a copy).
 
 On the CPU (Triton's interpreter) the slot is a CPU tensor, read at once: the call itself
 raises. Under anomaly detection the ops check before launching
