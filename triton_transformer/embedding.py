@@ -272,10 +272,8 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
     h = torch.empty(out_shape, device=weight.device, dtype=dtype)
     if h.numel() == 0:
         return h, (lambda *args: torch.empty(out_shape, device=args[1].device, dtype=dtype))
-    flat_ids = ids.reshape(-1).contiguous()  # (b, 1) slices reshape to strided views
     has_pos = pos_weight is not None
-    table = as_rows(weight)
-    pos = as_rows(pos_weight) if has_pos else table
+    flat_ids, table, pos = _kernel_inputs(ids, weight, pos_weight)
     tile = _EMBEDDING_FWD_CONFIG
     grid = (cdiv(b * n, tile["BLOCK_T"]), cdiv(dim, tile["BLOCK_D"]))
     sizes = (table.stride(0), pos.stride(0), dim, b * n, n, n_vocab, dim)
@@ -298,12 +296,18 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
         if in_place:
             bound(ids, weight, pos_weight if has_pos else weight, h, flag, start)
         else:
-            table = as_rows(weight)
-            pos = as_rows(pos_weight) if has_pos else table
-            bound(ids.reshape(-1).contiguous(), table, pos, h, flag, start)
+            bound(*_kernel_inputs(ids, weight, pos_weight), h, flag, start)
         return h
 
     return h, launch
+
+
+def _kernel_inputs(ids, weight, pos_weight) -> tuple[torch.Tensor, ...]:
+    """The forward kernel's (ids (b·n,) contiguous, weight rows, positional rows or weight's
+    again as the placeholder): views, or copies where none exists ((b, 1) id slices reshape
+    to strided views; tables of strided columns)."""
+    table = as_rows(weight)
+    return ids.reshape(-1).contiguous(), table, table if pos_weight is None else as_rows(pos_weight)
 
 
 @triton_op("triton_transformer::embedding", mutates_args=())

@@ -616,7 +616,8 @@ class Transformer(nn.Module):
         if isinstance(kv_cache, StaticKVCache):
             # the positions follow a length that lives on the device: gather them there
             positions = kv_cache.begin(n, x.device)
-            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=ops_check)
+            # (a cached call: _check_inputs checked the ids, where asked)
+            h = embedding(x, self.token_emb.weight, use_triton=use_triton, check_ids=False)
             if exists(self.pos_emb):
                 h = h + self.pos_emb.weight[positions]
         elif not exists(self.pos_emb):
