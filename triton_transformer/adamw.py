@@ -335,7 +335,7 @@ def _staging(copies: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]
     `_unstage` casts them on the host. None where the kernel can write the copies (the GPU)."""
     if not interpreter_enabled() or all(c is None or c.dtype == torch.float32 for c in copies):
         return None
-    return [None if c is None else torch.empty(c.shape, device=c.device) for c in copies]
+    return [None if c is None else torch.empty(size=c.shape, device=c.device) for c in copies]
 
 
 def _unstage(copies: Sequence[torch.Tensor | None], staged: Sequence[torch.Tensor | None]) -> None:

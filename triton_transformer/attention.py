@@ -1237,8 +1237,10 @@ def _fwd_launches(q, k, v, kpm, seed, causal, scale, dropout_p, need_lse, config
         part_acc = part_ml = q  # the splits' partial results (unused without splits)
         if n_splits > 1:
             rows = b * h * n_splits * n_q
-            part_acc = torch.empty((rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32)
-            part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
+            part_acc = torch.empty(
+                size=(rows, meta["BLOCK_D"]), device=q.device, dtype=torch.float32
+            )
+            part_ml = torch.empty(size=(rows, 2), device=q.device, dtype=torch.float32)
         kpm_arg = kpm.view(torch.uint8) if has_kpm else q  # bytes: loads as 0/1
         return (
             q, k, v, out, lse, kpm_arg, seed if dropping else q,
@@ -1438,10 +1440,10 @@ def _bwd_launches(tensors: tuple, causal, scale, dropout_p, config, deterministi
     def buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if one_launch:  # Δ summed in the kernel, dQ stored whole: q stands in for both
             return q, q
-        delta = torch.empty((b * h, n_q), device=q.device, dtype=torch.float32)
+        delta = torch.empty(size=(b * h, n_q), device=q.device, dtype=torch.float32)
         # the single pass's fp32 dQ sum; the delta kernel zeroes it
         shape = (b * h, n_q, d) if atomic else (0,)
-        return delta, torch.empty(shape, device=q.device, dtype=torch.float32)
+        return delta, torch.empty(size=shape, device=q.device, dtype=torch.float32)
 
     delta, dq_acc = buffers(q)
     bm = 64 if not interpret else 32
@@ -1595,8 +1597,8 @@ TRACED_OPAQUE = True
 
 def _forward_outputs(q, need_lse):
     b, h, n_q, d = q.shape
-    out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
+    out = torch.empty(size=(b, n_q, h, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty(size=(b * h, n_q) if need_lse else (0,), device=q.device, dtype=torch.float32)
     return out, lse
 
 
@@ -1769,7 +1771,7 @@ def _flash_attention_packed_backward_impl(
 ) -> torch.Tensor:
     """d(qkv) as one contiguous (b, n, 3, h, d) tensor: the kernel writes dq, dk and dv
     into its three slices (no concatenation)."""
-    dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    dqkv = torch.empty(size=qkv.shape, device=qkv.device, dtype=qkv.dtype)
     q, k, v = _split_packed(qkv)
     dq, dk, dv = _split_packed(dqkv)
     launch_attention_bwd(
@@ -1786,7 +1788,7 @@ flash_attention_packed_backward_opaque_op = opaque_op(
     "flash_attention_packed_backward", _flash_attention_packed_backward_impl
 )
 flash_attention_packed_backward_opaque_op.register_fake(
-    lambda dout, qkv, *args: torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+    lambda dout, qkv, *args: torch.empty(size=qkv.shape, device=qkv.device, dtype=qkv.dtype)
 )
 
 
@@ -2064,7 +2066,7 @@ class _EagerPackedAttention(torch.autograd.Function):
     @first_order_only("attention_packed")
     def backward(ctx, dout):
         qkv, out, lse, kpm, seed = ctx.saved_tensors
-        dqkv = torch.empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+        dqkv = torch.empty(size=qkv.shape, device=qkv.device, dtype=qkv.dtype)
         packed = (3, ctx.heads, -1)
         q, k, v = _split_packed(qkv.unflatten(-1, packed))
         grads = (*_split_packed(dqkv.unflatten(-1, packed)), dqkv)

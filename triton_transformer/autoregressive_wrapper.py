@@ -64,7 +64,7 @@ class _GraphedDecode:
         self.net, self.kwargs = net, kwargs
         self.cache = StaticKVCache()
         self.length = 0  # tokens fed so far, counted on the host
-        self.token = torch.empty((batch, 1), dtype=torch.long, device=device)
+        self.token = torch.empty(size=(batch, 1), dtype=torch.long, device=device)
         self.step = GraphedStep(self._step, warmup_steps=2)
 
     def _step(self) -> torch.Tensor:

@@ -108,7 +108,7 @@ def bmm_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
 
     out_dtype: the output's dtype (None: a's). The fp32 accumulator is rounded once, into
     it: fp32 weight gradients of bf16 products need no separate cast pass."""
-    c = torch.empty((*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype or a.dtype)
+    c = torch.empty(size=(*a.shape[:-1], b.shape[-1]), device=a.device, dtype=out_dtype or a.dtype)
     if a.dim() == 2:
         _mm2d_into(a, b, c)
     else:
@@ -148,7 +148,7 @@ def _check_epilogue_dropout(p: float, seed: torch.Tensor | None, relu_squared: b
 
 def _linear_out(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    return torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=dtype)
+    return torch.empty(size=(x.shape[0], weight.shape[0]), device=x.device, dtype=dtype)
 
 
 @triton_op("triton_transformer::linear", mutates_args=())
@@ -202,7 +202,7 @@ def linear_relu2_op(
     _check_epilogue_dropout(p, seed, True)
     w = weight if weight_lp is None else weight_lp
     y = _linear_out(x, w, residual)
-    r = torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=x.dtype)
+    r = torch.empty(size=(x.shape[0], w.shape[0]), device=x.device, dtype=x.dtype)
     _mm2d_into(x, w.t(), y, True, residual, r, (p, seed) if p > 0.0 else None)
     return y, r
 
@@ -222,8 +222,8 @@ def linear_swiglu_op(
     if w.shape[0] % 2:
         raise ValueError(f"a swiglu weight needs an even row count (2·H), got {w.shape[0]}")
     M, H = x.shape[0], w.shape[0] // 2
-    y = torch.empty((M, H), device=x.device, dtype=x.dtype)
-    pre = torch.empty((M, 2 * H), device=x.device, dtype=x.dtype)
+    y = torch.empty(size=(M, H), device=x.device, dtype=x.dtype)
+    pre = torch.empty(size=(M, 2 * H), device=x.device, dtype=x.dtype)
     _mm2d_into(x, w.t(), y, aux=pre, swiglu=True)
     return y, pre
 
@@ -234,7 +234,7 @@ def linear_swiglu_backward_op(dy: torch.Tensor, pre: torch.Tensor) -> torch.Tens
     strides) and the forward's pre-activations pre (M, 2·H): `swiglu.py`'s backward kernel
     writing the two halves of one tensor. The rest of the backward is two GEMMs (`bmm_op`)."""
     M, H = pre.shape[0], pre.shape[1] // 2
-    dpre = torch.empty((M, 2 * H), device=pre.device, dtype=pre.dtype)
+    dpre = torch.empty(size=(M, 2 * H), device=pre.device, dtype=pre.dtype)
     dy2 = dy if dy.stride(-1) == 1 else dy.contiguous()  # e.g. sum()'s stride-0 gradient
     # dpre passed whole, with its halves' offsets: no view written (no copies under compile)
     launch_swiglu_bwd(dy2, pre[:, :H], pre[:, H:], dpre[:, :H], dpre[:, H:], dpre)
@@ -256,7 +256,7 @@ def relu2_grad_op(
     """
     _check_epilogue_dropout(p, seed, True)
     M, N = s.shape
-    dp = torch.empty((M, N), device=s.device, dtype=s.dtype)
+    dp = torch.empty(size=(M, N), device=s.device, dtype=s.dtype)
     if dp.numel():
         drop = (p, seed) if p > 0.0 else None
         launch_relu2_grad(dy, s, dp, from_square, drop)
@@ -867,7 +867,7 @@ class _EagerPlan:
 
     def forward(self, x, w, seed) -> torch.Tensor:
         """dropout(relu(x @ w.T)²), shaped (..., N), as `linear_op` writes it."""
-        y = torch.empty(self.y_shape, dtype=x.dtype, device=x.device)
+        y = torch.empty(size=self.y_shape, dtype=x.dtype, device=x.device)
         x2 = x if self.rows is None else x.view(self.rows)
         y2 = y if self.rows is None else y.view(self.y_rows)
         drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
@@ -880,7 +880,7 @@ class _EagerPlan:
         weight's dtype (added into home.grad where `bmm._foldable`)."""
         y2 = y if self.rows is None else y.view(self.y_rows)
         dy2 = dy if self.rows is None else dy.reshape(self.y_rows)
-        dpre = torch.empty(self.y_rows, dtype=y.dtype, device=y.device)
+        dpre = torch.empty(size=self.y_rows, dtype=y.dtype, device=y.device)
         key = (dy2.stride(), *tensor_facts(dy2))
         grad = self.grads.get(key)
         if grad is not None:
@@ -895,7 +895,7 @@ class _EagerPlan:
         into home.grad where `bmm._foldable`); None where `needs` says no."""
         dx = dw = None
         if needs[0]:
-            dx = torch.empty(self.x_shape, dtype=dpre.dtype, device=dpre.device)
+            dx = torch.empty(size=self.x_shape, dtype=dpre.dtype, device=dpre.device)
             self.products.run("dx", dpre, w, dx if self.rows is None else dx.view(self.rows))
         if needs[1]:
             x2 = x if self.rows is None else x.view(self.rows)
@@ -906,8 +906,8 @@ class _EagerPlan:
         """(y, pre) as `linear_swiglu_op` writes them: y = silu(x @ W_gate.T) * (x @ W_up.T)
         shaped (..., H), pre = x @ w.T (M, 2·H), [gate | up]."""
         M, H = self.y_rows
-        y = torch.empty(self.y_shape, dtype=x.dtype, device=x.device)
-        pre = torch.empty((M, 2 * H), dtype=x.dtype, device=x.device)
+        y = torch.empty(size=self.y_shape, dtype=x.dtype, device=x.device)
+        pre = torch.empty(size=(M, 2 * H), dtype=x.dtype, device=x.device)
         x2 = x if self.rows is None else x.view(self.rows)
         y2 = y if self.rows is None else y.view(self.y_rows)
         self.products.run("fwd", x2, w.t(), y2, swiglu_pre=pre)
@@ -919,7 +919,7 @@ class _EagerPlan:
         M, H = self.y_rows
         dy2 = dy if self.rows is None else dy.reshape(self.y_rows)
         dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()  # e.g. sum()'s stride 0
-        dpre = torch.empty((M, 2 * H), dtype=pre.dtype, device=pre.device)
+        dpre = torch.empty(size=(M, 2 * H), dtype=pre.dtype, device=pre.device)
         key = (dy2.stride(), *tensor_facts(dy2))
         grad = self.grads.get(key)
         if grad is not None:
@@ -937,7 +937,7 @@ def bound_weight_grad(products, slot, home, a, b, dtype) -> torch.Tensor:
     tensor through the plan's bound product `slot` (`matmul_plan.BoundProducts`)."""
     if home is not None and _foldable(home, dtype, b):
         return weight_grad(home, a, b, dtype)
-    dw = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    dw = torch.empty(size=(a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
     products.run(slot, a, b, dw)
     return dw
 

@@ -482,7 +482,7 @@ def cross_entropy_backward_op(
 ) -> torch.Tensor:
     """d(dloss * loss)/d(logits) as a new contiguous tensor shaped and typed like logits. An
     eager call takes the launch bound for its shape (`_PLANS`) when there is one."""
-    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    dx = torch.empty(size=logits.shape, dtype=logits.dtype, device=logits.device)
     tensors = (logits, labels, lse, n_valid, dloss, dx)
     key = None
     if not is_traced(logits):
@@ -651,7 +651,7 @@ class _EagerPlan:
         """d(dloss · loss)/d(logits), contiguous in logits' shape, as
         `cross_entropy_backward_op` returns it (viewed); dloss's dtype and alignment pick the
         launch."""
-        dx = torch.empty(self.logits_shape, dtype=logits.dtype, device=logits.device)
+        dx = torch.empty(size=self.logits_shape, dtype=logits.dtype, device=logits.device)
         key = (dloss.dtype, not dloss.data_ptr() & 15)
         bwd = self.bwd.get(key)
         if bwd is not None:

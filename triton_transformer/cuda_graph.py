@@ -188,8 +188,8 @@ class StaticInputs:
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.device_buffer = torch.empty(shape, dtype=dtype, device=device)
-        self._staging = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.device_buffer = torch.empty(size=shape, dtype=dtype, device=device)
+        self._staging = [torch.empty(size=shape, dtype=dtype, pin_memory=True) for _ in range(2)]
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._next = 0
 

@@ -156,7 +156,7 @@ def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor | int, bind: boo
     if copy:
         x = x.contiguous()  # more than MAX_STRIDED_DIMS irreducible dims
     sizes, strides = layout if layout is not None else ([1] * 4, [0] * 4)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(size=x.shape, dtype=x.dtype, device=x.device)
     n = x.numel()
     # 64-bit offsets once an index (padded to whole blocks) or a strided address passes 2**31.
     block = BLOCK_M * BLOCK_N
@@ -177,7 +177,7 @@ def _dropout_plan(x: torch.Tensor, p: float, seed: torch.Tensor | int, bind: boo
     def plan(x: torch.Tensor, seed: torch.Tensor | int) -> torch.Tensor:
         if copy:
             x = x.contiguous()
-        out = torch.empty(shape, dtype=dtype, device=x.device)
+        out = torch.empty(size=shape, dtype=dtype, device=x.device)
         if bound is not None:
             bound(x, seed, out)
         return out

@@ -269,9 +269,9 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
     b, n = ids.shape
     n_vocab, dim = weight.shape
     out_shape, dtype = (b, n, dim), weight.dtype
-    h = torch.empty(out_shape, device=weight.device, dtype=dtype)
+    h = torch.empty(size=out_shape, device=weight.device, dtype=dtype)
     if h.numel() == 0:
-        return h, (lambda *args: torch.empty(out_shape, device=args[1].device, dtype=dtype))
+        return h, (lambda *args: torch.empty(size=out_shape, device=args[1].device, dtype=dtype))
     has_pos = pos_weight is not None
     flat_ids, table, pos = _kernel_inputs(ids, weight, pos_weight)
     tile = _EMBEDDING_FWD_CONFIG
@@ -291,7 +291,7 @@ def _forward(ids, weight, pos_weight, start: int, bad=None, bind=False):
     in_place = shares_address((flat_ids, ids), (table, weight), (pos, default(pos_weight, weight)))
 
     def launch(ids, weight, pos_weight, start, bad) -> torch.Tensor:
-        h = torch.empty(out_shape, device=weight.device, dtype=dtype)
+        h = torch.empty(size=out_shape, device=weight.device, dtype=dtype)
         flag = h if bad is None else bad
         if in_place:
             bound(ids, weight, pos_weight if has_pos else weight, h, flag, start)
@@ -369,12 +369,12 @@ def _backward(dh, ids, n_vocab: int, n_pos: int, start: int, weight_dtype, scatt
     def run(g, flat_ids, start, main, reduce) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate the outputs and work buffer, launch `main` (g, ids, work) and `reduce`
         (partials, g, dW, dP, start) where they have work."""
-        dpos = torch.empty((n_pos, dim), device=device, dtype=weight_dtype)
+        dpos = torch.empty(size=(n_pos, dim), device=device, dtype=weight_dtype)
         if scatter:
             dweight = work = torch.zeros(work_shape, device=device, dtype=torch.float32)
         else:
-            dweight = torch.empty((n_vocab, dim), device=device, dtype=weight_dtype)
-            work = torch.empty(work_shape, device=device, dtype=torch.float32)
+            dweight = torch.empty(size=(n_vocab, dim), device=device, dtype=weight_dtype)
+            work = torch.empty(size=work_shape, device=device, dtype=torch.float32)
         if runs_main:
             main(g, flat_ids, work)
         if n_programs:

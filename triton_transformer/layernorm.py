@@ -992,7 +992,7 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     col_tiles, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
     partial_shape = (2 if has_bias else 1, groups, N)
-    partial = torch.empty(partial_shape, dtype=torch.float32, device=x2.device)
+    partial = torch.empty(size=partial_shape, dtype=torch.float32, device=x2.device)
     dropout = write_dbr and p > 0.0
     strides = (x2.stride(0), dy2.stride(0), dx2.stride(0), dhn2.stride(0), dbr2.stride(0))
     threshold, drop_scale = (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
@@ -1002,7 +1002,7 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
     rowsums_shape = None
     if cfg.kind == "split":
         rowsums_shape = (3 if stable else 2, M)
-        rowsums = torch.empty(rowsums_shape, dtype=torch.float32, device=x2.device)
+        rowsums = torch.empty(size=rowsums_shape, dtype=torch.float32, device=x2.device)
         sums = launcher(_layernorm_bwd_rowsum_kernel).bind(
             (cdiv(M, cfg.sum_block_m),), x2, weight, dy2, stats, rowsums,
             M, N, 1.0 / N, x2.stride(0), dy2.stride(0), eps,
@@ -1027,9 +1027,9 @@ def _bwd_launches(tensors, M, N, eps, stable, p, cfg, has_dhn, write_dbr, acc_w,
     )  # fmt: skip
 
     def launch(x2, weight, dy2, dx2, stats, dhn2, dbr2, seed, dweight, dbias) -> None:
-        partial = torch.empty(partial_shape, dtype=torch.float32, device=x2.device)
+        partial = torch.empty(size=partial_shape, dtype=torch.float32, device=x2.device)
         if rowsums_shape is not None:
-            rowsums = torch.empty(rowsums_shape, dtype=torch.float32, device=x2.device)
+            rowsums = torch.empty(size=rowsums_shape, dtype=torch.float32, device=x2.device)
             sums(x2, weight, dy2, stats, rowsums)
             main(x2, weight, dy2, dx2, partial, stats, rowsums, dhn2, dbr2, seed)
         else:
@@ -1061,8 +1061,8 @@ def layernorm_op(
     N = x.shape[-1]
     x2 = as_rows(x)
     M = x2.shape[0]
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=x.device)
+    y = torch.empty(size=x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    stats = torch.empty(size=(3 if stable else 2, M), dtype=torch.float32, device=x.device)
     launch_layernorm_fwd(x2, weight.contiguous(), bias, y.view(M, N), stats, eps, stable)
     return y, stats
 
@@ -1086,7 +1086,7 @@ def layernorm_backward_op(
     N = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(size=x.shape, dtype=x.dtype, device=x.device)
     dweight, dbias = param_grads(weight, bias, weight_acc, bias_acc)
     launch_layernorm_bwd(
         dy2, x2, weight.contiguous(), stats, dx.view(M, N), default(weight_acc, dweight),
@@ -1102,7 +1102,7 @@ def param_grads(weight, bias, weight_acc, bias_acc) -> tuple[torch.Tensor, torch
 
     def grad_like(p: torch.Tensor | None, acc: torch.Tensor | None, dtype: torch.dtype):
         if p is None or acc is not None:
-            return torch.empty((0,), dtype=dtype, device=weight.device)
+            return torch.empty(size=(0,), dtype=dtype, device=weight.device)
         return torch.empty_like(p)
 
     return grad_like(weight, weight_acc, weight.dtype), grad_like(bias, bias_acc, weight.dtype)
@@ -1166,8 +1166,8 @@ class _EagerPlan:
 
     def forward(self, x, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
         """(y, stats), as `layernorm_op` returns them."""
-        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
-        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        y = torch.empty(size=self.shape, dtype=self.out_dtype, device=self.device)
+        stats = torch.empty(size=self.stats_shape, dtype=torch.float32, device=self.device)
         fwd = self.fwd
         if fwd is not None:
             fwd(x, weight, weight if bias is None else bias, y, stats, x, x, stats)
@@ -1181,7 +1181,7 @@ class _EagerPlan:
     def backward(self, dy, x, weight, bias, stats, acc_w, acc_b) -> tuple:
         """(dx, dweight, dbias) for dy of any layout; the parameters' as `bound_grads`
         returns them."""
-        dx = torch.empty(self.shape, dtype=x.dtype, device=self.device)
+        dx = torch.empty(size=self.shape, dtype=x.dtype, device=self.device)
         return (dx, *bound_grads(self, dy, x, weight, bias, stats, dx, acc_w, acc_b))
 
 

@@ -165,9 +165,9 @@ def _forward_chunks(
     loss_rows = torch.empty(M, dtype=torch.float32, device=device)
     n_valid = empty_scalar(device)
     loss = empty_scalar(device)
-    dx = torch.empty((M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
+    dx = torch.empty(size=(M, K) if grad_x else (0, 0), dtype=x.dtype, device=device)
     dw_dtype = x.dtype if dw_in_x_dtype else torch.float32
-    dw = torch.empty((V, K) if grad_weight else (0, 0), dtype=dw_dtype, device=device)
+    dw = torch.empty(size=(V, K) if grad_weight else (0, 0), dtype=dw_dtype, device=device)
     # n_valid over all rows first: each chunk's gradient is divided by the global count.
     launches.kernel(
         "count",
@@ -177,7 +177,7 @@ def _forward_chunks(
         loss_rows, labels2, n_valid, loss, loss,
     )  # fmt: skip
     rows = max(1, min(chunk_rows, M))
-    buf = torch.empty((rows, V), dtype=x.dtype, device=device)  # one chunk's logits
+    buf = torch.empty(size=(rows, V), dtype=x.dtype, device=device)  # one chunk's logits
     lse = loss_rows if write_grad else torch.empty(rows, dtype=torch.float32, device=device)
     w_t = weight.t()
     for chunk, start in enumerate(range(0, M, rows)):

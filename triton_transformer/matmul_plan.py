@@ -208,7 +208,7 @@ def _mm_out_dtype_traceable() -> bool:
     torch.compile's fake tensors need (releases without a meta kernel for it failed to trace
     it: pytorch#159023). Then traced fp32 weight gradients can go to cuBLAS too."""
     try:
-        a = torch.empty((16, 16), dtype=torch.bfloat16, device="meta")
+        a = torch.empty(size=(16, 16), dtype=torch.bfloat16, device="meta")
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except Exception:  # no out_dtype overload, or no meta kernel for it
         return False
@@ -542,7 +542,7 @@ def launch_mm_tma(
     triton.set_allocator(tma_scratch)
     ws = c
     if split > 1:
-        ws = torch.empty((split, M, N), device=c.device, dtype=torch.float32)
+        ws = torch.empty(size=(split, M, N), device=c.device, dtype=torch.float32)
     if grad is not None:  # the epilogue reads s where a residual would be
         r = grad[0]
     rs = r.stride() if r is not None else (0, 0)
@@ -664,7 +664,7 @@ def _fp32_buffer(t: torch.Tensor | None) -> torch.Tensor | None:
     """An fp32 stand-in for a bf16 output of an interpreted launch (t itself otherwise)."""
     if t is None or t.dtype != torch.bfloat16:
         return t
-    return torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    return torch.empty(size=t.shape, dtype=torch.float32, device=t.device)
 
 
 def _relu2_grad_flag(grad: tuple[torch.Tensor, bool] | None) -> int:

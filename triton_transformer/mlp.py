@@ -81,7 +81,7 @@ def mm_relu2_grad_op(
     (s: relu²'s output, after its dropout) else s. The mask is the forward epilogue's,
     regenerated from `seed`."""
     _check_epilogue_dropout(p, seed, True)
-    dpre = torch.empty((dy.shape[0], w.shape[1]), device=dy.device, dtype=dy.dtype)
+    dpre = torch.empty(size=(dy.shape[0], w.shape[1]), device=dy.device, dtype=dy.dtype)
     drop = (p, seed) if p > 0.0 else None
     _mm2d_into(dy, w, dpre, drop=drop, grad=(s, from_square))
     return dpre
@@ -110,9 +110,9 @@ def relu2_mlp_op(
     wi = w_in if w_in_lp is None else w_in_lp
     wo = w_out if w_out_lp is None else w_out_lp
     M = x.shape[0]
-    h = torch.empty((M, wi.shape[0]), device=x.device, dtype=x.dtype)
+    h = torch.empty(size=(M, wi.shape[0]), device=x.device, dtype=x.dtype)
     _mm2d_into(x, wi.t(), h, True, None, None, (p, seed) if p > 0.0 else None)
-    out = torch.empty((M, wo.shape[0]), device=x.device, dtype=x.dtype)
+    out = torch.empty(size=(M, wo.shape[0]), device=x.device, dtype=x.dtype)
     _mm2d_into(h, wo.t(), out)
     return out, h
 
@@ -180,8 +180,8 @@ class _EagerPlan:
     def forward(self, x, wi, wo, seed) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (..., D), h (M, H)) as `relu2_mlp_op` computes them."""
         x2 = x if self.rows is None else x.view(self.rows)
-        h = torch.empty(self.h_rows, dtype=x.dtype, device=x.device)
-        out = torch.empty(self.x_shape, dtype=x.dtype, device=x.device)
+        h = torch.empty(size=self.h_rows, dtype=x.dtype, device=x.device)
+        out = torch.empty(size=self.x_shape, dtype=x.dtype, device=x.device)
         drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
         self.products.run("h", x2, wi.t(), h, True, drop)
         self.products.run("out", h, wo.t(), out if self.rows is None else out.view(self.rows))
@@ -196,11 +196,11 @@ class _EagerPlan:
         products = self.products
         dx = dw_in = dw_out = None
         if needs[0] or needs[1]:  # d(pre) = (dout @ W_out) · 2·relu(pre) [· mask / (1 - p)]
-            dpre = torch.empty(self.h_rows, dtype=dout.dtype, device=dout.device)
+            dpre = torch.empty(size=self.h_rows, dtype=dout.dtype, device=dout.device)
             drop = (self.drop_p, seed) if self.drop_p > 0.0 else None
             products.run(("dpre", layout), dout2, wo, dpre, False, drop, (h, True))
             if needs[0]:  # dX = d(pre) @ W_in
-                dx = torch.empty(self.x_shape, dtype=dpre.dtype, device=dpre.device)
+                dx = torch.empty(size=self.x_shape, dtype=dpre.dtype, device=dpre.device)
                 products.run("dx", dpre, wi, dx if self.rows is None else dx.view(self.rows))
         # the weight gradients last, as the op's backward (`bmm.accumulate_grads_in_place`)
         if needs[1]:  # dW_in = d(pre)^T @ X

@@ -93,9 +93,9 @@ def residual_layernorm_op(
     h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
     dtype = torch.promote_types(h.dtype, branch.dtype)
-    h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
-    y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
-    stats = torch.empty((3 if stable else 2, M), dtype=torch.float32, device=h.device)
+    h_new = torch.empty(size=h.shape, dtype=dtype, device=h.device)
+    y = torch.empty(size=h.shape, dtype=out_dtype or dtype, device=h.device)
+    stats = torch.empty(size=(3 if stable else 2, M), dtype=torch.float32, device=h.device)
     launch_layernorm_fwd(h_new.view(M, N), weight.contiguous(), bias, y.view(M, N), stats, eps,
                          stable, h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
     return h_new, y, stats
@@ -127,9 +127,9 @@ def residual_layernorm_backward_op(
     N = h_new.shape[-1]
     x2, dy2 = as_rows(h_new), as_rows(dy)
     M = x2.shape[0]
-    dh = torch.empty(h_new.shape, dtype=h_dtype, device=h_new.device)
+    dh = torch.empty(size=h_new.shape, dtype=h_dtype, device=h_new.device)
     separate = p > 0.0 or branch_dtype != h_dtype
-    dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
+    dbranch = torch.empty(size=h_new.shape if separate else (0,), dtype=branch_dtype,
                           device=h_new.device)  # fmt: skip
     dweight, dbias = param_grads(weight, bias, weight_acc, bias_acc)
     launch_layernorm_bwd(
@@ -209,9 +209,9 @@ class _EagerPlan:
 
     def forward(self, h, branch, weight, bias, seed) -> tuple:
         """(h_new, y, stats) as `residual_layernorm_op` returns them; seed None when p == 0."""
-        h_new = torch.empty(self.shape, dtype=self.sum_dtype, device=self.device)
-        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
-        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        h_new = torch.empty(size=self.shape, dtype=self.sum_dtype, device=self.device)
+        y = torch.empty(size=self.shape, dtype=self.out_dtype, device=self.device)
+        stats = torch.empty(size=self.stats_shape, dtype=torch.float32, device=self.device)
         key = None if seed is None else tensor_facts(seed)
         fwd = self.fwd.get(key)
         if fwd is not None:
@@ -229,10 +229,10 @@ class _EagerPlan:
         """(dh, dbranch, dweight, dbias) for upstream gradients of any layout (dh_new None:
         zero): dbranch None where it equals dh (the caller then reuses dh), the parameters'
         as `layernorm.bound_grads` returns them."""
-        dh = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
+        dh = torch.empty(size=self.shape, dtype=self.h_dtype, device=self.device)
         dbranch = None
         if self.p > 0.0 or self.branch_dtype != self.h_dtype:
-            dbranch = torch.empty(self.shape, dtype=self.branch_dtype, device=self.device)
+            dbranch = torch.empty(size=self.shape, dtype=self.branch_dtype, device=self.device)
         dweight, dbias = bound_grads(
             self, dy, h_new, weight, bias, stats, dh, acc_w, acc_b, dh_new=dh_new,
             dbranch=dbranch, seed=seed,

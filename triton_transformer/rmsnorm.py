@@ -378,7 +378,7 @@ def launch_rmsnorm_bwd(
     if cfg.kind == "row" and cfg.block_n < N:  # the kernel would skip the rest of the row
         raise ValueError(f"a 'row' backward needs BLOCK_N >= N, got {cfg.block_n} < {N}")
     _, groups, rows_per_prog = _bwd_plan(M, N, cfg, x2.device)
-    partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
+    partial = torch.empty(size=(groups, N), dtype=torch.float32, device=x2.device)
     x2, weight, dy2, dx2, rstd, dhn2_, dbr2_, seed_, dweight = tensors
     main = launcher(_rmsnorm_bwd_kernel).bind(
         (groups,), x2, weight, dy2, dx2, partial, rstd, dhn2_, dbr2_, seed_,
@@ -395,7 +395,7 @@ def launch_rmsnorm_bwd(
     )  # fmt: skip
 
     def launch(x2, weight, dy2, dx2, rstd, dhn2, dbr2, seed, dweight) -> None:
-        partial = torch.empty((groups, N), dtype=torch.float32, device=x2.device)
+        partial = torch.empty(size=(groups, N), dtype=torch.float32, device=x2.device)
         main(x2, weight, dy2, dx2, partial, rstd, dhn2, dbr2, seed)
         colsum(partial, dweight, dweight)
 
@@ -418,8 +418,8 @@ def rmsnorm_op(
     N = x.shape[-1]
     x2 = as_rows(x)
     M = x2.shape[0]
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    y = torch.empty(size=x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    rstd = torch.empty(size=(M,), dtype=torch.float32, device=x.device)
     launch_rmsnorm_fwd(x2, weight.contiguous(), y.view(M, N), rstd, eps)
     return y, rstd
 
@@ -437,7 +437,7 @@ def rmsnorm_backward_op(
     N = x.shape[-1]
     x2, dy2 = as_rows(x), as_rows(dy)
     M = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(size=x.shape, dtype=x.dtype, device=x.device)
     dweight, _ = param_grads(weight, None, weight_acc, None)
     launch_rmsnorm_bwd(
         dy2, x2, weight.contiguous(), rstd, dx.view(M, N), default(weight_acc, dweight),
@@ -489,9 +489,9 @@ def residual_rmsnorm_op(
     h2, br2 = as_rows(h), as_rows(branch)
     M = h2.shape[0]
     dtype = torch.promote_types(h.dtype, branch.dtype)
-    h_new = torch.empty(h.shape, dtype=dtype, device=h.device)
-    y = torch.empty(h.shape, dtype=out_dtype or dtype, device=h.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=h.device)
+    h_new = torch.empty(size=h.shape, dtype=dtype, device=h.device)
+    y = torch.empty(size=h.shape, dtype=out_dtype or dtype, device=h.device)
+    rstd = torch.empty(size=(M,), dtype=torch.float32, device=h.device)
     launch_rmsnorm_fwd(h_new.view(M, N), weight.contiguous(), y.view(M, N), rstd, eps,
                h2=h2, br2=br2, p=p, seed=seed)  # fmt: skip
     return h_new, y, rstd
@@ -516,9 +516,9 @@ def residual_rmsnorm_backward_op(
     N = h_new.shape[-1]
     x2, dy2 = as_rows(h_new), as_rows(dy)
     M = x2.shape[0]
-    dh = torch.empty(h_new.shape, dtype=h_dtype, device=h_new.device)
+    dh = torch.empty(size=h_new.shape, dtype=h_dtype, device=h_new.device)
     separate = p > 0.0 or branch_dtype != h_dtype
-    dbranch = torch.empty(h_new.shape if separate else (0,), dtype=branch_dtype,
+    dbranch = torch.empty(size=h_new.shape if separate else (0,), dtype=branch_dtype,
                           device=h_new.device)  # fmt: skip
     dweight, _ = param_grads(weight, None, weight_acc, None)
     launch_rmsnorm_bwd(
@@ -601,9 +601,9 @@ class _EagerPlan:
         `residual_rmsnorm_op`'s (h_new, y, rstd) for h = x; seed None when p == 0."""
         h_new = x
         if self.residual:
-            h_new = torch.empty(self.shape, dtype=self.sum_dtype, device=self.device)
-        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
-        rstd = torch.empty((self.n_rows,), dtype=torch.float32, device=self.device)
+            h_new = torch.empty(size=self.shape, dtype=self.sum_dtype, device=self.device)
+        y = torch.empty(size=self.shape, dtype=self.out_dtype, device=self.device)
+        rstd = torch.empty(size=(self.n_rows,), dtype=torch.float32, device=self.device)
         key = None if seed is None else tensor_facts(seed)
         fwd = self.fwd.get(key)
         if fwd is not None:
@@ -624,10 +624,10 @@ class _EagerPlan:
         layout (dh_new None: zero); but dbranch None where there is none or it equals dh, and
         dweight None where it went into acc_w. x: the normalised rows (h_new in residual
         mode)."""
-        dx = torch.empty(self.shape, dtype=self.h_dtype, device=self.device)
+        dx = torch.empty(size=self.shape, dtype=self.h_dtype, device=self.device)
         dbranch = None  # None also where it equals dx (the caller then reuses dx)
         if self.residual and (self.p > 0.0 or self.branch_dtype != self.h_dtype):
-            dbranch = torch.empty(self.shape, dtype=self.branch_dtype, device=self.device)
+            dbranch = torch.empty(size=self.shape, dtype=self.branch_dtype, device=self.device)
         dweight = torch.empty_like(weight) if acc_w is None else None  # None: into acc_w
         dweight_into = default(dweight, acc_w)
         dy2, dhn2, dense = upstream_rows(dy, dh_new)

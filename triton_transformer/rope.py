@@ -154,7 +154,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 def _empty_bnhd(x: torch.Tensor) -> torch.Tensor:
     """A fresh (b, h, n, d) tensor like x, stored as (b, n, h, d)."""
     b, h, n, d = x.shape
-    return torch.empty((b, n, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(size=(b, n, h, d), dtype=x.dtype, device=x.device).transpose(1, 2)
 
 
 def launch_rope(

@@ -187,7 +187,7 @@ def softmax_op(x: torch.Tensor, causal: bool) -> torch.Tensor:
     """Softmax over the last dim of x (..., N) (causal: scores (..., n_q, n_k)); a new
     contiguous tensor of x's shape and dtype. Backward: `softmax_backward_op`. An eager call
     takes the launch bound for its shape (`_PLANS`) when there is one."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(size=x.shape, dtype=x.dtype, device=x.device)
     if x.numel() > 0:
         x_rows = as_rows(x)  # a view unless the last dim is not unit-stride
         n_rows, n_cols = x_rows.shape
@@ -203,7 +203,7 @@ def softmax_backward_op(dy: torch.Tensor, y: torch.Tensor, causal: bool) -> torc
     """dx = y * (dy - sum(dy * y)) for y = softmax_op(x, causal) (contiguous); dy may have any
     strides with a unit-stride last dim (a broadcast dy is read in place). An eager call takes
     the launch bound for its shape (`_PLANS`) when there is one."""
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    dx = torch.empty(size=y.shape, dtype=y.dtype, device=y.device)
     if y.numel() > 0:
         dy_rows = as_rows(dy)
         n_rows, n_cols = dy_rows.shape

@@ -199,7 +199,7 @@ def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: a new contiguous tensor shaped and typed like gate."""
     N = int(gate.shape[-1])
     g2, u2 = as_rows(gate), as_rows(up)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = torch.empty(size=gate.shape, dtype=gate.dtype, device=gate.device)
     launch_swiglu_fwd(g2, u2, y.view(g2.shape[0], N))
     return y
 
@@ -212,8 +212,8 @@ def swiglu_backward_op(
     N = int(gate.shape[-1])
     dy2, g2, u2 = as_rows(dy), as_rows(gate), as_rows(up)
     M = g2.shape[0]
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    dgate = torch.empty(size=gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(size=up.shape, dtype=up.dtype, device=up.device)
     launch_swiglu_bwd(dy2, g2, u2, dgate.view(M, N), dup.view(M, N))
     return dgate, dup
 
