@@ -459,3 +459,34 @@ def test_eager_plan_keeps_the_checks(device):
     with pytest.raises(ValueError, match="dropout_p"):
         residual_layernorm(h, br, w, b, dropout_p=1.0, use_triton=True)
     assert len(rln_mod._EAGER_PLANS.plans) == 1
+
+
+@pytest.mark.parametrize("order", ["plain_first", "residual_first"])
+def test_plain_and_row_broadcast_residual_calls_keep_their_own_launches(order, device):
+    """A residual call at p = 0 whose h and branch both have row stride 0 (`expand`ed rows)
+    and a plain layernorm of the same (M, N) once shared the forward's bound launch: every
+    other fact of their keys is equal, so whichever ran second took the other's kernel
+    (the residual call then returned h_new unwritten; the plain one wrote x[0] + x[0] into
+    its own input x). Each must match its reference, in either order, and leave x as it was."""
+    M, N = 6, 40
+    gen = torch.Generator().manual_seed(7)
+    w, b = (torch.randn(N, generator=gen).to(device) for _ in range(2))
+    x = (torch.randn(M, N, generator=gen) + 1.0).to(device)
+    h = (torch.randn(1, N, generator=gen) - 0.5).to(device).expand(M, N)
+    branch = (torch.randn(1, N, generator=gen) + 0.5).to(device).expand(M, N)
+    x_before = x.clone()
+
+    def plain():
+        y = layernorm(x, w, b, use_triton=True)
+        _assert_close(y, layernorm(x.double(), w.double(), b.double()), 1e-5)
+        assert torch.equal(x, x_before)
+
+    def residual():
+        h_new, y = residual_layernorm(h, branch, w, b, use_triton=True)
+        h_ref, y_ref = residual_layernorm(h.double(), branch.double(), w.double(), b.double())
+        _assert_close(h_new, h_ref, 1e-5)
+        _assert_close(y, y_ref, 1e-5)
+
+    calls = (plain, residual) if order == "plain_first" else (residual, plain)
+    for call in (*calls, *calls):  # the second round takes the plans the first one made
+        call()

@@ -891,7 +891,9 @@ def launch_layernorm_fwd(
     )  # fmt: skip
     key = None
     if cfg is None and type(M) is int and not is_traced(x2):
-        key = ("fwd", M, N, MAX_BLOCK_N, x2.stride(0), y2.stride(0),
+        # residual itself, not only h2's and br2's row strides: a residual call whose h2 and
+        # br2 broadcast one row (stride 0) would otherwise key as a plain one
+        key = ("fwd", residual, M, N, MAX_BLOCK_N, x2.stride(0), y2.stride(0),
                h2.stride(0) if residual else 0, br2.stride(0) if residual else 0,
                eps, stable, p, exists(bias), *tensor_facts(*tensors))  # fmt: skip
         bound = _PLANS.get(key)
