@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.autograd import forward_ad
 
 from triton_transformer._host_descriptors import (
     descriptor_launch,
@@ -266,6 +267,8 @@ def call_op(op: Any, *args: Any) -> Any:
     """
     if torch.compiler.is_compiling() or _first_tensor_traced(args):
         return op(*args)  # the registered op, which tracing records as one node
+    if forward_ad_active():
+        refuse_tangents(op._name, args)
     impl = _eager_impl(op)
     if impl is None:
         return op(*args)
@@ -281,6 +284,27 @@ def call_op(op: Any, *args: Any) -> Any:
     if len(args) < len(defaults):  # setup_context and backward see every input, as torch's
         args = (*args, *defaults[len(args) :])
     return function.apply(*args)
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (`torch.autograd.forward_ad.dual_level`), so
+    that tensors may carry tangents. One module attribute read: cheap enough for every call."""
+    return forward_ad._current_level >= 0
+
+
+def refuse_tangents(op_name: str, args: tuple) -> None:
+    """Raise if a tensor among `args` carries a forward-mode tangent. The Triton kernels have
+    no forward-mode derivative, and a call that records no backward (a dual tensor need not
+    require grad) would otherwise run them on the primal and return a result without a
+    tangent: a silent zero JVP. (Under `torch.func.jvp` and with inputs that require grad,
+    autograd.Function's missing jvp raises on its own.)"""
+    for a in args:
+        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            raise RuntimeError(
+                f"{op_name}: the Triton kernels have no forward-mode derivative, but an "
+                "input carries a tangent (torch.autograd.forward_ad); pass use_triton=False "
+                "for forward-mode AD"
+            )
 
 
 def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
@@ -832,9 +856,10 @@ def eager_plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
     `tensors` (None where absent), and the `scalars` as given with their types (False == 0 ==
     0.0 and 2.0 == 2 hash alike, but the checks may refuse a bool or a float where they take
     the number: a plan made by a valid call must not admit them). None where the call takes
-    the op's generic path: traced (Dynamo, or fake or functional tensors), or an argument that
-    is not a tensor with storage (the op's checks then raise)."""
-    if torch.compiler.is_compiling() or is_traced(tensors[0]):
+    the op's generic path: traced (Dynamo, or fake or functional tensors), an argument that
+    is not a tensor with storage (the op's checks then raise), or inside a forward-mode AD
+    level (`call_op` refuses tangents)."""
+    if torch.compiler.is_compiling() or is_traced(tensors[0]) or forward_ad_active():
         return None
     try:
         layouts = [None if t is None else eager_layout(t) for t in tensors]
