@@ -728,3 +728,20 @@ def test_eager_plan_judges_a_layout_once(monkeypatch, device):
     assert list(ce_mod._EAGER_PLANS.plans.values()) == [False]
     with pytest.raises(TypeError, match="ignore_index must be an int or None"):
         cross_entropy(columns, labels, ignore_index=[1], use_triton=True)
+
+
+@pytest.mark.parametrize("ignore_index", [None, -1])
+def test_reference_never_skips_a_label_of_minus_100(ignore_index, device):
+    """F.cross_entropy skips its own ignore_index, -100, even when the caller's is None or
+    another value: the reference (check_labels=False) then dropped such a row from the loss
+    silently and still counted it in the mean. It must fail as for any other bad label."""
+    if device != "cpu":
+        pytest.skip("a bad label is a device-side assert on CUDA")
+    logits = torch.randn(2, 5, 12)
+    labels = torch.randint(0, 12, (2, 5))
+    labels[0, 1] = -100
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        cross_entropy(logits, labels, ignore_index, check_labels=False)
+    labels[0, 1] = 3  # a good label there: the same call runs
+    loss = cross_entropy(logits, labels, ignore_index, check_labels=False)
+    assert torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 12), labels.reshape(-1)))

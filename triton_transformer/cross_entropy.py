@@ -52,7 +52,6 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op
@@ -782,14 +781,22 @@ def _cross_entropy_reference(
     rows = logits.reshape(-1, V).to(dtype)
     flat = labels.reshape(-1)
     if ignore_index is None:
-        nll = F.cross_entropy(rows, flat, reduction="none")
-        return nll.sum() / max(flat.numel(), 1)
+        return _nll_rows(rows, flat).sum() / max(flat.numel(), 1)
     valid = flat != ignore_index
     # Ignored rows get harmless logits 0 and label 0 and are then masked out, so they add 0,
     # and 0 gradient (never NaN: an ignored row of -inf logits would give NaN through softmax).
     rows = torch.where(valid[:, None], rows, 0.0)
-    nll = F.cross_entropy(rows, torch.where(valid, flat, 0), reduction="none")
+    nll = _nll_rows(rows, torch.where(valid, flat, 0))
     return torch.where(valid, nll, 0.0).sum() / valid.sum().clamp(min=1)
+
+
+def _nll_rows(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log softmax(rows)[label] of each row of rows (M, V), labels (M,), with no label
+    skipped: F.cross_entropy always skips its ignore_index, -100 unless told otherwise, so a
+    bad label of -100 would silently drop out of a loss whose ignore_index is None or another
+    value (and still count in its mean). An out-of-range label raises here (CPU) or trips a
+    device-side assert (CUDA), as F.cross_entropy does for the others."""
+    return -rows.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
 def _leading_dims_merge(t: torch.Tensor, n_dims: int) -> bool:
