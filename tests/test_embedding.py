@@ -386,3 +386,19 @@ def test_a_late_id_error_without_a_bad_id_left_still_raises():
     assert isinstance(err, IndexError) and "changed before" in str(err)
     err = embedding_module._late_id_error(torch.tensor([[1, 12]]), 10)
     assert "found id 12" in str(err)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("start", [1.9, "float tensor"])
+def test_start_must_be_an_integer(start, use_triton, device):
+    """A float start was truncated by the Triton path (int(1.9) = 1: positions silently
+    shifted) where the reference's slice refuses it; both raise a TypeError now. An integer
+    0-d tensor is taken as its value, as a slice takes it."""
+    w, pos = torch.randn(10, 8, device=device), torch.randn(16, 8, device=device)
+    ids = torch.randint(0, 10, (2, 3), device=device)
+    if start == "float tensor":
+        start = torch.tensor(2.7)
+    with pytest.raises(TypeError, match="start"):
+        embedding(ids, w, pos, start, use_triton=use_triton)
+    h = embedding(ids, w, pos, torch.tensor(2), use_triton=use_triton)
+    assert torch.allclose(h, w[ids] + pos[2:5])

@@ -52,6 +52,7 @@ get no gradient.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import torch
@@ -613,6 +614,10 @@ def embedding(
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D (vocab, dim) tensor, got {describe(weight)}")
     n = ids.shape[1]
+    try:  # an int, or what slicing takes as one (not a float: int() would truncate it)
+        start = operator.index(start)
+    except TypeError:
+        raise TypeError(f"start must be an int, got {describe(start)}") from None
     if pos_weight is not None:
         if not isinstance(pos_weight, torch.Tensor) or pos_weight.dim() != 2:
             raise ValueError(
