@@ -476,3 +476,20 @@ def test_kv_cache_matches_full_forward_gpu(dtype):
     err = rel_err(torch.cat(outs, dim=1).float(), full)
     # a wrong position or a stale cache entry would be an O(1) error
     assert err < (1e-5 if dtype == torch.float32 else 32 * torch.finfo(dtype).eps)
+
+
+def test_narrow_integer_ids_are_checked_without_wrapping(device):
+    """uint8 ids and labels under a vocabulary larger than 256: the range check compares
+    them in a wide dtype (in uint8, num_tokens 300 would wrap to 44 and flag valid ids, and
+    an ignore_index of -100 to 156, which would let a label 156 pass as ignored)."""
+    model = make_model(device, num_tokens=300)
+    x = torch.randint(0, 256, (2, 12), device=device)
+    x[0, 0], x[1, 1] = 200, 255  # above 300 % 256 = 44: flagged when the check wraps
+    labels = torch.randint(0, 256, (2, 12), device=device)
+    labels[0, 3], labels[1, 4] = 156, -100 % 256
+    wide = model(x, labels=labels)
+    narrow = model(x.to(torch.uint8), labels=labels.to(torch.uint8))
+    assert torch.allclose(narrow, wide)
+    # a label equal to ignore_index's wrapped value is an ordinary label, not an ignored one
+    with_ignore = model(x.to(torch.uint8), labels=labels.to(torch.uint8), ignore_index=-100)
+    assert torch.allclose(with_ignore, model(x, labels=labels, ignore_index=-100))

@@ -193,6 +193,12 @@ def _add_and_norm(
     )  # fmt: skip
 
 
+def _widened(ids: torch.Tensor) -> torch.Tensor:
+    """Integer ids as int32 / int64 (narrower ones converted), for comparisons with Python
+    ints that a narrower dtype would wrap."""
+    return ids if ids.dtype in (torch.int32, torch.int64) else ids.long()
+
+
 def _is_int_tensor(t: object) -> bool:
     return isinstance(t, torch.Tensor) and not (
         t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool
@@ -769,8 +775,10 @@ class Transformer(nn.Module):
                 "Transformer's token-id range check (turn it off with check_token_ids=False)"
             )
         if check_ranges:
-            # one device read for both checks
-            bad = [((x < 0) | (x >= self.num_tokens)).any()]
+            # one device read for both checks, in int32 / int64: in a narrower dtype
+            # num_tokens and ignore_index would wrap (uint8 ids against 266 compare with 10)
+            ids, labels = _widened(x), None if labels is None else _widened(labels)
+            bad = [((ids < 0) | (ids >= self.num_tokens)).any()]
             if exists(labels):
                 out = (labels < 0) | (labels >= self.num_tokens)
                 if exists(ignore_index):
