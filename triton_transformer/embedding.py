@@ -372,7 +372,7 @@ def _backward(dh, ids, n_vocab: int, n_pos: int, start: int, weight_dtype, scatt
         (partials, g, dW, dP, start) where they have work."""
         dpos = torch.empty(size=(n_pos, dim), device=device, dtype=weight_dtype)
         if scatter:
-            dweight = work = torch.zeros(work_shape, device=device, dtype=torch.float32)
+            dweight = work = torch.zeros(size=work_shape, device=device, dtype=torch.float32)
         else:
             dweight = torch.empty(size=(n_vocab, dim), device=device, dtype=weight_dtype)
             work = torch.empty(size=work_shape, device=device, dtype=torch.float32)
