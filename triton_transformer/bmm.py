@@ -269,7 +269,18 @@ def relu2_grad_op(
 
 # The context's depth on this thread (its forwards record the choice); ACCUMULATE_IN_PLACE =
 # False turns the context into a no-op (benchmarks compare).
-_in_place = threading.local()
+
+
+class _InPlaceDepth(threading.local):
+    """Per-thread depth of `accumulate_grads_in_place`, 0 on a thread that never opened one.
+    A class-level default, not `getattr(local, "depth", 0)`: on a thread without the
+    attribute that getattr raises and catches an AttributeError, 0.5 µs on every norm's and
+    linear's eager forward (`_grad_home`), against 40 ns for a found attribute."""
+
+    depth = 0
+
+
+_in_place = _InPlaceDepth()
 ACCUMULATE_IN_PLACE = True
 # How many open contexts asked for the fold in traced code too. A module global, not the
 # thread-local depth: Dynamo guards on it (a change recompiles), and traced code cannot ask
@@ -319,7 +330,7 @@ def accumulate_grads_in_place(traced: bool = False) -> Iterator[None]:
     without DDP (`training.step`). Dynamo guards on whether each `.grad` exists: the first
     micro-batch (none yet) and the later ones compile one graph each."""
     global _traced_depth
-    depth = getattr(_in_place, "depth", 0)
+    depth = _in_place.depth
     _in_place.depth = depth + 1
     _traced_depth += bool(traced)
     try:
@@ -368,7 +379,7 @@ def _takes_dw(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> b
 def _grad_home(weight: torch.Tensor) -> torch.Tensor | None:
     """The leaf weight whose `.grad` this forward's backward may accumulate into (inside
     `accumulate_grads_in_place`), or None."""
-    if not (getattr(_in_place, "depth", 0) and ACCUMULATE_IN_PLACE) or is_traced(weight):
+    if not (_in_place.depth and ACCUMULATE_IN_PLACE) or is_traced(weight):
         return None
     return weight if weight.is_leaf and weight.requires_grad else None
 
