@@ -1200,15 +1200,15 @@ def bound_grads(
     acc_b or there is no bias (unlike the backward ops, no empty stand-ins to allocate)."""
     dweight = torch.empty_like(weight) if acc_w is None else None
     dbias = torch.empty_like(bias) if bias is not None and acc_b is None else None
-    dweight_into = default(dweight, acc_w)
-    dbias_into = None if bias is None else default(dbias, acc_b)
+    dweight_into = dweight if acc_w is None else acc_w
+    dbias_into = None if bias is None else (dbias if acc_b is None else acc_b)
     dy2, dhn2, dense = upstream_rows(dy, dh_new)
-    present = [t for t in (dy2, dhn2, seed, acc_w, acc_b) if t is not None]
-    key = (dhn2 is None, seed is None, acc_w is None, acc_b is None, *tensor_facts(*present))
+    key = bound_bwd_key(dy2, dhn2, seed, acc_w, acc_b) if dense else None
     bwd = plan.bwd.get(key) if dense else None
     if bwd is not None:
-        bwd(x, weight, dy2, dx, stats, default(dhn2, dy2), default(dbranch, dx),
-            default(seed, stats), dweight_into, default(dbias_into, dweight_into))  # fmt: skip
+        bwd(x, weight, dy2, dx, stats, dy2 if dhn2 is None else dhn2,
+            dx if dbranch is None else dbranch, stats if seed is None else seed, dweight_into,
+            dweight_into if dbias_into is None else dbias_into)  # fmt: skip
         return dweight, dbias
     rows = (plan.n_rows, plan.n_cols)
     bwd = launch_layernorm_bwd(
@@ -1220,6 +1220,20 @@ def bound_grads(
     if dense:
         plan.bwd[key] = bwd
     return dweight, dbias
+
+
+def bound_bwd_key(dy2, dhn2, seed, acc_w, acc_b=None) -> tuple:
+    """The key of a norm plan's bound backward launch (`bound_grads`, rmsnorm's plan): what
+    the kernel's specialisation reads from the per-call tensors. The plain call (no residual
+    gradient, seed or accumulator: the norms' backward in most models) keys on dy2's dtype
+    and 16-byte alignment alone, without the list and the pass over five tensors the general
+    key builds (its length tells the two apart)."""
+    facts = (dy2.dtype, not dy2.data_ptr() & 15)
+    if dhn2 is None and seed is None and acc_w is None and acc_b is None:
+        return facts
+    present = [t for t in (dhn2, seed, acc_w, acc_b) if t is not None]
+    nones = (dhn2 is None, seed is None, acc_w is None, acc_b is None)
+    return (*facts, *nones, *tensor_facts(*present))
 
 
 def upstream_rows(dy: torch.Tensor, dh_new: torch.Tensor | None) -> tuple:

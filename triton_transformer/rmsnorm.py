@@ -69,6 +69,7 @@ from triton_transformer.layernorm import (
     _load_x_dy,
     _nearest,
     _store_dx,
+    bound_bwd_key,
     check_out_dtype,
     check_residual_branch,
     param_grads,
@@ -629,14 +630,14 @@ class _EagerPlan:
         if self.residual and (self.p > 0.0 or self.branch_dtype != self.h_dtype):
             dbranch = torch.empty(size=self.shape, dtype=self.branch_dtype, device=self.device)
         dweight = torch.empty_like(weight) if acc_w is None else None  # None: into acc_w
-        dweight_into = default(dweight, acc_w)
+        dweight_into = dweight if acc_w is None else acc_w
         dy2, dhn2, dense = upstream_rows(dy, dh_new)
-        present = [t for t in (dy2, dhn2, seed, acc_w) if t is not None]
-        key = (dhn2 is None, seed is None, acc_w is None, *tensor_facts(*present))
+        key = bound_bwd_key(dy2, dhn2, seed, acc_w) if dense else None
         bwd = self.bwd.get(key) if dense else None
         if bwd is not None:
-            bwd(x, weight, dy2, dx, rstd, default(dhn2, dy2), default(dbranch, dx),
-                default(seed, rstd), dweight_into)  # fmt: skip
+            bwd(x, weight, dy2, dx, rstd, dy2 if dhn2 is None else dhn2,
+                dx if dbranch is None else dbranch, rstd if seed is None else seed,
+                dweight_into)  # fmt: skip
             return dx, dbranch, dweight
         rows = (self.n_rows, self.n_cols)
         bwd = launch_rmsnorm_bwd(
