@@ -59,6 +59,54 @@ def test_defers_to_apply_under_functorch_transforms():
         torch.func.grad(lambda x: apply(x, 0.5).sum())(torch.randn(3))
 
 
+class _WithVjp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def vjp(ctx, g):
+        return g * 5
+
+
+class _Counted(torch.autograd.Function):
+    """y = x; its backward counts its calls and returns 3·g."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.calls += 1
+        return g * 3
+
+
+def test_the_engine_calls_backward_directly():
+    # eager_apply gives the Function's nodes an `apply` that calls backward itself, in place
+    # of torch's Python one (which looks backward and vjp up on every call); same result,
+    # through autograd's engine and through grad_fn.apply
+    torch_apply = _Counted._backward_cls.apply
+    apply = eager_apply(_Counted)
+    assert _Counted._backward_cls.apply is not torch_apply
+    x = torch.randn(4, requires_grad=True)
+    apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0)) and _Counted.calls == 1
+    g = apply(x).grad_fn.apply(torch.ones(4))
+    assert torch.equal(g, torch.full_like(x, 3.0)) and _Counted.calls == 2
+
+
+def test_functions_with_vjp_keep_torchs_backward_call():
+    torch_apply = _WithVjp._backward_cls.apply
+    apply = eager_apply(_WithVjp)
+    assert _WithVjp._backward_cls.apply is torch_apply
+    x = torch.randn(3, requires_grad=True)
+    apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 5.0))
+
+
 def test_functions_with_setup_context_keep_apply():
     assert eager_apply(_WithSetupContext) == _WithSetupContext.apply
 

@@ -321,6 +321,7 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     skips the dead-wrapper pass: a plan is only found for tensors with storage
     (`eager_plan_key` reads data_ptr, which a functorch wrapper has not), so a wrapper never
     reaches a plan."""
+    _call_backward_directly(function)
     if function.setup_context is not torch.autograd.Function.setup_context:
         return function.apply  # (its prologue binds the defaults setup_context sees)
     c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
@@ -332,6 +333,31 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
         return c_apply(*args)
 
     return apply
+
+
+def _call_backward_directly(function: type[torch.autograd.Function]) -> None:
+    """Have autograd's engine call `function.backward` itself for the nodes `function` makes.
+
+    The engine runs a Python node through its context's `apply` method, which torch's
+    `BackwardCFunction` defines in Python: it looks up backward and vjp on the Function,
+    refuses a Function defining both, and asks the class for `boxed_grads_call` before
+    calling backward (0.31 against 0.14 µs per backward on the CPU host, per op and
+    backward). For a Function that defines backward alone and not that flag, as the ops'
+    eager Functions do, those checks always pass, so the context's class gets an `apply`
+    that calls backward at once. Elsewhere (vjp, boxed gradients) torch's stays."""
+    backward_cls = getattr(function, "_backward_cls", None)
+    plain = (
+        backward_cls is not None
+        and function.vjp is torch.autograd.Function.vjp
+        and not getattr(function, "boxed_grads_call", False)
+    )
+    if plain:
+        backward = function.backward
+
+        def apply(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, *grads)
+
+        backward_cls.apply = apply
 
 
 def _first_tensor_traced(args: tuple) -> bool:
