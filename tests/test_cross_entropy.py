@@ -437,7 +437,7 @@ def test_label_check_refuses_stream_capture(device, monkeypatch):
     # The host check would replay a stale answer in a CUDA graph: it raises instead.
     import triton_transformer.utils as utils_mod
 
-    monkeypatch.setattr(utils_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(utils_mod, "_CUDA_BUILT", True)  # (a CPU build: no stream to ask)
     monkeypatch.setattr(utils_mod.torch.cuda, "is_current_stream_capturing", lambda: True)
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)

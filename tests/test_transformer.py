@@ -209,7 +209,9 @@ def test_attn_impl_is_checked(device):
 def test_token_id_check_refuses_stream_capture(device, monkeypatch):
     # The check reads a flag back from the device: under CUDA graph capture it must raise a
     # clear error instead of syncing (simulated here on any machine).
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import triton_transformer.utils as utils_mod
+
+    monkeypatch.setattr(utils_mod, "_CUDA_BUILT", True)  # (a CPU build: no stream to ask)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     model = make_model(device)
     with pytest.raises(RuntimeError, match="check_token_ids=False"):

@@ -53,6 +53,7 @@ from triton_transformer.utils import (
     check_triton_tensor,
     interpreter_enabled,
     launcher,
+    stream_capturing,
 )
 
 __all__ = ["AdamW", "adamw_", "grad_norm"]
@@ -168,10 +169,6 @@ def _write_addresses_kernel(ROWS, row0, n, column, ADDRESSES):
 ADDRESSES_PER_LAUNCH = 32  # the length of _write_addresses_kernel's tuple (one kernel)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _write_addresses(rows: torch.Tensor, column: int, addresses: list[int]) -> None:
     """rows[:, column] = addresses, on rows' device, without a host-to-device copy."""
     for row0 in range(0, len(addresses), ADDRESSES_PER_LAUNCH):
@@ -214,7 +211,7 @@ class TensorTable:
                 if new != old:
                     _write_addresses(self.rows, column, new)
         else:
-            if _capturing():
+            if stream_capturing():
                 raise RuntimeError(
                     "AdamW: a CUDA graph capture met parameters no eager step has seen; take "
                     "one eager `AdamW.step` with the same parameters before capturing"
@@ -636,7 +633,7 @@ class AdamW(torch.optim.Optimizer):
         """A new table for group `index`, cached; kept alive while the optimizer lives when
         a CUDA graph capture made it (its replays read it)."""
         table = self._tables[index] = TensorTable(lists, key, like=like)
-        if _capturing():
+        if stream_capturing():
             self._captured.append(table)
         return table
 
