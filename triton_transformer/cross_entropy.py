@@ -424,7 +424,12 @@ def _forward_launches(
     )
 
     def again(logits, labels, verdict) -> tuple[torch.Tensor, ...]:
-        loss_rows, lse, n_valid, loss = outputs(logits.device)
+        # eager only: the scalars 0-d at once (`empty_scalar`'s view is for inductor)
+        device = logits.device
+        loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+        lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+        n_valid = torch.empty(size=(), dtype=torch.float32, device=device)
+        loss = torch.empty(size=(), dtype=torch.float32, device=device)
         rows(logits, labels, n_valid, loss_rows, lse)
         mean(loss_rows, labels, n_valid, loss, default(verdict, loss))
         return loss, lse, n_valid
