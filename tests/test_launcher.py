@@ -394,3 +394,44 @@ def test_descriptor_launch_expands_each_address_once(monkeypatch):
     assert _host_descriptors.descriptor_launch(scratch, args, [5, "C"], [0, 1, 3, 4]) is None
     monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 14)  # another launcher protocol
     assert _host_descriptors.descriptor_launch(run, args, [5, "C"], [0, 1, 3, 4]) is None
+
+
+def test_descriptor_launch_keeps_whole_calls_by_address(monkeypatch):
+    # every descriptor encoded (metadata given), every per-call argument a tensor: a call at
+    # addresses seen before reuses its whole argument list, plain tensors as their addresses
+    # (the list holds no tensor), no encoding at all; any new address builds a new list
+    import gc
+    import weakref
+
+    from triton.backends.nvidia import driver as nvidia
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from triton_transformer import _host_descriptors
+
+    expanded = []
+
+    def make_arg(desc, meta):
+        expanded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", make_arg)
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    calls = []
+    run = _StandInLauncher(lambda *a: calls.append(a), {1}, [{"swizzle": 64}])
+    t0, t1, t2 = (torch.zeros(16, 8) for _ in range(3))
+    args = (t0, TensorDescriptor.from_tensor(t1, [4, 8]), 7, t2)
+    launch = _host_descriptors.descriptor_launch(run, args, ["C"], [0, 1, 3])
+
+    u, a, w = (torch.zeros(16, 8) for _ in range(3))
+    for _ in range(3):
+        launch(1, 1, 1, "stream", "fn", "meta", (u, a, w))
+    want = [u.data_ptr(), ("map", a.data_ptr(), 64), 16, 8, 8, 1, 7, w.data_ptr(), "C"]
+    assert all(list(c[13:]) == want for c in calls) and len(calls) == 3
+    assert expanded == [a.data_ptr()]  # encoded once
+    w2 = torch.zeros(16, 8)
+    launch(1, 1, 1, "stream", "fn", "meta", (u, a, w2))  # a new address: a new list
+    assert calls[-1][-2] == w2.data_ptr() and expanded == [a.data_ptr()]
+    held = [weakref.ref(t) for t in (u, a, w, w2)]
+    del u, a, w, w2
+    gc.collect()
+    assert all(r() is None for r in held)  # the kept lists hold addresses, not tensors

@@ -28,6 +28,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 # encodings kept per descriptor argument, about half a KiB each; past this the dict starts
 # again. A model's layers share one plan per layout, so a step cycles through a few
 # addresses per layer (each layer's saved activations): 64 covers a few dozen layers.
@@ -142,11 +144,21 @@ def descriptor_launch(run: Any, args: tuple, tail: list, slots: list[int]) -> Ca
         for i, meta in reversed(list(zip(positions, metas, strict=True)))
     ]
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+    # whole argument lists by the addresses of a call's tensors: where every per-call
+    # argument is a tensor and every descriptor is passed encoded (metadata: what a training
+    # loop's calls take), a call whose addresses were seen reuses the list it built, with
+    # each plain tensor as its address (the C launcher takes an int pointer as it is) and so
+    # holding no tensor. An address decides everything a list holds: the plan fixes the
+    # shapes, strides and dtypes.
+    by_addresses: dict[tuple, list] | None = None
+    if all(meta is not None for meta in metas) and all(
+        isinstance(args[i], torch.Tensor) or is_descriptor(args[i]) for i in slots
+    ):
+        by_addresses = {}
+    places = {i for i, _, _, _ in expand}
 
-    def launch(g0, g1, g2, stream, function, metadata, tensors) -> None:
-        call = fixed.copy()
-        for i, t in zip(slots, tensors, strict=True):
-            call[i] = t
+    def expanded(call: list) -> list:
+        """`call` with each descriptor's place (a tensor there) expanded to its encoding."""
         for i, desc, meta, encoded in expand:
             t = call[i]
             arg = encoded.get(t.data_ptr())
@@ -158,6 +170,32 @@ def descriptor_launch(run: Any, args: tuple, tail: list, slots: list[int]) -> Ca
                         encoded.clear()
                     encoded[t.data_ptr()] = arg
             call[i : i + 1] = arg
+        return call
+
+    def arguments(tensors) -> list:
+        call = fixed.copy()
+        for i, t in zip(slots, tensors, strict=True):
+            call[i] = t
+        return expanded(call)
+
+    def addressed(tensors, addresses: tuple) -> list:
+        """`arguments` with each plain tensor as its address, kept for `addresses`."""
+        call = fixed.copy()
+        for i, t, address in zip(slots, tensors, addresses, strict=True):
+            call[i] = t if i in places else address
+        if len(by_addresses) >= MAX_ADDRESSES:
+            by_addresses.clear()
+        by_addresses[addresses] = call = expanded(call)
+        return call
+
+    def launch(g0, g1, g2, stream, function, metadata, tensors) -> None:
+        if by_addresses is None:
+            call = arguments(tensors)
+        else:
+            addresses = tuple([t.data_ptr() for t in tensors])
+            call = by_addresses.get(addresses)
+            if call is None:
+                call = addressed(tensors, addresses)
         raw(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None, None,
             *call)  # fmt: skip
 
