@@ -234,7 +234,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def pretend_gpu(monkeypatch, major: int, num_sms: int, name: str) -> None:
     """The matmul planner (`matmul_plan._plan`) reads the device's compute capability, SM count
     and name from torch.cuda.get_device_properties: plan for another GPU (or without one)."""
-    props = types.SimpleNamespace(major=major, multi_processor_count=num_sms, name=name)
+    # a real GPU's lazy CUDA initialisation first: run inside the pretence (a test that is the
+    # first of its pytest worker to touch CUDA), its capability check read these properties
+    # and failed
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    props = types.SimpleNamespace(major=major, minor=0, multi_processor_count=num_sms, name=name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
 
 
