@@ -267,9 +267,6 @@ def relu2_grad_op(
 # Gradient accumulation in place
 # ---------------------------------------------------------------------------------------------
 
-# The context's depth on this thread (its forwards record the choice); ACCUMULATE_IN_PLACE =
-# False turns the context into a no-op (benchmarks compare).
-
 
 class _InPlaceDepth(threading.local):
     """Per-thread depth of `accumulate_grads_in_place`, 0 on a thread that never opened one.
@@ -280,6 +277,8 @@ class _InPlaceDepth(threading.local):
     depth = 0
 
 
+# The context's depth on this thread (its forwards record the choice); ACCUMULATE_IN_PLACE =
+# False turns the context into a no-op (benchmarks compare).
 _in_place = _InPlaceDepth()
 ACCUMULATE_IN_PLACE = True
 # How many open contexts asked for the fold in traced code too. A module global, not the

@@ -894,33 +894,27 @@ def layout_key(*tensors: torch.Tensor | None) -> tuple:
     return (*layouts, *tensor_facts(*present))
 
 
-def eager_layout(t: torch.Tensor) -> tuple:
-    """What an op's eager plan (each op module's `_EagerPlan`: the norms, dropout,
-    cross_entropy, attention, linear, relu2_mlp, rope) keys on for a tensor argument: every
-    fact of it that the op's checks and its kernels' specialisation read (shape, strides,
-    dtype, device, 16-byte alignment). A call whose tensors match a validated call's in all
-    of them passes the same checks, so a plan hit skips them. (`eager_plan_key` reads the
-    same facts inline.)"""
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
-
-
 # The tensor types of eager calls: not traced, whatever `is_traced` would say (its isinstance
 # against the traced types costs 0.16 µs, a type lookup 0.03).
 _PLAIN_TENSORS = frozenset((torch.Tensor, nn.Parameter))
 
 
 def eager_plan_key(tensors: tuple, scalars: tuple) -> tuple | None:
-    """The key of an eager call's plan (the ops' `_EagerPlan`): the `scalars` as given with
+    """The key of an eager call's plan (each op module's `_EagerPlan`: the norms, dropout,
+    cross_entropy, attention, linear, relu2_mlp, rope, ...): the `scalars` as given with
     their types (False == 0 == 0.0 and 2.0 == 2 hash alike, but the checks may refuse a bool
-    or a float where they take the number: a plan made by a valid call must not admit them),
-    then `eager_layout` of each of `tensors` (None where absent), all in one flat tuple.
-    None where the call takes the op's generic path: traced (Dynamo, or fake or functional
-    tensors), an argument that is not a tensor with storage (the op's checks then raise), or
-    inside a forward-mode AD level (`call_op` refuses tangents).
+    or a float where they take the number: a plan made by a valid call must not admit
+    them), then, per tensor of `tensors`, every fact of it that the op's checks and its
+    kernels' specialisation read: shape, strides, dtype, device and the address modulo 16
+    (None where absent). A call whose tensors match a validated call's in all of them
+    passes the same checks, so a plan hit skips them. None where the call takes the op's
+    generic path: traced (Dynamo, or fake or functional tensors), an argument that is not a
+    tensor with storage (the op's checks then raise), or inside a forward-mode AD level
+    (`call_op` refuses tangents).
 
-    Flat, and read inline rather than through `eager_layout`: one tuple to build, hash and
-    compare instead of one per tensor (2.2 against 2.75 µs for layernorm's three tensors on
-    the CPU host, a fifth of an eager call's own Python)."""
+    One flat tuple, the facts read inline: one tuple to build, hash and compare instead of
+    one per tensor (2.2 against 2.75 µs for layernorm's three tensors on the CPU host, a
+    fifth of an eager call's own Python)."""
     first = tensors[0]
     if (
         torch.compiler.is_compiling()
