@@ -438,12 +438,31 @@ def test_label_check_refuses_stream_capture(device, monkeypatch):
     import triton_transformer.utils as utils_mod
 
     monkeypatch.setattr(utils_mod, "_CUDA_BUILT", True)  # (a CPU build: no stream to ask)
+    monkeypatch.setattr(utils_mod.torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(utils_mod.torch.cuda, "is_current_stream_capturing", lambda: True)
     logits = make_logits((4, 37), device=device)
     labels = make_labels((4,), 37, device=device)
     for use_triton in (False, True):
         with pytest.raises(RuntimeError, match="check_labels=False"):
             cross_entropy(logits, labels, use_triton=use_triton)
+
+
+def test_label_check_runs_where_cuda_was_never_initialised(monkeypatch):
+    # A CUDA build on a machine without a usable GPU (no driver, CUDA_VISIBLE_DEVICES=""):
+    # asking the current stream whether it captures raises there. A process that never
+    # initialised CUDA cannot be capturing, so the checked call does not ask.
+    import triton_transformer.utils as utils_mod
+
+    def no_device():
+        raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+
+    monkeypatch.setattr(utils_mod, "_CUDA_BUILT", True)
+    monkeypatch.setattr(utils_mod.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(utils_mod.torch.cuda, "is_current_stream_capturing", no_device)
+    logits = make_logits((4, 37), device="cpu")
+    labels = make_labels((4,), 37, device="cpu")
+    loss = cross_entropy(logits, labels)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.float(), labels))
 
 
 # ---- realistic shapes on a GPU ---------------------------------------------------------------

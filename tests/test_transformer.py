@@ -212,6 +212,7 @@ def test_token_id_check_refuses_stream_capture(device, monkeypatch):
     import triton_transformer.utils as utils_mod
 
     monkeypatch.setattr(utils_mod, "_CUDA_BUILT", True)  # (a CPU build: no stream to ask)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     model = make_model(device)
     with pytest.raises(RuntimeError, match="check_token_ids=False"):

@@ -162,11 +162,12 @@ _CUDA_BUILT = torch.backends.cuda.is_built()
 
 
 def stream_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a CUDA graph (False on a CPU build). Not
-    behind `torch.cuda.is_available()`, which reads an environment variable and counts the
-    devices on every call (a few µs on the H200's host, in every checked eager call):
-    `is_current_stream_capturing` itself makes no CUDA context where there is none."""
-    return _CUDA_BUILT and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a CUDA graph: False on a CPU build and in
+    a process that has not initialised CUDA (no capture can run there; asking would raise on
+    a CUDA build without a usable GPU, e.g. with CUDA_VISIBLE_DEVICES=""). Not behind
+    `torch.cuda.is_available()`, which reads an environment variable and counts the devices
+    on every call (a few µs on the H200's host, in every checked eager call)."""
+    return _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_not_capturing(what: str) -> None:
