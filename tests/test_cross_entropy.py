@@ -447,6 +447,19 @@ def test_label_check_refuses_stream_capture(device, monkeypatch):
             cross_entropy(logits, labels, use_triton=use_triton)
 
 
+def test_loss_takes_in_place_ops_on_every_call(device):
+    # The loss is a fresh 0-d tensor on the eager plan's first call and on its later (bound)
+    # ones alike, as F.cross_entropy's is: an in-place op on it is recorded, not refused
+    logits = make_logits((6, 37), device=device).requires_grad_()
+    labels = make_labels((6,), 37, device=device)
+    want = torch.autograd.grad(2 * F.cross_entropy(logits.float(), labels), logits)[0]
+    for _ in range(3):
+        loss = cross_entropy(logits, labels, use_triton=True)
+        loss.mul_(2)
+        (got,) = torch.autograd.grad(loss, logits)
+        torch.testing.assert_close(got, want)
+
+
 def test_label_check_runs_where_cuda_was_never_initialised(monkeypatch):
     # A CUDA build on a machine without a usable GPU (no driver, CUDA_VISIBLE_DEVICES=""):
     # asking the current stream whether it captures raises there. A process that never

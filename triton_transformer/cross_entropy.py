@@ -409,11 +409,18 @@ def _forward_launches(
     again), again(logits, labels, verdict) running them again for new tensors of the same
     layouts into fresh outputs (a verdict slot where this call had one, else None)."""
     n_rows = logits.shape[0] * logits.shape[1]
+    traced = is_traced(logits)
 
     def outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(loss_rows, lse, n_valid, loss). The scalars: `empty_scalar`'s view where traced
+        (for inductor), else 0-d tensors at once (half the host time, and the loss is no
+        view: in-place ops on it work as on F.cross_entropy's, first call or later)."""
         rows = torch.empty(n_rows, dtype=torch.float32, device=device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-        return rows, lse, empty_scalar(device), empty_scalar(device)
+        if traced:
+            return rows, lse, empty_scalar(device), empty_scalar(device)
+        n_valid = torch.empty(size=(), dtype=torch.float32, device=device)
+        return rows, lse, n_valid, torch.empty(size=(), dtype=torch.float32, device=device)
 
     loss_rows, lse, n_valid, loss = outputs(logits.device)
     rows = launch_cross_entropy_fwd(
@@ -424,12 +431,7 @@ def _forward_launches(
     )
 
     def again(logits, labels, verdict) -> tuple[torch.Tensor, ...]:
-        # eager only: the scalars 0-d at once (`empty_scalar`'s view is for inductor)
-        device = logits.device
-        loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-        n_valid = torch.empty(size=(), dtype=torch.float32, device=device)
-        loss = torch.empty(size=(), dtype=torch.float32, device=device)
+        loss_rows, lse, n_valid, loss = outputs(logits.device)
         rows(logits, labels, n_valid, loss_rows, lse)
         mean(loss_rows, labels, n_valid, loss, default(verdict, loss))
         return loss, lse, n_valid
