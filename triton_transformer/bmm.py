@@ -272,7 +272,11 @@ class _InPlaceDepth(threading.local):
     """Per-thread depth of `accumulate_grads_in_place`, 0 on a thread that never opened one.
     A class-level default, not `getattr(local, "depth", 0)`: on a thread without the
     attribute that getattr raises and catches an AttributeError, 0.5 µs on every norm's and
-    linear's eager forward (`_grad_home`), against 40 ns for a found attribute."""
+    linear's eager forward (`_grad_home`), against 40 ns for a found attribute.
+
+    Not for traced code to branch on: Dynamo takes the class default for a constant, without
+    a guard (a later change would not recompile). Its one read under Dynamo, through
+    `_plain_linear_natively`, gives False while compiling either way."""
 
     depth = 0
 
