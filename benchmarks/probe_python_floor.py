@@ -67,13 +67,13 @@ def _floor_launch(bound: Callable) -> Callable | None:
     c = _closure(bound)
     if c.get("c_launch") is None or not c.get("n_lead"):
         return None
-    c_launch, stream = c["c_launch"], torch._C._cuda_getCurrentRawStream
+    c_launch, stream, device = c["c_launch"], torch._C._cuda_getCurrentRawStream, c["device"]
     grid = (c["g0"], c["g1"], c["g2"])
     between = (c["function"], c["coop"], c["pdl"], None, None, c["metadata"], None, None, None)
     scalars = (*c["fixed"], *c["tail"])
 
     def launch(*tensors: torch.Tensor) -> None:
-        c_launch(*grid, stream(0), *between, *[t.data_ptr() for t in tensors], *scalars)
+        c_launch(*grid, stream(device), *between, *[t.data_ptr() for t in tensors], *scalars)
 
     return launch
 
